@@ -1,0 +1,151 @@
+//! Block keys: the one definition of how a prompt becomes a chain of prefix keys.
+//!
+//! A prompt is cut into complete blocks (token mode: `block_tokens` token ids, each
+//! encoded as u32 LE; text mode: `block_bytes` UTF-8 bytes). Each block's key hashes the
+//! previous key with the block's bytes, keyed by the tenant's key, so a key names a whole
+//! prefix and two tenants never share a key:
+//!
+//! ```text
+//! tenant_key = blake3::derive_key("warmpath 2026-11 tenant key v1", tenant_id ‖ 0x00 ‖ cache_salt)
+//! key[0]     = u64_le(blake3::keyed_hash(tenant_key, 0u64_le ‖ block[0])[..8])
+//! key[i]     = u64_le(blake3::keyed_hash(tenant_key, key[i-1]_le ‖ block[i])[..8])
+//! ```
+//!
+//! Test vectors (tenant `"acme"`, empty salt; token mode with 4-token blocks, then text mode
+//! with 8-byte blocks), cross-checked against the Python `blake3` reference package:
+//!
+//! ```
+//! use warmpath_index::keys::{BlockKey, TenantKey, token_block_keys, text_block_keys};
+//! let tenant = TenantKey::derive("acme", "");
+//! let keys = token_block_keys(&tenant, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 4);
+//! assert_eq!(keys, vec![BlockKey(0xf481_0e24_0e69_4c64), BlockKey(0x8bee_465c_1c89_fbe5)]);
+//! let text = text_block_keys(&tenant, b"hello world, hello", 8);
+//! assert_eq!(text, vec![BlockKey(0x960d_a577_2f6b_f3a5), BlockKey(0xfbe7_7b93_573a_3b0b)]);
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+/// Context string for deriving a tenant's hashing key; changing it changes every key.
+pub const TENANT_KEY_CONTEXT: &str = "warmpath 2026-11 tenant key v1";
+
+/// A prefix key: names the whole prompt prefix up to and including one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BlockKey(pub u64);
+
+/// The per-tenant secret that keys every block hash of that tenant.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TenantKey([u8; 32]);
+
+impl std::fmt::Debug for TenantKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key is a secret: a tenant must not learn another's hashes from logs.
+        f.write_str("TenantKey(..)")
+    }
+}
+
+impl TenantKey {
+    /// Derives the key of `tenant_id` with its `cache_salt` (empty when unset).
+    pub fn derive(tenant_id: &str, cache_salt: &str) -> Self {
+        let mut material = Vec::with_capacity(tenant_id.len() + 1 + cache_salt.len());
+        material.extend_from_slice(tenant_id.as_bytes());
+        material.push(0);
+        material.extend_from_slice(cache_salt.as_bytes());
+        TenantKey(blake3::derive_key(TENANT_KEY_CONTEXT, &material))
+    }
+
+    /// The key of the block that follows `prev` (None for the first block).
+    pub fn chain(&self, prev: Option<BlockKey>, block: &[u8]) -> BlockKey {
+        let mut hasher = blake3::Hasher::new_keyed(&self.0);
+        hasher.update(&prev.map_or(0, |k| k.0).to_le_bytes());
+        hasher.update(block);
+        let hash = hasher.finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&hash.as_bytes()[..8]);
+        BlockKey(u64::from_le_bytes(first))
+    }
+}
+
+/// Keys of the complete `block_tokens`-sized blocks of `tokens` (a trailing partial block
+/// has no key). `block_tokens` of 0 yields no keys.
+pub fn token_block_keys(tenant: &TenantKey, tokens: &[u32], block_tokens: usize) -> Vec<BlockKey> {
+    if block_tokens == 0 {
+        return Vec::new();
+    }
+    let mut keys = Vec::with_capacity(tokens.len() / block_tokens);
+    let mut bytes = Vec::with_capacity(block_tokens * 4);
+    let mut prev = None;
+    for block in tokens.chunks_exact(block_tokens) {
+        bytes.clear();
+        for t in block {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        let key = tenant.chain(prev, &bytes);
+        keys.push(key);
+        prev = Some(key);
+    }
+    keys
+}
+
+/// Keys of the complete `block_bytes`-sized blocks of a rendered prompt's UTF-8 bytes.
+pub fn text_block_keys(tenant: &TenantKey, text: &[u8], block_bytes: usize) -> Vec<BlockKey> {
+    if block_bytes == 0 {
+        return Vec::new();
+    }
+    let mut prev = None;
+    text.chunks_exact(block_bytes)
+        .map(|block| {
+            let key = tenant.chain(prev, block);
+            prev = Some(key);
+            key
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_blocks_have_no_key() {
+        let t = TenantKey::derive("t", "");
+        assert_eq!(token_block_keys(&t, &[1, 2, 3], 4), vec![]);
+        assert_eq!(token_block_keys(&t, &[1, 2, 3, 4, 5], 4).len(), 1);
+        assert_eq!(token_block_keys(&t, &[1, 2], 0), vec![]);
+        assert_eq!(text_block_keys(&t, b"abc", 4), vec![]);
+    }
+
+    #[test]
+    fn keys_name_whole_prefixes() {
+        let t = TenantKey::derive("t", "");
+        let a = token_block_keys(&t, &[1, 2, 3, 4, 9, 9, 9, 9], 4);
+        let b = token_block_keys(&t, &[5, 6, 7, 8, 9, 9, 9, 9], 4);
+        // Same second block after different first blocks: different keys.
+        assert_ne!(a[1], b[1]);
+        let c = token_block_keys(&t, &[1, 2, 3, 4, 0, 0, 0, 0], 4);
+        assert_eq!(a[0], c[0]);
+        assert_ne!(a[1], c[1]);
+    }
+
+    #[test]
+    fn tenants_and_salts_never_share_keys() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let cases = [("a", ""), ("b", ""), ("a", "salt"), ("a\0", ""), ("", "a")];
+        let mut all: Vec<Vec<BlockKey>> = Vec::new();
+        for (tenant, salt) in cases {
+            all.push(token_block_keys(&TenantKey::derive(tenant, salt), &tokens, 16));
+        }
+        for i in 0..all.len() {
+            for j in i + 1..all.len() {
+                assert!(all[i].iter().all(|k| !all[j].contains(k)), "{:?} vs {:?}", cases[i], cases[j]);
+            }
+        }
+    }
+
+    #[test]
+    fn token_mode_encodes_u32_le() {
+        let t = TenantKey::derive("t", "s");
+        let by_tokens = token_block_keys(&t, &[0x0403_0201, 0x0807_0605], 2);
+        let by_bytes = text_block_keys(&t, &[1, 2, 3, 4, 5, 6, 7, 8], 8);
+        assert_eq!(by_tokens, by_bytes);
+    }
+}

@@ -1,0 +1,4 @@
+//! warmpath-index: the pure core of warmpath.
+pub mod cost;
+pub mod keys;
+pub mod rng;
