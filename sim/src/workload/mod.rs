@@ -33,3 +33,7 @@ pub struct Workload {
     /// Requests sorted by `arrival_us`.
     pub requests: Vec<Request>,
 }
+
+pub mod azure;
+pub mod mooncake;
+pub mod synthetic;
