@@ -1,0 +1,794 @@
+//! The prefix index: which instance holds which prompt prefix, in which tier.
+//!
+//! Entries are keyed by [`BlockKey`] (a key names a whole prefix) and carry a parent link,
+//! so the index is a radix tree of blocks stored as a map. Each entry records, per
+//! instance, the tiers an agent *observed* holding the block (GPU, L1) and until when a
+//! routing decision *predicts* the instance holds it in GPU memory; plus whether the
+//! global L2 store holds it.
+//!
+//! [`PrefixIndex::match_prefix`] walks a prompt's keys and returns, per instance, the
+//! length of the contiguous matched prefix per tier. Depths are cumulative: `gpu` blocks
+//! are in GPU memory, `l1 >= gpu` blocks are in GPU or this host's CPU memory, `l2 >= l1`
+//! blocks are in one of those or in the global L2 store. Instances that hold nothing are
+//! not listed; their depths are `0, 0, global_l2`.
+//!
+//! Memory is bounded by `capacity_blocks` entries; at capacity the least recently written
+//! *leaf* is evicted, so suffixes go before their prefixes. Predicted holdings expire
+//! `predicted_ttl_us` after their last refresh unless an agent confirms them.
+//!
+//! Time is passed in as microseconds; nothing here reads a clock.
+
+use crate::keys::BlockKey;
+use crate::InstanceId;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Tier bit: the block is in the instance's GPU memory.
+const GPU: u8 = 1;
+/// Tier bit: the block is in the instance's host CPU memory (agent L1).
+const L1: u8 = 2;
+const NONE: u32 = u32::MAX;
+
+/// Block keys are already uniform hashes (or, for traces, small integers): a multiply
+/// spreads them without the cost of SipHash.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        let x = v.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = x ^ (x >> 29);
+    }
+}
+
+type KeyMap<V> = HashMap<BlockKey, V, BuildHasherDefault<KeyHasher>>;
+
+/// Settings of one index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Most entries (blocks) held; the least recently written leaves go first.
+    pub capacity_blocks: usize,
+    /// How long a routing decision's prediction lasts without an agent's confirmation.
+    pub predicted_ttl_us: u64,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig { capacity_blocks: 1 << 20, predicted_ttl_us: 120_000_000 }
+    }
+}
+
+/// What one instance holds of one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    instance: u32,
+    /// Tier bits an agent reported.
+    observed: u8,
+    /// The prediction holds while `now < predicted_until`; 0 when there is none.
+    predicted_until: u64,
+    /// Whether the expiry queue holds an entry for this holder.
+    queued: bool,
+}
+
+impl Holder {
+    fn tiers(&self, now: u64) -> u8 {
+        self.observed | if now < self.predicted_until { GPU } else { 0 }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Node {
+    key: BlockKey,
+    parent: u32,
+    children: u32,
+    in_l2: bool,
+    /// Holders, the first inline: most blocks live on one instance.
+    first: Option<Holder>,
+    more: Vec<Holder>,
+    /// Leaf LRU links (valid while `children == 0`).
+    prev: u32,
+    next: u32,
+}
+
+impl Node {
+    fn holders(&self) -> impl Iterator<Item = &Holder> {
+        self.first.iter().chain(self.more.iter())
+    }
+
+    fn holder_mut(&mut self, instance: u32) -> Option<&mut Holder> {
+        if self.first.is_some_and(|h| h.instance == instance) {
+            return self.first.as_mut();
+        }
+        self.more.iter_mut().find(|h| h.instance == instance)
+    }
+
+    /// The holder of `instance`, and whether it was just created.
+    fn holder_or_insert(&mut self, instance: u32) -> (&mut Holder, bool) {
+        let fresh = Holder { instance, observed: 0, predicted_until: 0, queued: false };
+        if self.first.is_none() {
+            return (self.first.insert(fresh), true);
+        }
+        if self.first.is_some_and(|h| h.instance == instance) {
+            return (self.first.as_mut().expect("checked just above"), false);
+        }
+        match self.more.iter().position(|h| h.instance == instance) {
+            Some(pos) => (&mut self.more[pos], false),
+            None => {
+                self.more.push(fresh);
+                (self.more.last_mut().expect("just pushed"), true)
+            }
+        }
+    }
+
+    /// Drops the holders that `keep` rejects; returns how many went.
+    fn retain_holders(&mut self, mut keep: impl FnMut(&Holder) -> bool) -> usize {
+        let before = self.more.len() + usize::from(self.first.is_some());
+        self.more.retain(&mut keep);
+        if self.first.is_some_and(|h| !keep(&h)) {
+            self.first = if self.more.is_empty() { None } else { Some(self.more.remove(0)) };
+        }
+        before - (self.more.len() + usize::from(self.first.is_some()))
+    }
+
+    /// Drops holders that hold nothing at `now` and wait for no expiry.
+    fn prune(&mut self, now: u64) -> usize {
+        self.retain_holders(|h| h.tiers(now) != 0 || h.queued)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.first.is_none() && !self.in_l2 && self.children == 0
+    }
+}
+
+/// Per-instance result of a match; depths are cumulative (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct InstanceMatch {
+    pub instance: InstanceId,
+    /// Leading blocks in this instance's GPU memory.
+    pub gpu: u32,
+    /// Leading blocks in its GPU or host memory.
+    pub l1: u32,
+    /// Leading blocks in its GPU or host memory or the global L2 store.
+    pub l2: u32,
+}
+
+/// Result of [`PrefixIndex::match_prefix`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MatchResult {
+    /// Blocks asked about.
+    pub blocks: u32,
+    /// Leading blocks the global L2 store holds (what any instance can load).
+    pub global_l2: u32,
+    /// Instances that hold at least the first block somewhere, or that hold a later block
+    /// reachable through L2, in order of first appearance.
+    pub instances: Vec<InstanceMatch>,
+}
+
+impl MatchResult {
+    /// Depths of `instance`, including those of instances not listed.
+    pub fn of(&self, instance: InstanceId) -> InstanceMatch {
+        self.instances.iter().find(|m| m.instance == instance).copied().unwrap_or(InstanceMatch {
+            instance,
+            gpu: 0,
+            l1: 0,
+            l2: self.global_l2,
+        })
+    }
+}
+
+/// Reusable buffers for matching without allocating on the request path.
+#[derive(Clone, Debug, Default)]
+pub struct MatchScratch {
+    /// Position in `alive` of each instance's candidate, by instance id; `NONE` if absent.
+    slot_of: Vec<u32>,
+    alive: Vec<u8>,
+    pub result: MatchResult,
+}
+
+/// Counts that describe an index's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+pub struct IndexStats {
+    pub entries: usize,
+    pub capacity_blocks: usize,
+    /// (instance, block) pairs currently recorded, observed or predicted.
+    pub holders: usize,
+    pub l2_blocks: usize,
+    pub evictions: u64,
+    /// Estimated heap bytes per entry, map slot and holders included.
+    pub bytes_per_entry: usize,
+}
+
+/// The prefix index. See the module docs.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    config: IndexConfig,
+    slots: KeyMap<u32>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    /// Leaf LRU: `lru_head` is the least recently written leaf.
+    lru_head: u32,
+    lru_tail: u32,
+    /// (expiry, node, key, instance) of predicted holders, in expiry order (the TTL is
+    /// fixed, so insertion order is expiry order).
+    expiry: VecDeque<(u64, u32, BlockKey, u32)>,
+    holders: usize,
+    l2_blocks: usize,
+    evictions: u64,
+}
+
+impl PrefixIndex {
+    pub fn new(config: IndexConfig) -> Self {
+        PrefixIndex {
+            config: IndexConfig { capacity_blocks: config.capacity_blocks.max(1), ..config },
+            slots: KeyMap::default(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            lru_head: NONE,
+            lru_tail: NONE,
+            expiry: VecDeque::new(),
+            holders: 0,
+            l2_blocks: 0,
+            evictions: 0,
+        }
+    }
+
+    pub fn config(&self) -> IndexConfig {
+        self.config
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.slots.contains_key(&key)
+    }
+
+    /// Records that `instance` was just sent a prompt with these keys: predicts it holds
+    /// every block in GPU memory until `now + predicted_ttl_us`.
+    pub fn record_route(&mut self, keys: &[BlockKey], instance: InstanceId, now: u64) {
+        let until = now.saturating_add(self.config.predicted_ttl_us);
+        let mut parent = NONE;
+        for &key in keys {
+            let idx = self.ensure(key, parent);
+            let (holder, created) = self.nodes[idx as usize].holder_or_insert(instance.0);
+            self.holders += usize::from(created);
+            holder.predicted_until = until;
+            if !holder.queued {
+                holder.queued = true;
+                self.expiry.push_back((until, idx, key, instance.0));
+            }
+            parent = idx;
+        }
+    }
+
+    /// Applies an agent's observation: `instance` now holds (or no longer holds) `key` in
+    /// `tier` (GPU or L1). `parent` is the key of the previous block of the prefix, if any.
+    /// A removal from GPU also drops any prediction: the agent knows better.
+    pub fn observe(
+        &mut self,
+        instance: InstanceId,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        tier: crate::cost::Tier,
+        present: bool,
+        now: u64,
+    ) {
+        use crate::cost::Tier;
+        let bit = match tier {
+            Tier::Gpu => GPU,
+            Tier::L1 => L1,
+            Tier::L2 => return self.observe_l2(key, parent, present),
+        };
+        if present {
+            let parent_idx = parent.and_then(|p| self.slots.get(&p).copied()).unwrap_or(NONE);
+            let idx = self.ensure(key, parent_idx);
+            let (holder, created) = self.nodes[idx as usize].holder_or_insert(instance.0);
+            self.holders += usize::from(created);
+            holder.observed |= bit;
+        } else if let Some(&idx) = self.slots.get(&key) {
+            let node = &mut self.nodes[idx as usize];
+            if let Some(holder) = node.holder_mut(instance.0) {
+                holder.observed &= !bit;
+                if bit == GPU {
+                    holder.predicted_until = 0;
+                }
+                self.holders -= node.prune(now);
+            }
+            self.remove_if_empty(idx);
+        }
+    }
+
+    /// Applies an observation of the global L2 store.
+    pub fn observe_l2(&mut self, key: BlockKey, parent: Option<BlockKey>, present: bool) {
+        if present {
+            let parent_idx = parent.and_then(|p| self.slots.get(&p).copied()).unwrap_or(NONE);
+            let idx = self.ensure(key, parent_idx);
+            let node = &mut self.nodes[idx as usize];
+            if !node.in_l2 {
+                node.in_l2 = true;
+                self.l2_blocks += 1;
+            }
+        } else if let Some(&idx) = self.slots.get(&key) {
+            let node = &mut self.nodes[idx as usize];
+            if node.in_l2 {
+                node.in_l2 = false;
+                self.l2_blocks -= 1;
+            }
+            self.remove_if_empty(idx);
+        }
+    }
+
+    /// Forgets everything recorded for `instance` (it left the pool or restarted).
+    pub fn remove_instance(&mut self, instance: InstanceId) {
+        let mut emptied = Vec::new();
+        for (idx, node) in self.nodes.iter_mut().enumerate() {
+            // Free slots hold no holders, so they are skipped by the retain below.
+            let gone = node.retain_holders(|h| h.instance != instance.0);
+            self.holders -= gone;
+            if gone > 0 && node.is_empty() {
+                emptied.push(idx as u32);
+            }
+        }
+        for idx in emptied {
+            self.remove_if_empty(idx);
+        }
+    }
+
+    /// Drops predictions that expired at `now`, and entries left holding nothing.
+    /// Cheap when nothing expired; call it before writes or periodically.
+    pub fn expire(&mut self, now: u64) {
+        while let Some(&(until, idx, key, instance)) = self.expiry.front() {
+            if until > now {
+                break;
+            }
+            self.expiry.pop_front();
+            let Some(node) = self.nodes.get_mut(idx as usize) else { continue };
+            if node.key != key || !self.slots.get(&key).is_some_and(|&i| i == idx) {
+                continue;
+            }
+            let Some(holder) = node.holder_mut(instance) else { continue };
+            if holder.predicted_until > now {
+                // Refreshed since: wait for the new expiry.
+                let until = holder.predicted_until;
+                self.expiry.push_back((until, idx, key, instance));
+                continue;
+            }
+            holder.queued = false;
+            holder.predicted_until = 0;
+            self.holders -= node.prune(now);
+            self.remove_if_empty(idx);
+        }
+    }
+
+    /// Per-instance matched depths of `keys` at `now`, into `scratch.result`.
+    pub fn match_into(&self, keys: &[BlockKey], now: u64, scratch: &mut MatchScratch) {
+        const GPU_ALIVE: u8 = 1;
+        const L1_ALIVE: u8 = 2;
+        const L2_ALIVE: u8 = 4;
+        const SEEN: u8 = 0x80;
+        let MatchScratch { slot_of, alive, result } = scratch;
+        for m in &result.instances {
+            slot_of[m.instance.0 as usize] = NONE;
+        }
+        result.instances.clear();
+        alive.clear();
+        result.blocks = keys.len() as u32;
+        result.global_l2 = 0;
+        let mut global_alive = true;
+        for (depth, key) in keys.iter().enumerate() {
+            let Some(&idx) = self.slots.get(key) else { break };
+            let node = &self.nodes[idx as usize];
+            let d = depth as u32;
+            for h in node.holders() {
+                let tiers = h.tiers(now);
+                if tiers == 0 {
+                    continue;
+                }
+                let inst = h.instance as usize;
+                if inst >= slot_of.len() {
+                    slot_of.resize(inst + 1, NONE);
+                }
+                let pos = match slot_of[inst] {
+                    // A newcomer after the first block continues a run only through L2.
+                    NONE if depth > 0 && !global_alive => continue,
+                    NONE => {
+                        slot_of[inst] = result.instances.len() as u32;
+                        let m = InstanceMatch { instance: InstanceId(h.instance), gpu: 0, l1: 0, l2: d };
+                        result.instances.push(m);
+                        alive.push(if depth == 0 { GPU_ALIVE | L1_ALIVE | L2_ALIVE } else { L2_ALIVE });
+                        result.instances.len() - 1
+                    }
+                    slot => slot as usize,
+                };
+                let (m, a) = (&mut result.instances[pos], &mut alive[pos]);
+                if tiers & GPU == 0 {
+                    *a &= !GPU_ALIVE;
+                }
+                if *a & GPU_ALIVE != 0 {
+                    m.gpu = d + 1;
+                }
+                if *a & L1_ALIVE != 0 {
+                    m.l1 = d + 1;
+                }
+                if *a & L2_ALIVE != 0 {
+                    m.l2 = d + 1;
+                }
+                *a |= SEEN;
+            }
+            let mut any_alive = false;
+            for (pos, a) in alive.iter_mut().enumerate() {
+                if *a & SEEN != 0 {
+                    *a &= !SEEN;
+                } else if *a != 0 {
+                    // Not on this instance: only the global L2 store can continue its run.
+                    *a &= !(GPU_ALIVE | L1_ALIVE);
+                    if node.in_l2 && *a & L2_ALIVE != 0 {
+                        result.instances[pos].l2 = d + 1;
+                    } else {
+                        *a &= !L2_ALIVE;
+                    }
+                }
+                any_alive |= *a != 0;
+            }
+            if global_alive && node.in_l2 {
+                result.global_l2 = d + 1;
+            } else {
+                global_alive = false;
+            }
+            if !any_alive && !global_alive {
+                break;
+            }
+        }
+    }
+
+    /// Convenience form of [`PrefixIndex::match_into`] that allocates.
+    pub fn match_prefix(&self, keys: &[BlockKey], now: u64) -> MatchResult {
+        let mut scratch = MatchScratch::default();
+        self.match_into(keys, now, &mut scratch);
+        scratch.result
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        let entries = self.slots.len();
+        let extra_holders: usize = self.nodes.iter().map(|n| n.more.capacity()).sum();
+        let map_bytes = self.slots.capacity() * (std::mem::size_of::<(BlockKey, u32)>() + 1);
+        let node_bytes = self.nodes.capacity() * std::mem::size_of::<Node>();
+        let holder_bytes = extra_holders * std::mem::size_of::<Holder>();
+        let expiry_bytes = self.expiry.capacity() * std::mem::size_of::<(u64, u32, BlockKey, u32)>();
+        let total = map_bytes + node_bytes + holder_bytes + expiry_bytes;
+        IndexStats {
+            entries,
+            capacity_blocks: self.config.capacity_blocks,
+            holders: self.holders,
+            l2_blocks: self.l2_blocks,
+            evictions: self.evictions,
+            bytes_per_entry: total.checked_div(entries).unwrap_or(0),
+        }
+    }
+
+    /// The slot of `key`, created under `parent` (an index or `NONE`) if absent; either way
+    /// it becomes the most recently written leaf, if a leaf.
+    fn ensure(&mut self, key: BlockKey, parent: u32) -> u32 {
+        if let Some(&idx) = self.slots.get(&key) {
+            if self.nodes[idx as usize].children == 0 {
+                self.lru_unlink(idx);
+                self.lru_push_back(idx);
+            }
+            return idx;
+        }
+        let mut parent = parent;
+        while self.slots.len() >= self.config.capacity_blocks {
+            // The parent goes last: only when the capacity is below the prompt's length.
+            if self.evict_one(parent) {
+                continue;
+            }
+            if !self.evict_one(NONE) {
+                break;
+            }
+            parent = NONE;
+        }
+        let node = Node { key, parent, children: 0, in_l2: false, first: None, more: Vec::new(), prev: NONE, next: NONE };
+        let idx = match self.free.pop() {
+            Some(idx) => {
+                self.nodes[idx as usize] = node;
+                idx
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.slots.insert(key, idx);
+        if parent != NONE {
+            let p = &mut self.nodes[parent as usize];
+            if p.children == 0 {
+                self.lru_unlink(parent);
+            }
+            self.nodes[parent as usize].children += 1;
+        }
+        self.lru_push_back(idx);
+        idx
+    }
+
+    /// Evicts the least recently written leaf other than `keep`; false if none.
+    fn evict_one(&mut self, keep: u32) -> bool {
+        let mut victim = self.lru_head;
+        if victim == keep && victim != NONE {
+            // A parent freed by an eviction goes to the front, so `keep` can only be first.
+            victim = self.nodes[victim as usize].next;
+        }
+        if victim == NONE {
+            return false;
+        }
+        let node = &self.nodes[victim as usize];
+        let held = node.holders().count();
+        if node.in_l2 {
+            self.l2_blocks -= 1;
+        }
+        self.holders -= held;
+        self.evictions += 1;
+        self.remove_node(victim);
+        true
+    }
+
+    fn remove_if_empty(&mut self, mut idx: u32) {
+        while idx != NONE && self.nodes[idx as usize].is_empty() {
+            let parent = self.nodes[idx as usize].parent;
+            self.remove_node(idx);
+            idx = parent;
+        }
+    }
+
+    /// Unlinks a leaf from the map, its parent and the LRU, and frees its slot.
+    fn remove_node(&mut self, idx: u32) {
+        debug_assert_eq!(self.nodes[idx as usize].children, 0);
+        self.lru_unlink(idx);
+        let key = self.nodes[idx as usize].key;
+        let parent = self.nodes[idx as usize].parent;
+        self.slots.remove(&key);
+        let node = &mut self.nodes[idx as usize];
+        node.first = None;
+        node.more = Vec::new();
+        node.in_l2 = false;
+        node.parent = NONE;
+        self.free.push(idx);
+        if parent != NONE {
+            let p = &mut self.nodes[parent as usize];
+            p.children -= 1;
+            if p.children == 0 {
+                // A parent whose suffixes are gone is the coldest leaf now.
+                self.lru_push_front(parent);
+            }
+        }
+    }
+
+    fn lru_unlink(&mut self, idx: u32) {
+        let (prev, next) = {
+            let n = &self.nodes[idx as usize];
+            (n.prev, n.next)
+        };
+        if prev == NONE && next == NONE && self.lru_head != idx {
+            return; // not linked
+        }
+        match prev {
+            NONE => self.lru_head = next,
+            p => self.nodes[p as usize].next = next,
+        }
+        match next {
+            NONE => self.lru_tail = prev,
+            n => self.nodes[n as usize].prev = prev,
+        }
+        let n = &mut self.nodes[idx as usize];
+        n.prev = NONE;
+        n.next = NONE;
+    }
+
+    fn lru_push_back(&mut self, idx: u32) {
+        let tail = self.lru_tail;
+        {
+            let n = &mut self.nodes[idx as usize];
+            n.prev = tail;
+            n.next = NONE;
+        }
+        match tail {
+            NONE => self.lru_head = idx,
+            t => self.nodes[t as usize].next = idx,
+        }
+        self.lru_tail = idx;
+    }
+
+    fn lru_push_front(&mut self, idx: u32) {
+        let head = self.lru_head;
+        {
+            let n = &mut self.nodes[idx as usize];
+            n.prev = NONE;
+            n.next = head;
+        }
+        match head {
+            NONE => self.lru_tail = idx,
+            h => self.nodes[h as usize].prev = idx,
+        }
+        self.lru_head = idx;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::Tier;
+    use proptest::prelude::*;
+
+    fn k(i: u64) -> BlockKey {
+        BlockKey(i)
+    }
+
+    fn keys(ids: &[u64]) -> Vec<BlockKey> {
+        ids.iter().map(|&i| k(i)).collect()
+    }
+
+    /// One step of building an index for a test case.
+    enum Op {
+        Route(&'static [u64], u32),
+        Observe(u32, u64, Option<u64>, Tier, bool),
+        RemoveInstance(u32),
+        Expire(u64),
+    }
+
+    /// Applies `ops` at time 0 on an index with a 100-block capacity and a 1000 µs TTL, then
+    /// matches `query` at `now` and compares `(instance, gpu, l1, l2)` rows and global L2.
+    fn check(ops: &[Op], query: &[u64], now: u64, want: &[(u32, u32, u32, u32)], want_l2: u32) {
+        let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: 100, predicted_ttl_us: 1000 });
+        for op in ops {
+            match *op {
+                Op::Route(ks, i) => index.record_route(&keys(ks), InstanceId(i), 0),
+                Op::Observe(i, key, parent, tier, present) => {
+                    index.observe(InstanceId(i), k(key), parent.map(k), tier, present, 0)
+                }
+                Op::RemoveInstance(i) => index.remove_instance(InstanceId(i)),
+                Op::Expire(t) => index.expire(t),
+            }
+        }
+        let got = index.match_prefix(&keys(query), now);
+        let rows: Vec<_> = got.instances.iter().map(|m| (m.instance.0, m.gpu, m.l1, m.l2)).collect();
+        assert_eq!(rows, want, "instances");
+        assert_eq!(got.global_l2, want_l2, "global l2");
+        assert_eq!(got.blocks, query.len() as u32);
+    }
+
+    use Op::*;
+    use Tier::{Gpu, L1 as HostL1, L2 as Remote};
+
+    #[test]
+    fn predicted_routes_match_longest_prefix() {
+        check(&[Route(&[1, 2, 3], 0), Route(&[1, 2, 9], 1)], &[1, 2, 3, 4], 0, &[(0, 3, 3, 3), (1, 2, 2, 2)], 0);
+        check(&[Route(&[1, 2, 3], 0)], &[5, 2, 3], 0, &[], 0);
+        check(&[], &[1], 0, &[], 0);
+        check(&[Route(&[1, 2], 0)], &[], 0, &[], 0);
+    }
+
+    #[test]
+    fn predictions_expire() {
+        check(&[Route(&[1, 2], 0)], &[1, 2], 999, &[(0, 2, 2, 2)], 0);
+        check(&[Route(&[1, 2], 0)], &[1, 2], 1000, &[], 0);
+        check(&[Route(&[1, 2], 0), Expire(1000)], &[1, 2], 0, &[], 0);
+        // Observed blocks outlive the prediction.
+        check(&[Route(&[1, 2], 0), Observe(0, 1, None, Gpu, true), Expire(5000)], &[1, 2], 5000, &[(0, 1, 1, 1)], 0);
+    }
+
+    #[test]
+    fn tiers_are_cumulative() {
+        let ops = [
+            Observe(0, 1, None, Gpu, true),
+            Observe(0, 2, Some(1), HostL1, true),
+            Observe(0, 3, Some(2), Remote, true),
+            Observe(1, 1, None, HostL1, true),
+        ];
+        check(&ops, &[1, 2, 3, 4], 0, &[(0, 1, 2, 3), (1, 0, 1, 1)], 0);
+    }
+
+    #[test]
+    fn global_l2_extends_every_instance() {
+        let ops = [
+            Observe(0, 1, None, Remote, true),
+            Observe(0, 2, Some(1), Remote, true),
+            Observe(3, 2, Some(1), Gpu, true),
+            Observe(3, 3, Some(2), Gpu, true),
+        ];
+        // Instance 3 holds blocks 2 and 3; blocks 1 and 2 are in L2: it can load 1, has 2, 3.
+        check(&ops, &[1, 2, 3], 0, &[(3, 0, 0, 3)], 2);
+    }
+
+    #[test]
+    fn removal_clears_observed_and_predicted() {
+        check(&[Route(&[1, 2], 0), Observe(0, 2, Some(1), Gpu, false)], &[1, 2], 0, &[(0, 1, 1, 1)], 0);
+        check(&[Route(&[1, 2], 0), Route(&[1], 1), RemoveInstance(0)], &[1, 2], 0, &[(1, 1, 1, 1)], 0);
+        check(&[Observe(0, 1, None, Remote, true), Observe(0, 1, None, Remote, false)], &[1], 0, &[], 0);
+    }
+
+    #[test]
+    fn capacity_evicts_suffixes_first() {
+        let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: 4, predicted_ttl_us: 1000 });
+        index.record_route(&keys(&[1, 2, 3]), InstanceId(0), 0);
+        index.record_route(&keys(&[7]), InstanceId(1), 0);
+        index.record_route(&keys(&[8, 9]), InstanceId(1), 0);
+        assert_eq!(index.len(), 4);
+        // 3 was the coldest leaf, then 2 (its parent) joined the front: both go first.
+        assert!(index.contains(k(1)) && !index.contains(k(2)) && !index.contains(k(3)));
+        assert!(index.contains(k(7)) && index.contains(k(8)) && index.contains(k(9)));
+        assert_eq!(index.stats().evictions, 2);
+        assert_eq!(index.stats().holders, 4);
+    }
+
+    #[test]
+    fn stats_count_entries_and_holders() {
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        index.record_route(&keys(&[1, 2, 3]), InstanceId(0), 0);
+        index.record_route(&keys(&[1, 2]), InstanceId(1), 0);
+        index.observe_l2(k(1), None, true);
+        let stats = index.stats();
+        assert_eq!((stats.entries, stats.holders, stats.l2_blocks), (3, 5, 1));
+        assert!(stats.bytes_per_entry > 0);
+        index.expire(u64::MAX);
+        assert_eq!((index.stats().entries, index.stats().holders), (1, 0));
+    }
+
+    /// A random operation on a small key space, for the properties below.
+    fn op_strategy() -> impl Strategy<Value = (u8, Vec<u64>, u32, u64)> {
+        (0u8..4, prop::collection::vec(0u64..6, 1..6), 0u32..4, 0u64..3000)
+    }
+
+    proptest! {
+        /// A match never claims more than was inserted, the capacity bound holds, and
+        /// removing an instance leaves no trace of it.
+        #[test]
+        fn index_properties(ops in prop::collection::vec(op_strategy(), 1..60), cap in 1usize..12) {
+            let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: cap, predicted_ttl_us: 1000 });
+            // Prompts are chains: key of depth d is 10 * d + choice, so prefixes share keys.
+            let chain = |c: &[u64]| -> Vec<BlockKey> { c.iter().enumerate().map(|(d, x)| k(10 * d as u64 + x)).collect() };
+            let mut inserted: Vec<(u32, Vec<BlockKey>)> = Vec::new();
+            let mut now = 0;
+            for (kind, choice, inst, dt) in ops {
+                now += dt;
+                let ks = chain(&choice);
+                match kind {
+                    0 | 1 => {
+                        index.record_route(&ks, InstanceId(inst), now);
+                        inserted.push((inst, ks.clone()));
+                    }
+                    2 => index.remove_instance(InstanceId(inst)),
+                    _ => index.expire(now),
+                }
+                prop_assert!(index.len() <= cap);
+                let got = index.match_prefix(&ks, now);
+                for m in &got.instances {
+                    prop_assert!(m.gpu <= m.l1 && m.l1 <= m.l2 && m.l2 <= got.blocks);
+                    // Everything matched was routed to that instance at some point.
+                    let longest = inserted.iter().filter(|(i, _)| *i == m.instance.0)
+                        .map(|(_, p)| p.iter().zip(&ks).take_while(|(a, b)| a == b).count() as u32)
+                        .max().unwrap_or(0);
+                    prop_assert!(m.l2 <= longest, "{m:?} longest {longest}");
+                }
+                if kind == 2 {
+                    prop_assert!(got.instances.iter().all(|m| m.instance.0 != inst));
+                    inserted.retain(|(i, _)| *i != inst);
+                }
+            }
+            index.expire(u64::MAX);
+            prop_assert_eq!(index.stats().holders, 0);
+            prop_assert_eq!(index.len(), 0);
+        }
+    }
+}
