@@ -756,8 +756,10 @@ mod tests {
         #[test]
         fn index_properties(ops in prop::collection::vec(op_strategy(), 1..60), cap in 1usize..12) {
             let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: cap, predicted_ttl_us: 1000 });
-            // Prompts are chains: key of depth d is 10 * d + choice, so prefixes share keys.
-            let chain = |c: &[u64]| -> Vec<BlockKey> { c.iter().enumerate().map(|(d, x)| k(10 * d as u64 + x)).collect() };
+            // A key names its whole prefix (base-7 digits of the choices so far), as real keys do.
+            let chain = |c: &[u64]| -> Vec<BlockKey> {
+                c.iter().scan(0u64, |acc, x| { *acc = *acc * 7 + x + 1; Some(k(*acc)) }).collect()
+            };
             let mut inserted: Vec<(u32, Vec<BlockKey>)> = Vec::new();
             let mut now = 0;
             for (kind, choice, inst, dt) in ops {
