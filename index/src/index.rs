@@ -62,7 +62,10 @@ pub struct IndexConfig {
 
 impl Default for IndexConfig {
     fn default() -> Self {
-        IndexConfig { capacity_blocks: 1 << 20, predicted_ttl_us: 120_000_000 }
+        IndexConfig {
+            capacity_blocks: 1 << 20,
+            predicted_ttl_us: 120_000_000,
+        }
     }
 }
 
@@ -112,7 +115,12 @@ impl Node {
 
     /// The holder of `instance`, and whether it was just created.
     fn holder_or_insert(&mut self, instance: u32) -> (&mut Holder, bool) {
-        let fresh = Holder { instance, observed: 0, predicted_until: 0, queued: false };
+        let fresh = Holder {
+            instance,
+            observed: 0,
+            predicted_until: 0,
+            queued: false,
+        };
         if self.first.is_none() {
             return (self.first.insert(fresh), true);
         }
@@ -133,7 +141,11 @@ impl Node {
         let before = self.more.len() + usize::from(self.first.is_some());
         self.more.retain(&mut keep);
         if self.first.is_some_and(|h| !keep(&h)) {
-            self.first = if self.more.is_empty() { None } else { Some(self.more.remove(0)) };
+            self.first = if self.more.is_empty() {
+                None
+            } else {
+                Some(self.more.remove(0))
+            };
         }
         before - (self.more.len() + usize::from(self.first.is_some()))
     }
@@ -149,7 +161,7 @@ impl Node {
 }
 
 /// Per-instance result of a match; depths are cumulative (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct InstanceMatch {
     pub instance: InstanceId,
     /// Leading blocks in this instance's GPU memory.
@@ -175,12 +187,16 @@ pub struct MatchResult {
 impl MatchResult {
     /// Depths of `instance`, including those of instances not listed.
     pub fn of(&self, instance: InstanceId) -> InstanceMatch {
-        self.instances.iter().find(|m| m.instance == instance).copied().unwrap_or(InstanceMatch {
-            instance,
-            gpu: 0,
-            l1: 0,
-            l2: self.global_l2,
-        })
+        self.instances
+            .iter()
+            .find(|m| m.instance == instance)
+            .copied()
+            .unwrap_or(InstanceMatch {
+                instance,
+                gpu: 0,
+                l1: 0,
+                l2: self.global_l2,
+            })
     }
 }
 
@@ -191,6 +207,21 @@ pub struct MatchScratch {
     slot_of: Vec<u32>,
     alive: Vec<u8>,
     pub result: MatchResult,
+}
+
+impl MatchScratch {
+    /// Depths of `instance` in the last match, including instances not listed.
+    pub fn of(&self, instance: InstanceId) -> InstanceMatch {
+        match self.slot_of.get(instance.0 as usize) {
+            Some(&slot) if slot != NONE => self.result.instances[slot as usize],
+            _ => InstanceMatch {
+                instance,
+                gpu: 0,
+                l1: 0,
+                l2: self.result.global_l2,
+            },
+        }
+    }
 }
 
 /// Counts that describe an index's size.
@@ -227,7 +258,10 @@ pub struct PrefixIndex {
 impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         PrefixIndex {
-            config: IndexConfig { capacity_blocks: config.capacity_blocks.max(1), ..config },
+            config: IndexConfig {
+                capacity_blocks: config.capacity_blocks.max(1),
+                ..config
+            },
             slots: KeyMap::default(),
             nodes: Vec::new(),
             free: Vec::new(),
@@ -293,7 +327,9 @@ impl PrefixIndex {
             Tier::L2 => return self.observe_l2(key, parent, present),
         };
         if present {
-            let parent_idx = parent.and_then(|p| self.slots.get(&p).copied()).unwrap_or(NONE);
+            let parent_idx = parent
+                .and_then(|p| self.slots.get(&p).copied())
+                .unwrap_or(NONE);
             let idx = self.ensure(key, parent_idx);
             let (holder, created) = self.nodes[idx as usize].holder_or_insert(instance.0);
             self.holders += usize::from(created);
@@ -314,7 +350,9 @@ impl PrefixIndex {
     /// Applies an observation of the global L2 store.
     pub fn observe_l2(&mut self, key: BlockKey, parent: Option<BlockKey>, present: bool) {
         if present {
-            let parent_idx = parent.and_then(|p| self.slots.get(&p).copied()).unwrap_or(NONE);
+            let parent_idx = parent
+                .and_then(|p| self.slots.get(&p).copied())
+                .unwrap_or(NONE);
             let idx = self.ensure(key, parent_idx);
             let node = &mut self.nodes[idx as usize];
             if !node.in_l2 {
@@ -355,11 +393,15 @@ impl PrefixIndex {
                 break;
             }
             self.expiry.pop_front();
-            let Some(node) = self.nodes.get_mut(idx as usize) else { continue };
-            if node.key != key || !self.slots.get(&key).is_some_and(|&i| i == idx) {
+            let Some(node) = self.nodes.get_mut(idx as usize) else {
+                continue;
+            };
+            if node.key != key || self.slots.get(&key).is_none_or(|&i| i != idx) {
                 continue;
             }
-            let Some(holder) = node.holder_mut(instance) else { continue };
+            let Some(holder) = node.holder_mut(instance) else {
+                continue;
+            };
             if holder.predicted_until > now {
                 // Refreshed since: wait for the new expiry.
                 let until = holder.predicted_until;
@@ -379,7 +421,11 @@ impl PrefixIndex {
         const L1_ALIVE: u8 = 2;
         const L2_ALIVE: u8 = 4;
         const SEEN: u8 = 0x80;
-        let MatchScratch { slot_of, alive, result } = scratch;
+        let MatchScratch {
+            slot_of,
+            alive,
+            result,
+        } = scratch;
         for m in &result.instances {
             slot_of[m.instance.0 as usize] = NONE;
         }
@@ -389,7 +435,9 @@ impl PrefixIndex {
         result.global_l2 = 0;
         let mut global_alive = true;
         for (depth, key) in keys.iter().enumerate() {
-            let Some(&idx) = self.slots.get(key) else { break };
+            let Some(&idx) = self.slots.get(key) else {
+                break;
+            };
             let node = &self.nodes[idx as usize];
             let d = depth as u32;
             for h in node.holders() {
@@ -406,9 +454,18 @@ impl PrefixIndex {
                     NONE if depth > 0 && !global_alive => continue,
                     NONE => {
                         slot_of[inst] = result.instances.len() as u32;
-                        let m = InstanceMatch { instance: InstanceId(h.instance), gpu: 0, l1: 0, l2: d };
+                        let m = InstanceMatch {
+                            instance: InstanceId(h.instance),
+                            gpu: 0,
+                            l1: 0,
+                            l2: d,
+                        };
                         result.instances.push(m);
-                        alive.push(if depth == 0 { GPU_ALIVE | L1_ALIVE | L2_ALIVE } else { L2_ALIVE });
+                        alive.push(if depth == 0 {
+                            GPU_ALIVE | L1_ALIVE | L2_ALIVE
+                        } else {
+                            L2_ALIVE
+                        });
                         result.instances.len() - 1
                     }
                     slot => slot as usize,
@@ -467,7 +524,8 @@ impl PrefixIndex {
         let map_bytes = self.slots.capacity() * (std::mem::size_of::<(BlockKey, u32)>() + 1);
         let node_bytes = self.nodes.capacity() * std::mem::size_of::<Node>();
         let holder_bytes = extra_holders * std::mem::size_of::<Holder>();
-        let expiry_bytes = self.expiry.capacity() * std::mem::size_of::<(u64, u32, BlockKey, u32)>();
+        let expiry_bytes =
+            self.expiry.capacity() * std::mem::size_of::<(u64, u32, BlockKey, u32)>();
         let total = map_bytes + node_bytes + holder_bytes + expiry_bytes;
         IndexStats {
             entries,
@@ -500,7 +558,16 @@ impl PrefixIndex {
             }
             parent = NONE;
         }
-        let node = Node { key, parent, children: 0, in_l2: false, first: None, more: Vec::new(), prev: NONE, next: NONE };
+        let node = Node {
+            key,
+            parent,
+            children: 0,
+            in_l2: false,
+            first: None,
+            more: Vec::new(),
+            prev: NONE,
+            next: NONE,
+        };
         let idx = match self.free.pop() {
             Some(idx) => {
                 self.nodes[idx as usize] = node;
@@ -650,7 +717,10 @@ mod tests {
     /// Applies `ops` at time 0 on an index with a 100-block capacity and a 1000 µs TTL, then
     /// matches `query` at `now` and compares `(instance, gpu, l1, l2)` rows and global L2.
     fn check(ops: &[Op], query: &[u64], now: u64, want: &[(u32, u32, u32, u32)], want_l2: u32) {
-        let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: 100, predicted_ttl_us: 1000 });
+        let mut index = PrefixIndex::new(IndexConfig {
+            capacity_blocks: 100,
+            predicted_ttl_us: 1000,
+        });
         for op in ops {
             match *op {
                 Op::Route(ks, i) => index.record_route(&keys(ks), InstanceId(i), 0),
@@ -662,7 +732,11 @@ mod tests {
             }
         }
         let got = index.match_prefix(&keys(query), now);
-        let rows: Vec<_> = got.instances.iter().map(|m| (m.instance.0, m.gpu, m.l1, m.l2)).collect();
+        let rows: Vec<_> = got
+            .instances
+            .iter()
+            .map(|m| (m.instance.0, m.gpu, m.l1, m.l2))
+            .collect();
         assert_eq!(rows, want, "instances");
         assert_eq!(got.global_l2, want_l2, "global l2");
         assert_eq!(got.blocks, query.len() as u32);
@@ -673,7 +747,13 @@ mod tests {
 
     #[test]
     fn predicted_routes_match_longest_prefix() {
-        check(&[Route(&[1, 2, 3], 0), Route(&[1, 2, 9], 1)], &[1, 2, 3, 4], 0, &[(0, 3, 3, 3), (1, 2, 2, 2)], 0);
+        check(
+            &[Route(&[1, 2, 3], 0), Route(&[1, 2, 9], 1)],
+            &[1, 2, 3, 4],
+            0,
+            &[(0, 3, 3, 3), (1, 2, 2, 2)],
+            0,
+        );
         check(&[Route(&[1, 2, 3], 0)], &[5, 2, 3], 0, &[], 0);
         check(&[], &[1], 0, &[], 0);
         check(&[Route(&[1, 2], 0)], &[], 0, &[], 0);
@@ -685,7 +765,17 @@ mod tests {
         check(&[Route(&[1, 2], 0)], &[1, 2], 1000, &[], 0);
         check(&[Route(&[1, 2], 0), Expire(1000)], &[1, 2], 0, &[], 0);
         // Observed blocks outlive the prediction.
-        check(&[Route(&[1, 2], 0), Observe(0, 1, None, Gpu, true), Expire(5000)], &[1, 2], 5000, &[(0, 1, 1, 1)], 0);
+        check(
+            &[
+                Route(&[1, 2], 0),
+                Observe(0, 1, None, Gpu, true),
+                Expire(5000),
+            ],
+            &[1, 2],
+            5000,
+            &[(0, 1, 1, 1)],
+            0,
+        );
     }
 
     #[test]
@@ -713,14 +803,38 @@ mod tests {
 
     #[test]
     fn removal_clears_observed_and_predicted() {
-        check(&[Route(&[1, 2], 0), Observe(0, 2, Some(1), Gpu, false)], &[1, 2], 0, &[(0, 1, 1, 1)], 0);
-        check(&[Route(&[1, 2], 0), Route(&[1], 1), RemoveInstance(0)], &[1, 2], 0, &[(1, 1, 1, 1)], 0);
-        check(&[Observe(0, 1, None, Remote, true), Observe(0, 1, None, Remote, false)], &[1], 0, &[], 0);
+        check(
+            &[Route(&[1, 2], 0), Observe(0, 2, Some(1), Gpu, false)],
+            &[1, 2],
+            0,
+            &[(0, 1, 1, 1)],
+            0,
+        );
+        check(
+            &[Route(&[1, 2], 0), Route(&[1], 1), RemoveInstance(0)],
+            &[1, 2],
+            0,
+            &[(1, 1, 1, 1)],
+            0,
+        );
+        check(
+            &[
+                Observe(0, 1, None, Remote, true),
+                Observe(0, 1, None, Remote, false),
+            ],
+            &[1],
+            0,
+            &[],
+            0,
+        );
     }
 
     #[test]
     fn capacity_evicts_suffixes_first() {
-        let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: 4, predicted_ttl_us: 1000 });
+        let mut index = PrefixIndex::new(IndexConfig {
+            capacity_blocks: 4,
+            predicted_ttl_us: 1000,
+        });
         index.record_route(&keys(&[1, 2, 3]), InstanceId(0), 0);
         index.record_route(&keys(&[7]), InstanceId(1), 0);
         index.record_route(&keys(&[8, 9]), InstanceId(1), 0);
@@ -747,7 +861,12 @@ mod tests {
 
     /// A random operation on a small key space, for the properties below.
     fn op_strategy() -> impl Strategy<Value = (u8, Vec<u64>, u32, u64)> {
-        (0u8..4, prop::collection::vec(0u64..6, 1..6), 0u32..4, 0u64..3000)
+        (
+            0u8..4,
+            prop::collection::vec(0u64..6, 1..6),
+            0u32..4,
+            0u64..3000,
+        )
     }
 
     proptest! {

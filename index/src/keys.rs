@@ -132,11 +132,20 @@ mod tests {
         let cases = [("a", ""), ("b", ""), ("a", "salt"), ("a\0", ""), ("", "a")];
         let mut all: Vec<Vec<BlockKey>> = Vec::new();
         for (tenant, salt) in cases {
-            all.push(token_block_keys(&TenantKey::derive(tenant, salt), &tokens, 16));
+            all.push(token_block_keys(
+                &TenantKey::derive(tenant, salt),
+                &tokens,
+                16,
+            ));
         }
         for i in 0..all.len() {
             for j in i + 1..all.len() {
-                assert!(all[i].iter().all(|k| !all[j].contains(k)), "{:?} vs {:?}", cases[i], cases[j]);
+                assert!(
+                    all[i].iter().all(|k| !all[j].contains(k)),
+                    "{:?} vs {:?}",
+                    cases[i],
+                    cases[j]
+                );
             }
         }
     }

@@ -14,8 +14,22 @@
 pub mod cost;
 pub mod index;
 pub mod keys;
+pub mod load;
+pub mod policy;
 pub mod rng;
 
 /// A dense instance number, assigned by whoever owns the instance list (router, simulator).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct InstanceId(pub u32);

@@ -1,0 +1,733 @@
+//! Routing policies: pure functions of the request, the index view, the load view and the
+//! tenant's configuration.
+//!
+//! - `round-robin`: the next candidate in turn.
+//! - `least-loaded`: fewest in-flight requests, ties broken at random.
+//! - `prefix-aware` (SageMaker semantics, generalised): match up to `prefix_blocks` of the
+//!   prompt and rank candidates by the blocks they hold locally (GPU or host memory), then
+//!   by what they can load from L2, then by in-flight requests. The best candidate below
+//!   `concurrency_threshold` wins; if the best overall is at or above it, the request
+//!   *spills* to the next best. No match anywhere: least loaded.
+//! - `kv-aware`: minimise the estimated time to first token: queue (pending prefill on
+//!   the instance, in chunks of [`PREFILL_CHUNK_TOKENS`]), plus prefill of the uncached
+//!   tokens, plus loading the tokens found in L1 or L2, with the model profile's costs.
+//!   With a temperature above zero it samples, favouring low estimates.
+//!
+//! Hot prefixes: a prefix whose owners are saturated gains owners. Under prefix-aware the
+//! spill goes to the best unsaturated candidate, and candidates holding the prefix in
+//! host memory or able to load it from L2 rank first; under kv-aware the queue term
+//! makes a loaded owner costlier than a fresh instance loading the prefix from L1 or L2,
+//! and the concurrency threshold applies too. Either way the new owner is recorded in
+//! the index (by the caller) and later requests find two owners.
+//!
+//! Every decision can carry an [`Explanation`]: each candidate's matched blocks per tier,
+//! load and score.
+
+use crate::cost::{ModelProfile, Tier};
+use crate::index::{InstanceMatch, MatchScratch, PrefixIndex};
+use crate::keys::BlockKey;
+use crate::load::{InstanceLoad, LoadView};
+use crate::rng::Rng;
+use crate::InstanceId;
+use serde::{Deserialize, Serialize};
+use std::str::FromStr;
+
+/// Prefill chunk the queue estimate assumes (vLLM's default step budget).
+pub const PREFILL_CHUNK_TOKENS: u64 = 8192;
+
+/// A routing strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    RoundRobin,
+    LeastLoaded,
+    PrefixAware,
+    KvAware,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 4] = [
+        Strategy::RoundRobin,
+        Strategy::LeastLoaded,
+        Strategy::PrefixAware,
+        Strategy::KvAware,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::RoundRobin => "round-robin",
+            Strategy::LeastLoaded => "least-loaded",
+            Strategy::PrefixAware => "prefix-aware",
+            Strategy::KvAware => "kv-aware",
+        }
+    }
+
+    /// Whether the strategy reads the prefix index.
+    pub fn uses_index(self) -> bool {
+        matches!(self, Strategy::PrefixAware | Strategy::KvAware)
+    }
+}
+
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An unknown strategy name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown routing strategy {0:?}; expected one of round-robin, least-loaded, prefix-aware, kv-aware")]
+pub struct UnknownStrategy(pub String);
+
+impl FromStr for Strategy {
+    type Err = UnknownStrategy;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Strategy::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| UnknownStrategy(s.to_string()))
+    }
+}
+
+/// A tenant's routing configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PolicyConfig {
+    pub strategy: Strategy,
+    /// Blocks of the prompt used for matching (SageMaker's prefix length); 0 = all.
+    pub prefix_blocks: u32,
+    /// In-flight requests at which the preferred instance is skipped; 0 = no limit.
+    pub concurrency_threshold: u32,
+    /// kv-aware sampling temperature; 0 picks the lowest estimate.
+    pub temperature: f64,
+    /// Tokens per block of the keys the request carries.
+    pub block_tokens: u32,
+}
+
+impl PolicyConfig {
+    pub fn new(strategy: Strategy, block_tokens: u32) -> Self {
+        PolicyConfig {
+            strategy,
+            prefix_blocks: 0,
+            concurrency_threshold: 0,
+            temperature: 0.0,
+            block_tokens,
+        }
+    }
+
+    fn saturated(&self, load: InstanceLoad) -> bool {
+        self.concurrency_threshold > 0 && load.in_flight >= self.concurrency_threshold
+    }
+}
+
+/// What a policy needs to know of a request.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    /// Prefix keys of the prompt's complete blocks.
+    pub keys: &'a [BlockKey],
+    pub prompt_tokens: u32,
+}
+
+/// The shared state a policy reads.
+#[derive(Clone, Copy, Debug)]
+pub struct View<'a> {
+    pub index: &'a PrefixIndex,
+    pub load: &'a LoadView,
+    pub profile: &'a ModelProfile,
+    /// Microseconds, on the index's clock.
+    pub now: u64,
+}
+
+/// A router's mutable policy state: the round-robin cursor, the tie-breaking generator
+/// and match buffers.
+#[derive(Clone, Debug)]
+pub struct PolicyState {
+    next_rr: u64,
+    rng: Rng,
+    scratch: MatchScratch,
+}
+
+impl PolicyState {
+    pub fn new(seed: u64) -> Self {
+        PolicyState {
+            next_rr: 0,
+            rng: Rng::new(seed),
+            scratch: MatchScratch::default(),
+        }
+    }
+}
+
+/// Why the chosen instance won.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Reason {
+    RoundRobin,
+    LeastLoaded,
+    /// It held the longest prefix and was below the concurrency threshold.
+    LongestPrefix,
+    /// A better-matching instance was at the concurrency threshold.
+    Spilled,
+    /// No candidate held any of the prefix.
+    NoMatch,
+    /// Every candidate was at the threshold: the least loaded took it.
+    AllSaturated,
+    /// Lowest estimated time to first token.
+    LowestCost,
+}
+
+/// One candidate as the policy saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Candidate {
+    pub instance: InstanceId,
+    /// Cumulative matched blocks per tier (see [`InstanceMatch`]).
+    pub gpu_blocks: u32,
+    pub l1_blocks: u32,
+    pub l2_blocks: u32,
+    pub in_flight: u32,
+    pub pending_prefill_tokens: u64,
+    /// kv-aware: the estimated time to first token, ms; prefix-aware: matched blocks.
+    pub score: f64,
+}
+
+/// A routing decision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    pub instance: InstanceId,
+    pub reason: Reason,
+    /// Blocks of the prompt that were matched against the index.
+    pub blocks_considered: u32,
+    /// What the chosen instance was found to hold.
+    pub matched: InstanceMatch,
+    /// Every candidate, when an explanation was asked for.
+    pub candidates: Option<Vec<Candidate>>,
+}
+
+/// Why no decision could be made.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// The pool has no healthy instance.
+    #[error("no healthy instance to route to")]
+    NoCandidates,
+}
+
+/// Picks an instance among `candidates` for `req`. See the module docs.
+pub fn route(
+    config: &PolicyConfig,
+    req: &RouteRequest<'_>,
+    candidates: &[InstanceId],
+    view: &View<'_>,
+    state: &mut PolicyState,
+    explain: bool,
+) -> Result<Decision, RouteError> {
+    if candidates.is_empty() {
+        return Err(RouteError::NoCandidates);
+    }
+    let considered = match config.prefix_blocks {
+        0 => req.keys,
+        n => &req.keys[..req.keys.len().min(n as usize)],
+    };
+    if config.strategy.uses_index() {
+        view.index
+            .match_into(considered, view.now, &mut state.scratch);
+    }
+    let (instance, reason, scores) = match config.strategy {
+        Strategy::RoundRobin => {
+            let i = (state.next_rr % candidates.len() as u64) as usize;
+            state.next_rr = state.next_rr.wrapping_add(1);
+            (candidates[i], Reason::RoundRobin, None)
+        }
+        Strategy::LeastLoaded => {
+            let pick = pick_best(candidates, &mut state.rng, |i| {
+                std::cmp::Reverse(view.load.get(i).in_flight)
+            });
+            (pick, Reason::LeastLoaded, None)
+        }
+        Strategy::PrefixAware => {
+            let (pick, reason) = prefix_aware(config, candidates, view, state);
+            (pick, reason, None)
+        }
+        Strategy::KvAware => {
+            let (pick, reason, scores) = kv_aware(config, req, candidates, view, state, explain);
+            (pick, reason, scores)
+        }
+    };
+    let depths = |i: InstanceId| {
+        if config.strategy.uses_index() {
+            state.scratch.of(i)
+        } else {
+            InstanceMatch {
+                instance: i,
+                ..InstanceMatch::default()
+            }
+        }
+    };
+    let explanation = explain.then(|| {
+        candidates
+            .iter()
+            .enumerate()
+            .map(|(pos, &i)| {
+                let m = depths(i);
+                let load = view.load.get(i);
+                Candidate {
+                    instance: i,
+                    gpu_blocks: m.gpu,
+                    l1_blocks: m.l1,
+                    l2_blocks: m.l2,
+                    in_flight: load.in_flight,
+                    pending_prefill_tokens: load.pending_prefill_tokens,
+                    score: scores
+                        .as_ref()
+                        .map_or(f64::from(m.l1), |s: &Vec<f64>| s[pos]),
+                }
+            })
+            .collect()
+    });
+    Ok(Decision {
+        instance,
+        reason,
+        blocks_considered: considered.len() as u32,
+        matched: depths(instance),
+        candidates: explanation,
+    })
+}
+
+/// The candidate with the greatest `rank`, ties broken uniformly at random.
+fn pick_best<K: Ord>(
+    candidates: &[InstanceId],
+    rng: &mut Rng,
+    mut rank: impl FnMut(InstanceId) -> K,
+) -> InstanceId {
+    let mut best = candidates[0];
+    let mut best_rank = rank(best);
+    let mut ties = 1u64;
+    for &c in &candidates[1..] {
+        let r = rank(c);
+        match r.cmp(&best_rank) {
+            std::cmp::Ordering::Greater => {
+                best = c;
+                best_rank = r;
+                ties = 1;
+            }
+            std::cmp::Ordering::Equal => {
+                ties += 1;
+                if rng.below(ties) == 0 {
+                    best = c;
+                }
+            }
+            std::cmp::Ordering::Less => {}
+        }
+    }
+    best
+}
+
+fn prefix_aware(
+    config: &PolicyConfig,
+    candidates: &[InstanceId],
+    view: &View<'_>,
+    state: &mut PolicyState,
+) -> (InstanceId, Reason) {
+    use std::cmp::Reverse;
+    let scratch = &state.scratch;
+    let rank = |i: InstanceId| {
+        let m = scratch.of(i);
+        (m.l1, m.l2, Reverse(view.load.get(i).in_flight))
+    };
+    let top = pick_best(candidates, &mut state.rng, rank);
+    let top_match = scratch.of(top);
+    let unsaturated = |i: &InstanceId| !config.saturated(view.load.get(*i));
+    if !config.saturated(view.load.get(top)) {
+        let reason = if top_match.l2 == 0 {
+            Reason::NoMatch
+        } else {
+            Reason::LongestPrefix
+        };
+        return (top, reason);
+    }
+    let open: Vec<InstanceId> = candidates.iter().copied().filter(unsaturated).collect();
+    if open.is_empty() {
+        let pick = pick_best(candidates, &mut state.rng, |i| {
+            (Reverse(view.load.get(i).in_flight), scratch.of(i).l1)
+        });
+        return (pick, Reason::AllSaturated);
+    }
+    (pick_best(&open, &mut state.rng, rank), Reason::Spilled)
+}
+
+/// Estimated milliseconds to prefill `tokens` in chunks of [`PREFILL_CHUNK_TOKENS`].
+fn chunked_prefill_ms(profile: &ModelProfile, tokens: u64) -> f64 {
+    let full = tokens / PREFILL_CHUNK_TOKENS;
+    full as f64 * profile.prefill_ms(PREFILL_CHUNK_TOKENS)
+        + profile.prefill_ms(tokens % PREFILL_CHUNK_TOKENS)
+}
+
+/// Estimated time to first token on an instance with `load` holding `m`.
+pub fn estimate_ttft_ms(
+    profile: &ModelProfile,
+    block_tokens: u32,
+    prompt_tokens: u32,
+    m: InstanceMatch,
+    load: InstanceLoad,
+) -> f64 {
+    let bt = u64::from(block_tokens);
+    let gpu = u64::from(m.gpu) * bt;
+    let l1 = u64::from(m.l1) * bt;
+    let l2 = u64::from(m.l2) * bt;
+    let prompt = u64::from(prompt_tokens).max(l2);
+    // Even a fully cached prompt recomputes its last token to produce the first output.
+    let uncached = (prompt - l2).max(1);
+    chunked_prefill_ms(profile, load.pending_prefill_tokens)
+        + chunked_prefill_ms(profile, uncached)
+        + profile.load_ms(Tier::L1, l1 - gpu)
+        + profile.load_ms(Tier::L2, l2 - l1)
+}
+
+fn kv_aware(
+    config: &PolicyConfig,
+    req: &RouteRequest<'_>,
+    candidates: &[InstanceId],
+    view: &View<'_>,
+    state: &mut PolicyState,
+    explain: bool,
+) -> (InstanceId, Reason, Option<Vec<f64>>) {
+    let scores: Vec<f64> = candidates
+        .iter()
+        .map(|&i| {
+            estimate_ttft_ms(
+                view.profile,
+                config.block_tokens,
+                req.prompt_tokens,
+                state.scratch.of(i),
+                view.load.get(i),
+            )
+        })
+        .collect();
+    let any_open = candidates
+        .iter()
+        .any(|&i| !config.saturated(view.load.get(i)));
+    let eligible = |pos: usize| !any_open || !config.saturated(view.load.get(candidates[pos]));
+    let best = (0..candidates.len())
+        .filter(|&p| eligible(p))
+        .map(|p| scores[p])
+        .fold(f64::INFINITY, f64::min);
+    let pick = if config.temperature > 0.0 {
+        // Boltzmann sampling on the estimate relative to the best one.
+        let scale = config.temperature * best.max(1.0);
+        let weights: Vec<f64> = (0..candidates.len())
+            .map(|p| {
+                if eligible(p) {
+                    (-(scores[p] - best) / scale).exp()
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut target = state.rng.next_f64() * total;
+        let mut chosen = candidates.len() - 1;
+        for (p, w) in weights.iter().enumerate() {
+            if *w > 0.0 {
+                chosen = p;
+                if target < *w {
+                    break;
+                }
+                target -= w;
+            }
+        }
+        candidates[chosen]
+    } else {
+        let positions: Vec<InstanceId> = (0..candidates.len())
+            .filter(|&p| eligible(p))
+            .map(|p| InstanceId(p as u32))
+            .collect();
+        // Lowest estimate, then fewest in flight; scores compared in whole microseconds.
+        let pos = pick_best(&positions, &mut state.rng, |p| {
+            let p = p.0 as usize;
+            (
+                std::cmp::Reverse((scores[p] * 1e3) as u64),
+                std::cmp::Reverse(view.load.get(candidates[p]).in_flight),
+            )
+        });
+        candidates[pos.0 as usize]
+    };
+    let reason = if any_open {
+        Reason::LowestCost
+    } else {
+        Reason::AllSaturated
+    };
+    (pick, reason, explain.then_some(scores))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::IndexConfig;
+
+    fn ids(n: u32) -> Vec<InstanceId> {
+        (0..n).map(InstanceId).collect()
+    }
+
+    fn keys(ids: &[u64]) -> Vec<BlockKey> {
+        ids.iter().map(|&i| BlockKey(i)).collect()
+    }
+
+    struct Case {
+        strategy: Strategy,
+        threshold: u32,
+        prefix_blocks: u32,
+        /// (prompt keys, instance) routed before.
+        routed: &'static [(&'static [u64], u32)],
+        /// in-flight count per instance.
+        in_flight: &'static [u32],
+        prompt: &'static [u64],
+        want: u32,
+        reason: Reason,
+    }
+
+    fn check(c: Case) {
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        for (ks, i) in c.routed {
+            index.record_route(&keys(ks), InstanceId(*i), 0);
+        }
+        let mut load = LoadView::new();
+        for (i, n) in c.in_flight.iter().enumerate() {
+            for _ in 0..*n {
+                load.start(InstanceId(i as u32), 0);
+            }
+        }
+        let profile = ModelProfile::dynamo_default();
+        let view = View {
+            index: &index,
+            load: &load,
+            profile: &profile,
+            now: 1,
+        };
+        let config = PolicyConfig {
+            concurrency_threshold: c.threshold,
+            prefix_blocks: c.prefix_blocks,
+            ..PolicyConfig::new(c.strategy, 64)
+        };
+        let ks = keys(c.prompt);
+        let req = RouteRequest {
+            keys: &ks,
+            prompt_tokens: 64 * ks.len() as u32 + 10,
+        };
+        let d = route(
+            &config,
+            &req,
+            &ids(c.in_flight.len() as u32),
+            &view,
+            &mut PolicyState::new(1),
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            (d.instance.0, d.reason),
+            (c.want, c.reason),
+            "{:?}",
+            d.candidates
+        );
+        assert_eq!(d.candidates.unwrap().len(), c.in_flight.len());
+    }
+
+    const BASE: Case = Case {
+        strategy: Strategy::PrefixAware,
+        threshold: 0,
+        prefix_blocks: 0,
+        routed: &[],
+        in_flight: &[0, 0, 0],
+        prompt: &[1, 2, 3],
+        want: 0,
+        reason: Reason::NoMatch,
+    };
+
+    #[test]
+    fn prefix_aware_cases() {
+        // Longest match wins even when busier.
+        check(Case {
+            routed: &[(&[1, 2], 0), (&[1, 2, 3], 2)],
+            in_flight: &[0, 0, 5],
+            want: 2,
+            reason: Reason::LongestPrefix,
+            ..BASE
+        });
+        // At the threshold: spill to the next best by match, then load.
+        check(Case {
+            threshold: 5,
+            routed: &[(&[1, 2], 0), (&[1, 2, 3], 2)],
+            in_flight: &[1, 0, 5],
+            want: 0,
+            reason: Reason::Spilled,
+            ..BASE
+        });
+        check(Case {
+            threshold: 5,
+            routed: &[(&[1, 2, 3], 2)],
+            in_flight: &[3, 1, 5],
+            want: 1,
+            reason: Reason::Spilled,
+            ..BASE
+        });
+        // Everyone saturated: least loaded.
+        check(Case {
+            threshold: 1,
+            routed: &[(&[1, 2, 3], 2)],
+            in_flight: &[3, 1, 5],
+            want: 1,
+            reason: Reason::AllSaturated,
+            ..BASE
+        });
+        // No match: least loaded.
+        check(Case {
+            in_flight: &[2, 1, 3],
+            want: 1,
+            reason: Reason::NoMatch,
+            ..BASE
+        });
+        // prefix_blocks limits what is compared: both match the first block, so load decides.
+        check(Case {
+            prefix_blocks: 1,
+            routed: &[(&[1], 0), (&[1, 2, 3], 2)],
+            in_flight: &[0, 4, 1],
+            want: 0,
+            reason: Reason::LongestPrefix,
+            ..BASE
+        });
+    }
+
+    #[test]
+    fn simple_strategies() {
+        check(Case {
+            strategy: Strategy::LeastLoaded,
+            in_flight: &[2, 0, 1],
+            want: 1,
+            reason: Reason::LeastLoaded,
+            ..BASE
+        });
+        check(Case {
+            strategy: Strategy::RoundRobin,
+            routed: &[(&[1, 2, 3], 2)],
+            want: 0,
+            reason: Reason::RoundRobin,
+            ..BASE
+        });
+    }
+
+    #[test]
+    fn kv_aware_cases() {
+        let kv = Case {
+            strategy: Strategy::KvAware,
+            reason: Reason::LowestCost,
+            ..BASE
+        };
+        // Cached prefix beats an idle instance with nothing.
+        check(Case {
+            routed: &[(&[1, 2, 3], 1)],
+            in_flight: &[0, 2, 0],
+            want: 1,
+            ..kv
+        });
+        // Saturated owner is skipped under a threshold.
+        check(Case {
+            threshold: 2,
+            routed: &[(&[1, 2, 3], 1)],
+            in_flight: &[1, 2, 0],
+            want: 2,
+            ..kv
+        });
+        check(Case {
+            threshold: 1,
+            routed: &[(&[1, 2, 3], 1)],
+            in_flight: &[1, 2, 1],
+            want: 1,
+            reason: Reason::AllSaturated,
+            ..kv
+        });
+    }
+
+    #[test]
+    fn kv_aware_prefers_l1_over_recompute_and_queue() {
+        let profile = ModelProfile::dynamo_default();
+        let idle = InstanceLoad::default();
+        let m = |gpu, l1, l2| InstanceMatch {
+            instance: InstanceId(0),
+            gpu,
+            l1,
+            l2,
+        };
+        let none = estimate_ttft_ms(&profile, 64, 64 * 100, m(0, 0, 0), idle);
+        let in_l1 = estimate_ttft_ms(&profile, 64, 64 * 100, m(0, 100, 100), idle);
+        let in_l2 = estimate_ttft_ms(&profile, 64, 64 * 100, m(0, 0, 100), idle);
+        let on_gpu = estimate_ttft_ms(&profile, 64, 64 * 100, m(100, 100, 100), idle);
+        assert!(
+            on_gpu < in_l1 && in_l1 < in_l2 && in_l2 < none,
+            "{on_gpu} {in_l1} {in_l2} {none}"
+        );
+        let busy = InstanceLoad {
+            in_flight: 10,
+            pending_prefill_tokens: 64_000,
+        };
+        assert!(estimate_ttft_ms(&profile, 64, 6400, m(100, 100, 100), busy) > in_l1);
+    }
+
+    #[test]
+    fn ties_are_random_but_seeded() {
+        let index = PrefixIndex::new(IndexConfig::default());
+        let load = LoadView::new();
+        let profile = ModelProfile::dynamo_default();
+        let view = View {
+            index: &index,
+            load: &load,
+            profile: &profile,
+            now: 0,
+        };
+        let config = PolicyConfig::new(Strategy::LeastLoaded, 64);
+        let req = RouteRequest {
+            keys: &[],
+            prompt_tokens: 1,
+        };
+        let run = |seed| {
+            let mut st = PolicyState::new(seed);
+            (0..64)
+                .map(|_| {
+                    route(&config, &req, &ids(8), &view, &mut st, false)
+                        .unwrap()
+                        .instance
+                        .0
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(5), run(5));
+        let picks = run(5);
+        assert!((0..8).all(|i| picks.contains(&i)), "{picks:?}");
+    }
+
+    #[test]
+    fn errors_and_names() {
+        let index = PrefixIndex::new(IndexConfig::default());
+        let load = LoadView::new();
+        let profile = ModelProfile::dynamo_default();
+        let view = View {
+            index: &index,
+            load: &load,
+            profile: &profile,
+            now: 0,
+        };
+        let req = RouteRequest {
+            keys: &[],
+            prompt_tokens: 1,
+        };
+        let err = route(
+            &PolicyConfig::new(Strategy::KvAware, 64),
+            &req,
+            &[],
+            &view,
+            &mut PolicyState::new(0),
+            false,
+        );
+        assert_eq!(err, Err(RouteError::NoCandidates));
+        for s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>(), Ok(s));
+        }
+        let e = "fastest".parse::<Strategy>().unwrap_err().to_string();
+        assert!(e.contains("fastest") && e.contains("kv-aware"), "{e}");
+    }
+}
