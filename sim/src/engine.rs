@@ -1,1 +1,1167 @@
-//! (being written)
+//! A model of one vLLM-like inference engine on a virtual clock.
+//!
+//! The engine owns a paged GPU KV cache with prefix caching, the host's L1 tier, a FCFS
+//! scheduler with a per-step token budget and chunked prefill, and preemption by
+//! recomputation. A discrete-event simulator drives it: [`Engine::submit`] queues requests,
+//! [`Engine::start_step`] plans one forward pass and says when it ends,
+//! [`Engine::complete_step`] applies it at that time. Time is virtual microseconds passed
+//! in; nothing here reads a clock, does I/O or panics on input. Step times come from the
+//! shared cost model ([`ModelProfile`]), so routing and simulation agree on costs.
+//!
+//! # Blocks
+//!
+//! The GPU cache is `gpu_blocks` blocks of `block_tokens` tokens. A block holds either a
+//! *named* prompt block (its [`BlockKey`], shareable by any request with that prefix) or
+//! anonymous data (a prompt's partial tail, generated tokens, or a prompt block still being
+//! computed). Blocks are counted, not addressed: a never-used or freed anonymous block is
+//! "free"; a named block has a reference count, and while unreferenced it stays cached on
+//! an LRU free list ("evictable"). Allocation takes a free block first, else evicts the
+//! least recently used evictable block. A finished or preempted sequence releases its
+//! named blocks last block first, so a prompt's tail is evicted before its head and the
+//! cached set stays prefix-closed, as in vLLM.
+//!
+//! An evicted named block is offloaded: to this host's L1 when `l1_blocks > 0`
+//! (`Removed{Gpu}`, `Stored{L1}`), and blocks that L1 evicts go to the global L2 when
+//! `offload_to_l2` (`Removed{L1}`, `Stored{L2}`); without L1, GPU evictions go straight to
+//! L2. Whatever L2 evicts to make room is reported as `Removed{L2}`. `Stored` is only
+//! emitted when a block was not already resident in that tier (re-offloading a block that
+//! is still there refreshes its recency silently), so replaying `Stored`/`Removed` per tier
+//! reproduces exactly the resident sets.
+//!
+//! # Admission and hits
+//!
+//! Each step first serves running sequences, then admits from the head of the waiting
+//! queue (strict FCFS: a head that does not fit blocks the queue) while the step still has
+//! token budget, fewer than `max_running` sequences run, no preemption happened in this
+//! step, and free plus evictable blocks cover every block of the prompt not already on the
+//! GPU plus one block of headroom. All of a prompt's blocks are allocated at admission, so
+//! prefill never needs more memory; decode grows a sequence one block at a time.
+//!
+//! Hits are counted at admission. The longest run of leading keys resident on the GPU is
+//! reused (`gpu_hit_tokens`); from there, keys found in L1 (checked first) or L2 are loaded
+//! (`l1_hit_tokens`, `l2_hit_tokens`; touched in their LRU, the copy stays there, and the
+//! loaded blocks become named GPU blocks at once, `Stored{Gpu}`); the load time
+//! `profile.load_ms(tier, tokens)` is added to the admitting step. The first key in neither
+//! tier ends the run; the rest is computed. As in vLLM, at least the prompt's last token is
+//! always computed: only blocks that end before the last prompt token can hit, so a prompt
+//! of exactly n blocks hits at most n − 1 of them. Keys beyond `prompt_tokens /
+//! block_tokens` are ignored. A hit block that is also a later request's hit is shared,
+//! not copied.
+//!
+//! # Steps
+//!
+//! A step's budget is `max_batch_tokens`. Decoding sequences take one token each, oldest
+//! admission first; the rest goes to prefill chunks of prefilling sequences in admission
+//! order, newly admitted ones last. Step time is `prefill_ms(prefill tokens)` plus
+//! `decode_step_ms(kv_usage)` if the step decodes (usage measured after the step's
+//! allocations) plus the admitted loads, rounded to whole microseconds and at least 1 µs.
+//! When a sequence's last chunk completes, its computed complete prompt blocks become named
+//! (`Stored{Gpu}`; if another sequence cached the same key meanwhile, the copy is freed and
+//! the existing block shared) and it emits `FirstToken` at the step's end. Each later step
+//! it decodes emits `Token`. A sequence of `S` tokens (prompt plus generated so far) holds
+//! `ceil(S / block_tokens)` blocks while it decodes. `Finished` follows the
+//! `output_tokens`-th token (FirstToken counts; 0 behaves as 1) in the same step, and
+//! releases its blocks.
+//!
+//! # Preemption
+//!
+//! When a decoding sequence needs a block and none is free or evictable, the most recently
+//! admitted running sequence (possibly itself) is preempted: its blocks are released, it
+//! goes back to the head of the waiting queue, and on re-admission it recomputes its prompt
+//! plus the tokens it already generated (prefix-cache and tier hits still shorten that, but
+//! are not counted in the hit statistics again; its recompute ends with a `Token`, not a
+//! second `FirstToken`).
+//!
+//! # Rejection
+//!
+//! A request is `Rejected` (at submission, reported by the next `start_step` or
+//! `complete_step` with `at_us` = submission time) when it could never run to completion
+//! alone: `ceil((prompt + output − 1) / block_tokens) + 1 > gpu_blocks`, i.e. its longest
+//! recompute plus the headroom block exceeds the cache. For one output token this is "the
+//! prompt needs more than `gpu_blocks − 1` blocks". Checking the whole length (as vLLM checks
+//! `max_model_len`) guarantees progress: the oldest running sequence always finds a block by
+//! preempting newer ones, and the head of the queue always fits an idle engine.
+//!
+//! # Statistics
+//!
+//! `prompt_tokens` and the three hit counters are counted at first admission;
+//! `computed_prefill_tokens` counts every prefill token computed, recomputation included.
+//! Once every admitted request has finished and no preemption happened,
+//! `gpu_hit_tokens + l1_hit_tokens + l2_hit_tokens + computed_prefill_tokens ==
+//! prompt_tokens`; with preemptions the left side is larger by the recomputed tokens.
+//! `steps` and `busy_us` count completed steps.
+//!
+//! # Determinism and cost
+//!
+//! Hash maps are only used for lookups; every order that matters comes from a `Vec`,
+//! `VecDeque` or an LRU list. Planning a step costs O(running sequences) plus O(prompt
+//! blocks) per admission and per prefill completion, never O(cache size).
+
+use std::collections::{HashMap, VecDeque};
+
+use warmpath_index::cost::{ModelProfile, Tier};
+use warmpath_index::keys::BlockKey;
+
+use crate::tiers::BlockLru;
+
+/// Shape and limits of one engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens per KV block (= the workload's block size). 0 is treated as 1.
+    pub block_tokens: u32,
+    /// GPU KV cache capacity in blocks.
+    pub gpu_blocks: u32,
+    /// Token budget per step. 0 is treated as 1.
+    pub max_batch_tokens: u32,
+    /// Cap on running sequences. 0 is treated as 1.
+    pub max_running: u32,
+    /// Host CPU-memory tier capacity in blocks; 0 = no L1.
+    pub l1_blocks: u64,
+    /// Blocks evicted from L1 (or from GPU when there is no L1) go to the global L2 store.
+    pub offload_to_l2: bool,
+}
+
+impl Default for EngineConfig {
+    /// vLLM's defaults on one 80 GB H100 serving Llama-3.1-8B: 16-token blocks; 25600 GPU
+    /// blocks (≈ 54 GB of KV at 2 MiB per block, what is left of 90% of 80 GB after 16 GB of
+    /// weights and activations); 8192 batched tokens; 256 sequences; no L1, no L2 offload.
+    fn default() -> Self {
+        EngineConfig {
+            block_tokens: 16,
+            gpu_blocks: 25_600,
+            max_batch_tokens: 8192,
+            max_running: 256,
+            l1_blocks: 0,
+            offload_to_l2: false,
+        }
+    }
+}
+
+/// One request as the engine sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineRequest {
+    pub id: u64,
+    /// Prefix keys of the prompt's complete blocks of `block_tokens` tokens.
+    pub keys: Vec<BlockKey>,
+    /// Prompt length in tokens; 0 is treated as 1.
+    pub prompt_tokens: u32,
+    /// Tokens to generate; 0 is treated as 1.
+    pub output_tokens: u32,
+}
+
+/// What the engine reports; times are virtual microseconds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineEvent {
+    /// Prefill finished and the first token came out at `at_us`; hit tokens say where the
+    /// prompt's prefix was found when the request was first admitted (GPU prefix cache, this
+    /// host's L1, global L2).
+    FirstToken {
+        id: u64,
+        at_us: u64,
+        gpu_hit_tokens: u32,
+        l1_hit_tokens: u32,
+        l2_hit_tokens: u32,
+    },
+    /// A later output token.
+    Token { id: u64, at_us: u64 },
+    /// The last output token came out; the request's blocks are released.
+    Finished { id: u64, at_us: u64 },
+    /// The request can never fit: its prompt plus output, plus one headroom block, needs
+    /// more blocks than the whole GPU cache. `at_us` is when it was submitted.
+    Rejected { id: u64, at_us: u64 },
+    /// A block became resident in a tier (Gpu or L1: on this engine/host; L2: the global
+    /// store).
+    Stored { key: BlockKey, tier: Tier },
+    /// A block stopped being resident in a tier.
+    Removed { key: BlockKey, tier: Tier },
+}
+
+/// Counters since the engine was created.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Completed steps.
+    pub steps: u64,
+    /// Sum of completed step durations.
+    pub busy_us: u64,
+    /// Prompt tokens of admitted requests (counted at first admission).
+    pub prompt_tokens: u64,
+    /// Prompt tokens found in the GPU prefix cache at first admission.
+    pub gpu_hit_tokens: u64,
+    /// Prompt tokens loaded from L1 at first admission.
+    pub l1_hit_tokens: u64,
+    /// Prompt tokens loaded from L2 at first admission.
+    pub l2_hit_tokens: u64,
+    /// Prefill tokens computed, recomputation after preemption included.
+    pub computed_prefill_tokens: u64,
+    /// Sequences preempted (one per preemption, a sequence may count several times).
+    pub preemptions: u64,
+    pub finished: u64,
+    pub rejected: u64,
+}
+
+/// A request inside the engine, waiting or running.
+#[derive(Clone, Debug)]
+struct Seq {
+    id: u64,
+    /// Keys of the prompt's complete blocks (at most `prompt_tokens / block_tokens`).
+    keys: Vec<BlockKey>,
+    /// At least 1.
+    prompt_tokens: u64,
+    /// At least 1.
+    output_tokens: u64,
+    /// Tokens output so far, over all runs.
+    generated: u64,
+    /// Hit tokens (GPU, L1, L2) of the first admission; None before it.
+    first_hits: Option<[u32; 3]>,
+    // The current run: reset by preemption.
+    /// Tokens to be in the KV cache before this run's first output: prompt plus tokens
+    /// generated before the run began.
+    prefill_len: u64,
+    /// Of `prefill_len`, tokens in the KV cache (hits plus computed chunks).
+    prefilled: u64,
+    /// `keys[..named]` are referenced named GPU blocks.
+    named: usize,
+    /// Anonymous GPU blocks held (prompt blocks being computed count here until named).
+    anon: u64,
+    // The planned step.
+    /// Prefill tokens of this sequence in the running step.
+    chunk: u64,
+    /// Whether this sequence decodes in the running step.
+    decode: bool,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.prefill_len > 0 && self.prefilled >= self.prefill_len
+    }
+}
+
+/// The step being executed.
+#[derive(Clone, Copy, Debug)]
+struct Step {
+    duration_us: u64,
+}
+
+/// One engine: GPU cache, L1, scheduler. See the module doc for the model.
+#[derive(Debug)]
+pub struct Engine {
+    /// Normalized: block_tokens, max_batch_tokens and max_running at least 1.
+    config: EngineConfig,
+    profile: ModelProfile,
+    /// FCFS queue; preempted sequences return to the front.
+    waiting: VecDeque<Seq>,
+    /// Running sequences in admission order (newest last: the preemption victim).
+    running: Vec<Seq>,
+    /// Named GPU blocks and their reference counts (lookups only).
+    resident: HashMap<BlockKey, u32>,
+    /// Named GPU blocks with no reference, least recently used first: the eviction order.
+    evictable: BlockLru,
+    /// GPU blocks never used or holding freed anonymous data.
+    free_blocks: u64,
+    /// This host's CPU-memory tier.
+    l1: BlockLru,
+    /// The step in flight, if any.
+    step: Option<Step>,
+    /// Rejected at submission, not yet reported: (id, submitted at).
+    rejects: Vec<(u64, u64)>,
+    stats: EngineStats,
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig, profile: ModelProfile) -> Engine {
+        let config = EngineConfig {
+            block_tokens: config.block_tokens.max(1),
+            max_batch_tokens: config.max_batch_tokens.max(1),
+            max_running: config.max_running.max(1),
+            ..config
+        };
+        Engine {
+            free_blocks: u64::from(config.gpu_blocks),
+            l1: BlockLru::new(config.l1_blocks),
+            config,
+            profile,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            resident: HashMap::new(),
+            evictable: BlockLru::new(u64::MAX),
+            step: None,
+            rejects: Vec::new(),
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The configuration in use (after normalization).
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// This host's L1 tier.
+    pub fn l1(&self) -> &BlockLru {
+        &self.l1
+    }
+
+    /// Queues a request (FCFS). One that can never fit is rejected; the next `start_step` or
+    /// `complete_step` reports it.
+    pub fn submit(&mut self, now_us: u64, req: EngineRequest) {
+        let bt = u64::from(self.config.block_tokens);
+        let prompt_tokens = u64::from(req.prompt_tokens.max(1));
+        let output_tokens = u64::from(req.output_tokens.max(1));
+        let longest = prompt_tokens + output_tokens - 1;
+        if longest.div_ceil(bt) + 1 > u64::from(self.config.gpu_blocks) {
+            self.stats.rejected += 1;
+            self.rejects.push((req.id, now_us));
+            return;
+        }
+        let mut keys = req.keys;
+        keys.truncate(usize::try_from(prompt_tokens / bt).unwrap_or(usize::MAX));
+        self.waiting.push_back(Seq {
+            id: req.id,
+            keys,
+            prompt_tokens,
+            output_tokens,
+            generated: 0,
+            first_hits: None,
+            prefill_len: 0,
+            prefilled: 0,
+            named: 0,
+            anon: 0,
+            chunk: 0,
+            decode: false,
+        });
+    }
+
+    /// If no step is running and there is work, plans the next step and returns its end
+    /// time. Admission happens here, with its evictions, offloads and loads.
+    pub fn start_step(
+        &mut self,
+        now_us: u64,
+        l2: &mut BlockLru,
+        events: &mut Vec<EngineEvent>,
+    ) -> Option<u64> {
+        self.flush_rejects(events);
+        if self.step.is_some() || (self.waiting.is_empty() && self.running.is_empty()) {
+            return None;
+        }
+        let bt = u64::from(self.config.block_tokens);
+        let mut budget = u64::from(self.config.max_batch_tokens);
+        let mut preempted = false;
+        let mut decodes = 0u64;
+
+        // Decodes, oldest admission first; each may need one more block.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            if !self.running[i].decoding() {
+                i += 1;
+                continue;
+            }
+            let seq = &self.running[i];
+            let need = (seq.prompt_tokens + seq.generated).div_ceil(bt);
+            let mut victim_was_self = false;
+            while self.held(i) < need {
+                if self.available() > 0 {
+                    self.take_block(l2, events);
+                    self.running[i].anon += 1;
+                } else {
+                    let victim = self.running.len() - 1;
+                    self.preempt_last();
+                    preempted = true;
+                    if victim == i {
+                        victim_was_self = true;
+                        break;
+                    }
+                }
+            }
+            if victim_was_self {
+                break;
+            }
+            self.running[i].decode = true;
+            decodes += 1;
+            budget -= 1;
+            i += 1;
+        }
+
+        // Prefill chunks of running sequences, in admission order.
+        let mut prefill = 0u64;
+        for seq in &mut self.running {
+            if budget == 0 {
+                break;
+            }
+            if !seq.decoding() {
+                seq.chunk = (seq.prefill_len - seq.prefilled).min(budget);
+                budget -= seq.chunk;
+                prefill += seq.chunk;
+            }
+        }
+
+        // Admission, FCFS, with the budget left.
+        let mut load_ms = 0.0;
+        while !preempted
+            && budget > 0
+            && self.running.len() < self.config.max_running as usize
+            && !self.waiting.is_empty()
+        {
+            let Some(ms) = self.try_admit(l2, events) else {
+                break;
+            };
+            load_ms += ms;
+            if let Some(seq) = self.running.last_mut() {
+                seq.chunk = (seq.prefill_len - seq.prefilled).min(budget);
+                budget -= seq.chunk;
+                prefill += seq.chunk;
+            }
+        }
+
+        if prefill == 0 && decodes == 0 {
+            // Nothing could be scheduled (cannot happen given the rejection rule): do not
+            // spin on empty steps.
+            return None;
+        }
+        let mut ms = self.profile.prefill_ms(prefill) + load_ms;
+        if decodes > 0 {
+            ms += self.profile.decode_step_ms(self.kv_usage());
+        }
+        // Float-to-int casts saturate and map NaN to 0, so this cannot panic.
+        let duration_us = ((ms * 1000.0).round() as u64).max(1);
+        self.step = Some(Step { duration_us });
+        Some(now_us.saturating_add(duration_us))
+    }
+
+    /// Completes the running step at its end time (the value `start_step` returned),
+    /// pushing the tokens, first tokens, finishes and block events it produced. Does nothing
+    /// (beyond reporting rejections) when no step is running.
+    pub fn complete_step(&mut self, now_us: u64, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+        let _ = l2; // Completion frees and names blocks but never evicts.
+        self.flush_rejects(events);
+        let Some(step) = self.step.take() else { return };
+        self.stats.steps += 1;
+        self.stats.busy_us += step.duration_us;
+        let running = std::mem::take(&mut self.running);
+        let mut still = Vec::with_capacity(running.len());
+        for mut seq in running {
+            let mut emitted = false;
+            if seq.decode {
+                emitted = true;
+            } else if seq.chunk > 0 {
+                seq.prefilled += seq.chunk;
+                self.stats.computed_prefill_tokens += seq.chunk;
+                if seq.prefilled >= seq.prefill_len {
+                    self.name_prompt_blocks(&mut seq, events);
+                    emitted = true;
+                }
+            }
+            seq.decode = false;
+            seq.chunk = 0;
+            if emitted {
+                seq.generated += 1;
+                let id = seq.id;
+                match (seq.generated, seq.first_hits) {
+                    (1, Some([gpu, l1, l2])) => events.push(EngineEvent::FirstToken {
+                        id,
+                        at_us: now_us,
+                        gpu_hit_tokens: gpu,
+                        l1_hit_tokens: l1,
+                        l2_hit_tokens: l2,
+                    }),
+                    _ => events.push(EngineEvent::Token { id, at_us: now_us }),
+                }
+                if seq.generated >= seq.output_tokens {
+                    self.release(&seq);
+                    self.stats.finished += 1;
+                    events.push(EngineEvent::Finished { id, at_us: now_us });
+                    continue;
+                }
+            }
+            still.push(seq);
+        }
+        self.running = still;
+    }
+
+    pub fn step_running(&self) -> bool {
+        self.step.is_some()
+    }
+
+    /// Requests waiting plus running.
+    pub fn in_flight(&self) -> u32 {
+        u32::try_from(self.waiting.len() + self.running.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Referenced GPU blocks / gpu_blocks (cached but unreferenced blocks count as free).
+    pub fn kv_usage(&self) -> f64 {
+        let total = u64::from(self.config.gpu_blocks);
+        if total == 0 {
+            return 0.0;
+        }
+        let used = total - self.free_blocks - self.evictable.len() as u64;
+        used as f64 / total as f64
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    fn flush_rejects(&mut self, events: &mut Vec<EngineEvent>) {
+        for (id, at_us) in self.rejects.drain(..) {
+            events.push(EngineEvent::Rejected { id, at_us });
+        }
+    }
+
+    /// GPU blocks the running sequence `i` holds.
+    fn held(&self, i: usize) -> u64 {
+        self.running[i].named as u64 + self.running[i].anon
+    }
+
+    /// Blocks an allocation can take now: free plus evictable.
+    fn available(&self) -> u64 {
+        self.free_blocks + self.evictable.len() as u64
+    }
+
+    /// Tries to admit the head of the waiting queue; on success pushes it onto `running`
+    /// and returns the milliseconds of its tier loads.
+    fn try_admit(&mut self, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) -> Option<f64> {
+        let bt = u64::from(self.config.block_tokens);
+        let head = self.waiting.front()?;
+        let prefill_len = head.prompt_tokens + head.generated;
+        let total = prefill_len.div_ceil(bt);
+        // The last token is always computed: only blocks ending before it may hit.
+        let max_hit = head
+            .keys
+            .len()
+            .min(usize::try_from((prefill_len - 1) / bt).unwrap_or(usize::MAX));
+        let mut gpu = 0;
+        let mut evictable_hits = 0u64;
+        while gpu < max_hit {
+            match self.resident.get(&head.keys[gpu]) {
+                Some(&refs) => evictable_hits += u64::from(refs == 0),
+                None => break,
+            }
+            gpu += 1;
+        }
+        let mut loaded = gpu;
+        while loaded < max_hit {
+            let key = head.keys[loaded];
+            if self.resident.contains_key(&key) || !(self.l1.contains(key) || l2.contains(key)) {
+                break;
+            }
+            loaded += 1;
+        }
+        let new_blocks = total - gpu as u64;
+        if new_blocks + 1 > self.available().saturating_sub(evictable_hits) {
+            return None;
+        }
+
+        let mut seq = self.waiting.pop_front()?;
+        for &key in &seq.keys[..gpu] {
+            self.reference(key);
+        }
+        // Touch the blocks to load first, so that offloads made room for below do not push
+        // them out of their tier before they are read.
+        let (mut l1_blocks, mut l2_blocks) = (0u64, 0u64);
+        for &key in &seq.keys[gpu..loaded] {
+            if self.l1.touch(key) {
+                l1_blocks += 1;
+            } else {
+                l2.touch(key);
+                l2_blocks += 1;
+            }
+        }
+        for _ in 0..new_blocks {
+            self.take_block(l2, events);
+        }
+        seq.anon = new_blocks;
+        for &key in &seq.keys[gpu..loaded] {
+            seq.anon -= 1;
+            self.adopt(key, events);
+        }
+        seq.named = loaded;
+        seq.prefill_len = prefill_len;
+        seq.prefilled = loaded as u64 * bt;
+        if seq.first_hits.is_none() {
+            let tokens = |blocks: u64| u32::try_from(blocks * bt).unwrap_or(u32::MAX);
+            let hits = [tokens(gpu as u64), tokens(l1_blocks), tokens(l2_blocks)];
+            self.stats.prompt_tokens += seq.prompt_tokens;
+            self.stats.gpu_hit_tokens += u64::from(hits[0]);
+            self.stats.l1_hit_tokens += u64::from(hits[1]);
+            self.stats.l2_hit_tokens += u64::from(hits[2]);
+            seq.first_hits = Some(hits);
+        }
+        self.running.push(seq);
+        let ms = self.profile.load_ms(Tier::L1, l1_blocks * bt)
+            + self.profile.load_ms(Tier::L2, l2_blocks * bt);
+        Some(ms)
+    }
+
+    /// Adds a reference to a resident named block, taking it off the evictable list.
+    fn reference(&mut self, key: BlockKey) {
+        if let Some(refs) = self.resident.get_mut(&key) {
+            if *refs == 0 {
+                self.evictable.remove(key);
+            }
+            *refs += 1;
+        }
+    }
+
+    /// The caller holds an anonymous block now containing `key`'s data: make it the named
+    /// block `key` (`Stored{Gpu}`), or, when `key` is already resident, free the copy and
+    /// reference the resident block.
+    fn adopt(&mut self, key: BlockKey, events: &mut Vec<EngineEvent>) {
+        if self.resident.contains_key(&key) {
+            self.reference(key);
+            self.free_blocks += 1;
+        } else {
+            self.resident.insert(key, 1);
+            events.push(EngineEvent::Stored {
+                key,
+                tier: Tier::Gpu,
+            });
+        }
+    }
+
+    /// The last prefill chunk of `seq` completed: its computed complete prompt blocks become
+    /// named.
+    fn name_prompt_blocks(&mut self, seq: &mut Seq, events: &mut Vec<EngineEvent>) {
+        for index in seq.named..seq.keys.len() {
+            seq.anon -= 1;
+            self.adopt(seq.keys[index], events);
+        }
+        seq.named = seq.keys.len();
+    }
+
+    /// Takes one block for the caller (who counts it as anonymous): a free one, else the
+    /// least recently used evictable one, which is offloaded. The caller checked that one
+    /// is available; if none is, nothing is taken.
+    fn take_block(&mut self, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+        if self.free_blocks > 0 {
+            self.free_blocks -= 1;
+            return;
+        }
+        if let Some(key) = self.evictable.pop_lru() {
+            self.resident.remove(&key);
+            events.push(EngineEvent::Removed {
+                key,
+                tier: Tier::Gpu,
+            });
+            self.offload(key, l2, events);
+        }
+    }
+
+    /// A named block left the GPU: keep it in L1, or in L2 when there is no L1.
+    fn offload(&mut self, key: BlockKey, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+        if self.l1.capacity() > 0 {
+            let was_there = self.l1.contains(key);
+            let mut evicted = Vec::new();
+            self.l1.insert(key, &mut evicted);
+            for old in evicted {
+                events.push(EngineEvent::Removed {
+                    key: old,
+                    tier: Tier::L1,
+                });
+                if self.config.offload_to_l2 {
+                    store_l2(old, l2, events);
+                }
+            }
+            if !was_there {
+                events.push(EngineEvent::Stored {
+                    key,
+                    tier: Tier::L1,
+                });
+            }
+        } else if self.config.offload_to_l2 {
+            store_l2(key, l2, events);
+        }
+    }
+
+    /// Drops every block reference of `seq` (named ones stay cached, last block first so
+    /// the tail is evicted before the head; anonymous ones become free).
+    fn release(&mut self, seq: &Seq) {
+        for &key in seq.keys[..seq.named].iter().rev() {
+            if let Some(refs) = self.resident.get_mut(&key) {
+                *refs = refs.saturating_sub(1);
+                if *refs == 0 {
+                    self.evictable.insert(key, &mut Vec::new());
+                }
+            }
+        }
+        self.free_blocks += seq.anon;
+    }
+
+    /// Preempts the most recently admitted running sequence: release its blocks and put it
+    /// back at the head of the queue to be recomputed.
+    fn preempt_last(&mut self) {
+        let Some(mut seq) = self.running.pop() else {
+            return;
+        };
+        self.release(&seq);
+        seq.prefill_len = 0;
+        seq.prefilled = 0;
+        seq.named = 0;
+        seq.anon = 0;
+        seq.chunk = 0;
+        seq.decode = false;
+        self.stats.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+}
+
+/// Puts `key` in the global L2, reporting what it displaced and, when new there, the store.
+fn store_l2(key: BlockKey, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+    let was_there = l2.contains(key);
+    let mut evicted = Vec::new();
+    l2.insert(key, &mut evicted);
+    for old in evicted {
+        events.push(EngineEvent::Removed {
+            key: old,
+            tier: Tier::L2,
+        });
+    }
+    if !was_there && l2.contains(key) {
+        events.push(EngineEvent::Stored {
+            key,
+            tier: Tier::L2,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use warmpath_index::rng::Rng;
+
+    use super::*;
+
+    /// `blocks` keys of prompt family `tag`: two prompts share a prefix iff they share a tag
+    /// (a real key chain would also differ after the first different block; tests that need
+    /// divergence build keys by hand).
+    fn keys(tag: u64, blocks: u64) -> Vec<BlockKey> {
+        (0..blocks).map(|i| BlockKey(tag << 32 | i)).collect()
+    }
+
+    fn req(id: u64, keys: Vec<BlockKey>, prompt_tokens: u32, output_tokens: u32) -> EngineRequest {
+        EngineRequest { id, keys, prompt_tokens, output_tokens }
+    }
+
+    fn config(block_tokens: u32, gpu_blocks: u32) -> EngineConfig {
+        EngineConfig { block_tokens, gpu_blocks, ..EngineConfig::default() }
+    }
+
+    fn us(ms: f64) -> u64 {
+        ((ms * 1000.0).round() as u64).max(1)
+    }
+
+    /// What a drive produced.
+    struct Run {
+        engine: Engine,
+        l2: BlockLru,
+        events: Vec<EngineEvent>,
+        /// (start, end) of every step.
+        steps: Vec<(u64, u64)>,
+    }
+
+    impl Run {
+        /// Token events only (no block events).
+        fn tokens(&self) -> Vec<EngineEvent> {
+            let block = |e: &&EngineEvent| matches!(e, EngineEvent::Stored { .. } | EngineEvent::Removed { .. });
+            self.events.iter().filter(|e| !block(e)).cloned().collect()
+        }
+
+        fn first_token(&self, id: u64) -> (u64, [u32; 3]) {
+            for e in &self.events {
+                if let EngineEvent::FirstToken { id: i, at_us, gpu_hit_tokens, l1_hit_tokens, l2_hit_tokens } = *e {
+                    if i == id {
+                        return (at_us, [gpu_hit_tokens, l1_hit_tokens, l2_hit_tokens]);
+                    }
+                }
+            }
+            panic!("no first token for {id}");
+        }
+
+        fn removed(&self, tier: Tier) -> Vec<BlockKey> {
+            let pick = |e: &EngineEvent| match *e {
+                EngineEvent::Removed { key, tier: t } if t == tier => Some(key),
+                _ => None,
+            };
+            self.events.iter().filter_map(pick).collect()
+        }
+
+        fn step_starting_at(&self, t: u64) -> u64 {
+            let (start, end) = self.steps.iter().find(|s| s.0 == t).copied().expect("no step there");
+            end - start
+        }
+    }
+
+    /// Drives one engine over `arrivals` (sorted by time) until it is idle, checking the
+    /// block accounting after every call and that the block events replay to the tiers'
+    /// real contents.
+    fn drive(config: EngineConfig, arrivals: Vec<(u64, EngineRequest)>, l2: BlockLru) -> Run {
+        let mut run = Run {
+            engine: Engine::new(config, ModelProfile::dynamo_default()),
+            l2,
+            events: Vec::new(),
+            steps: Vec::new(),
+        };
+        let mut replay = Replay::default();
+        for k in run.l2.keys_lru_first() {
+            replay.l2.insert(k);
+        }
+        let mut arrivals = arrivals.into_iter().peekable();
+        let mut now = 0;
+        let mut step_end: Option<u64> = None;
+        for _ in 0..1_000_000 {
+            while let Some((_, r)) = arrivals.next_if(|(t, _)| *t <= now) {
+                run.engine.submit(now, r);
+            }
+            if step_end.is_none() {
+                step_end = run.engine.start_step(now, &mut run.l2, &mut run.events);
+                if let Some(end) = step_end {
+                    assert!(end > now);
+                    run.steps.push((now, end));
+                }
+                check_accounting(&run.engine);
+            }
+            let next_arrival = arrivals.peek().map(|(t, _)| *t);
+            match (step_end, next_arrival) {
+                (Some(end), a) if a.map_or(true, |a| end <= a) => {
+                    now = end;
+                    run.engine.complete_step(now, &mut run.l2, &mut run.events);
+                    step_end = None;
+                    check_accounting(&run.engine);
+                }
+                (_, Some(a)) => now = a,
+                (_, None) => {
+                    run.engine.complete_step(now, &mut run.l2, &mut run.events);
+                    assert_eq!(run.engine.in_flight(), 0, "stuck with work");
+                    replay.apply(&run.events);
+                    replay.check(&run.engine, &run.l2);
+                    return run;
+                }
+            }
+        }
+        panic!("did not finish");
+    }
+
+    /// Resident sets rebuilt from Stored/Removed events.
+    #[derive(Default)]
+    struct Replay {
+        gpu: BTreeSet<BlockKey>,
+        l1: BTreeSet<BlockKey>,
+        l2: BTreeSet<BlockKey>,
+    }
+
+    impl Replay {
+        fn apply(&mut self, events: &[EngineEvent]) {
+            for e in events {
+                let (key, tier, stored) = match *e {
+                    EngineEvent::Stored { key, tier } => (key, tier, true),
+                    EngineEvent::Removed { key, tier } => (key, tier, false),
+                    _ => continue,
+                };
+                let set = match tier {
+                    Tier::Gpu => &mut self.gpu,
+                    Tier::L1 => &mut self.l1,
+                    Tier::L2 => &mut self.l2,
+                };
+                if stored {
+                    assert!(set.insert(key), "stored twice: {e:?}");
+                } else {
+                    assert!(set.remove(&key), "removed while absent: {e:?}");
+                }
+            }
+        }
+
+        fn check(&self, engine: &Engine, l2: &BlockLru) {
+            let gpu: BTreeSet<BlockKey> = engine.resident.keys().copied().collect();
+            assert_eq!(self.gpu, gpu);
+            assert_eq!(self.l1, engine.l1.keys_lru_first().into_iter().collect());
+            assert_eq!(self.l2, l2.keys_lru_first().into_iter().collect());
+        }
+    }
+
+    /// Every GPU block is free, evictable, referenced or anonymous, exactly once; reference
+    /// counts match the running sequences.
+    fn check_accounting(e: &Engine) {
+        let mut refs: HashMap<BlockKey, u32> = HashMap::new();
+        let mut anon = 0;
+        for s in &e.running {
+            for k in &s.keys[..s.named] {
+                *refs.entry(*k).or_default() += 1;
+            }
+            anon += s.anon;
+        }
+        for s in &e.waiting {
+            assert_eq!((s.named, s.anon), (0, 0), "waiting sequences hold nothing");
+        }
+        let mut referenced = 0;
+        for (k, &r) in &e.resident {
+            assert_eq!(r, refs.get(k).copied().unwrap_or(0), "{k:?}");
+            assert_eq!(r == 0, e.evictable.contains(*k), "{k:?}");
+            referenced += u64::from(r > 0);
+        }
+        assert!(refs.keys().all(|k| e.resident.contains_key(k)));
+        assert_eq!(e.evictable.len(), e.resident.len() - referenced as usize);
+        let total = e.free_blocks + e.evictable.len() as u64 + referenced + anon;
+        assert_eq!(total, u64::from(e.config.gpu_blocks));
+    }
+
+    /// One request after another, each arriving when the previous has long finished.
+    fn one_by_one(requests: Vec<EngineRequest>) -> Vec<(u64, EngineRequest)> {
+        requests.into_iter().enumerate().map(|(i, r)| (i as u64 * 10_000_000, r)).collect()
+    }
+
+    #[test]
+    fn repeated_prompts_hit_the_gpu_cache() {
+        let shared = |tail: u64| vec![BlockKey(1), BlockKey(2), BlockKey(tail), BlockKey(tail + 1)];
+        // (first prompt, second prompt, second's gpu hit tokens), 16-token blocks.
+        let cases = [
+            ((keys(1, 4), 70), (keys(1, 4), 70), 64),
+            // A prompt of exactly n blocks recomputes its last token, so its last block.
+            ((keys(1, 4), 64), (keys(1, 4), 64), 48),
+            ((keys(1, 4), 70), (keys(2, 4), 70), 0),
+            ((shared(10), 70), (shared(20), 70), 32),
+            ((keys(1, 4), 70), (keys(1, 2), 40), 32),
+            ((keys(1, 2), 40), (keys(1, 4), 70), 32),
+            ((vec![], 10), (vec![], 10), 0),
+        ];
+        for (i, ((ka, ta), (kb, tb), want)) in cases.into_iter().enumerate() {
+            let run = drive(config(16, 1000), one_by_one(vec![req(0, ka, ta, 2), req(1, kb, tb, 2)]), BlockLru::new(0));
+            assert_eq!(run.first_token(0).1, [0, 0, 0], "case {i}");
+            assert_eq!(run.first_token(1).1, [want, 0, 0], "case {i}");
+            let s = run.engine.stats();
+            assert_eq!(s.gpu_hit_tokens, u64::from(want), "case {i}");
+            assert_eq!(s.computed_prefill_tokens + s.gpu_hit_tokens, s.prompt_tokens, "case {i}");
+        }
+    }
+
+    #[test]
+    fn evicts_least_recently_used_free_blocks_tail_first() {
+        // 4-token blocks, 6 GPU blocks; each prompt is 2 named blocks and a 1-token tail.
+        // After A and B: evictable [A1, A0, B1, B0] (released tail first), 2 free. C takes
+        // the 2 free blocks and evicts A1; A again hits A0 and evicts B1 for its new blocks.
+        let p = |tag| req(tag, keys(tag, 2), 9, 1);
+        let run = drive(config(4, 6), one_by_one(vec![p(1), p(2), p(3), p(1)]), BlockLru::new(0));
+        assert_eq!(run.removed(Tier::Gpu), vec![keys(1, 2)[1], keys(2, 2)[1]]);
+        let hits: Vec<u32> = run.tokens().iter().filter_map(|e| match e {
+            EngineEvent::FirstToken { gpu_hit_tokens, .. } => Some(*gpu_hit_tokens),
+            _ => None,
+        }).collect();
+        assert_eq!(hits, vec![0, 0, 0, 4]);
+    }
+
+    #[test]
+    fn chunked_prefill_then_decode() {
+        let d = ModelProfile::dynamo_default();
+        let cfg = EngineConfig { max_batch_tokens: 100, ..config(16, 1000) };
+        let run = drive(cfg, vec![(0, req(7, keys(1, 15), 250, 3))], BlockLru::new(0));
+        // 250 tokens in chunks of 100, 100, 50; then two decode steps holding 16 blocks.
+        let u = 16.0 / 1000.0;
+        let want = [d.prefill_ms(100), d.prefill_ms(100), d.prefill_ms(50), d.decode_step_ms(u), d.decode_step_ms(u)];
+        let got: Vec<u64> = run.steps.iter().map(|(s, e)| e - s).collect();
+        assert_eq!(got, want.map(us).to_vec());
+        let ends: Vec<u64> = run.steps.iter().map(|s| s.1).collect();
+        let first = EngineEvent::FirstToken { id: 7, at_us: ends[2], gpu_hit_tokens: 0, l1_hit_tokens: 0, l2_hit_tokens: 0 };
+        let want = vec![
+            first,
+            EngineEvent::Token { id: 7, at_us: ends[3] },
+            EngineEvent::Token { id: 7, at_us: ends[4] },
+            EngineEvent::Finished { id: 7, at_us: ends[4] },
+        ];
+        assert_eq!(run.tokens(), want);
+        // The 15 complete blocks are named when the prefill completes, not before.
+        let stored = run.events.iter().position(|e| matches!(e, EngineEvent::Stored { .. })).unwrap();
+        assert_eq!(stored, 0);
+        assert_eq!(run.events.len(), 4 + 15);
+        assert_eq!(run.engine.stats().steps, 5);
+        assert_eq!(run.engine.stats().busy_us, ends[4]);
+    }
+
+    #[test]
+    fn step_time_follows_the_cost_model() {
+        let d = ModelProfile::dynamo_default();
+        // A (10 tokens) prefills alone; B arrives during that step and is prefilled while A
+        // decodes; A holds 1 block and B 2 of 100, so usage is 3%.
+        let run = drive(
+            config(16, 100),
+            vec![(0, req(0, vec![], 10, 3)), (1, req(1, keys(2, 1), 20, 1))],
+            BlockLru::new(0),
+        );
+        let got: Vec<u64> = run.steps.iter().map(|(s, e)| e - s).collect();
+        let want = [d.prefill_ms(10), d.prefill_ms(20) + d.decode_step_ms(0.03), d.decode_step_ms(0.01)];
+        assert_eq!(got, want.map(us).to_vec());
+    }
+
+    #[test]
+    fn preemption_under_a_tiny_cache_still_finishes_everything() {
+        // (gpu blocks, requests as (keys, prompt, output)), 4-token blocks; all arrive at 0.
+        let cases: Vec<(u32, Vec<(Vec<BlockKey>, u32, u32)>)> = vec![
+            (8, (1..=4).map(|t| (keys(t, 2), 8, 12)).collect()),
+            (8, (1..=6).map(|_| (keys(1, 2), 9, 15)).collect()),
+            (6, (1..=5).map(|t| (keys(t, 1), 5, 9)).collect()),
+        ];
+        for (i, (gpu, reqs)) in cases.into_iter().enumerate() {
+            let n = reqs.len() as u64;
+            let outputs: Vec<u32> = reqs.iter().map(|r| r.2).collect();
+            let arrivals = reqs.into_iter().enumerate().map(|(id, (k, p, o))| (0, req(id as u64, k, p, o))).collect();
+            let run = drive(config(4, gpu), arrivals, BlockLru::new(0));
+            let s = run.engine.stats();
+            assert!(s.preemptions > 0, "case {i}: no preemption");
+            assert_eq!((s.finished, s.rejected), (n, 0), "case {i}");
+            for (id, &out) in outputs.iter().enumerate() {
+                let id = id as u64;
+                let count = |f: fn(&EngineEvent, u64) -> bool| run.events.iter().filter(|e| f(e, id)).count();
+                let firsts = count(|e, id| matches!(e, EngineEvent::FirstToken { id: i, .. } if *i == id));
+                let tokens = count(|e, id| matches!(e, EngineEvent::Token { id: i, .. } if *i == id));
+                let finished = count(|e, id| matches!(e, EngineEvent::Finished { id: i, .. } if *i == id));
+                assert_eq!((firsts, firsts + tokens, finished), (1, out as usize, 1), "case {i} id {id}");
+            }
+            assert!(s.gpu_hit_tokens + s.computed_prefill_tokens > s.prompt_tokens, "case {i}: recompute");
+        }
+    }
+
+    #[test]
+    fn tiers_catch_evicted_blocks_and_load_them_back() {
+        let d = ModelProfile::dynamo_default();
+        // 16-token blocks, 7 GPU blocks. A (4 blocks + 1 token) finishes; B evicts A's last
+        // two blocks (A3, then A2); A again finds A0, A1 on the GPU and A2, A3 wherever the
+        // offload put them. (l1 blocks, offload to L2, A's second hits as gpu/l1/l2 tokens).
+        let cases = [
+            (100, false, [32, 32, 0]),
+            (0, true, [32, 0, 32]),
+            (0, false, [32, 0, 0]),
+            // L1 holds one block: A2 pushes A3 on to L2.
+            (1, true, [32, 16, 16]),
+            (1, false, [32, 16, 0]),
+        ];
+        for (i, (l1_blocks, offload_to_l2, want)) in cases.into_iter().enumerate() {
+            let cfg = EngineConfig { l1_blocks, offload_to_l2, ..config(16, 7) };
+            let workload = one_by_one(vec![req(0, keys(1, 4), 65, 1), req(1, keys(2, 4), 65, 1), req(2, keys(1, 4), 65, 1)]);
+            let run = drive(cfg, workload.clone(), BlockLru::new(1000));
+            assert_eq!(run.first_token(2).1, want, "case {i}");
+            // B evicts A3, A2; A's return evicts B3, B2 for the blocks it loads or computes.
+            let evicted = [1 << 32 | 3, 1 << 32 | 2, 2 << 32 | 3, 2 << 32 | 2].map(BlockKey);
+            assert_eq!(run.removed(Tier::Gpu), evicted, "case {i}");
+            let s = run.engine.stats();
+            let hits = [s.gpu_hit_tokens, s.l1_hit_tokens, s.l2_hit_tokens];
+            assert_eq!(hits, want.map(u64::from), "case {i}");
+            assert_eq!(hits.iter().sum::<u64>() + s.computed_prefill_tokens, s.prompt_tokens, "case {i}");
+            // The admitting step computes the rest and pays for the loads.
+            let computed = 65 - want.iter().sum::<u32>();
+            let ms = d.prefill_ms(u64::from(computed))
+                + d.load_ms(Tier::L1, u64::from(want[1]))
+                + d.load_ms(Tier::L2, u64::from(want[2]));
+            assert_eq!(run.step_starting_at(workload[2].0), us(ms), "case {i}");
+        }
+    }
+
+    #[test]
+    fn l2_evictions_are_reported() {
+        // No L1, an L2 of one block: A3 then A2 go to L2, A2 displaces A3.
+        let cfg = EngineConfig { offload_to_l2: true, ..config(16, 7) };
+        let workload = one_by_one(vec![req(0, keys(1, 4), 65, 1), req(1, keys(2, 4), 65, 1)]);
+        let run = drive(cfg, workload, BlockLru::new(1));
+        assert_eq!(run.removed(Tier::L2), vec![BlockKey(1 << 32 | 3)]);
+        assert_eq!(run.l2.keys_lru_first(), vec![BlockKey(1 << 32 | 2)]);
+    }
+
+    #[test]
+    fn requests_that_can_never_fit_are_rejected() {
+        // (gpu blocks, prompt tokens, output tokens, rejected), 16-token blocks.
+        let cases = [
+            (4, 48, 1, false),
+            (4, 49, 1, true),
+            (4, 40, 9, false),
+            (4, 40, 10, true),
+            (0, 1, 1, true),
+            (1, 1, 1, true),
+            (2, 0, 0, false),
+            (2, u32::MAX, u32::MAX, true),
+        ];
+        for (i, (gpu, prompt, output, rejected)) in cases.into_iter().enumerate() {
+            let run = drive(config(16, gpu), vec![(5, req(9, keys(1, 100), prompt, output))], BlockLru::new(0));
+            let want = if rejected {
+                vec![EngineEvent::Rejected { id: 9, at_us: 5 }]
+            } else {
+                vec![EngineEvent::Finished { id: 9, at_us: run.steps.last().unwrap().1 }]
+            };
+            let last: Vec<EngineEvent> = run.tokens().into_iter().rev().take(1).collect();
+            assert_eq!(last, want, "case {i}");
+            let s = run.engine.stats();
+            assert_eq!((s.rejected, s.finished), (u64::from(rejected), u64::from(!rejected)), "case {i}");
+        }
+    }
+
+    #[test]
+    fn zero_lengths_behave_as_one() {
+        let run = drive(config(16, 10), vec![(0, req(3, vec![], 0, 0))], BlockLru::new(0));
+        let end = run.steps[0].1;
+        let first = EngineEvent::FirstToken { id: 3, at_us: end, gpu_hit_tokens: 0, l1_hit_tokens: 0, l2_hit_tokens: 0 };
+        assert_eq!(run.tokens(), vec![first, EngineEvent::Finished { id: 3, at_us: end }]);
+        assert_eq!(run.engine.stats().computed_prefill_tokens, 1);
+        assert_eq!(end, us(ModelProfile::dynamo_default().prefill_ms(1)));
+    }
+
+    #[test]
+    fn max_running_caps_admission() {
+        let cfg = EngineConfig { max_running: 1, ..config(16, 100) };
+        let run = drive(cfg, vec![(0, req(0, vec![], 10, 2)), (0, req(1, vec![], 10, 2))], BlockLru::new(0));
+        let ids: Vec<u64> = run.tokens().iter().map(|e| match *e {
+            EngineEvent::FirstToken { id, .. } | EngineEvent::Token { id, .. } | EngineEvent::Finished { id, .. } => id,
+            _ => u64::MAX,
+        }).collect();
+        assert_eq!(ids, vec![0, 0, 0, 1, 1, 1]);
+    }
+
+    /// `n` requests with shared prefixes from a few families, arriving every ~20 ms.
+    fn mixed_workload(seed: u64, n: u64, families: u64) -> Vec<(u64, EngineRequest)> {
+        let mut rng = Rng::new(seed);
+        (0..n)
+            .map(|id| {
+                let blocks = rng.range(0, 40);
+                let tail = rng.range(0, 15) as u32;
+                let family = rng.below(families);
+                let at = id * 20_000 + rng.below(20_000);
+                let prompt = blocks as u32 * 16 + tail;
+                (at, req(id, keys(family, blocks), prompt, rng.range(1, 60) as u32))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn stats_add_up() {
+        // (prompt families, gpu blocks, l1 blocks, offload to L2, preemptions expected)
+        let cases = [
+            (6, 20_000, 0, false, false),
+            (40, 1000, 400, true, false),
+            (6, 120, 60, true, true),
+            (6, 60, 0, false, true),
+        ];
+        for (i, (families, gpu, l1_blocks, offload_to_l2, preempts)) in cases.into_iter().enumerate() {
+            let cfg = EngineConfig { l1_blocks, offload_to_l2, ..config(16, gpu) };
+            let workload = mixed_workload(i as u64, 300, families);
+            let submitted_tokens: u64 = workload.iter().map(|(_, r)| u64::from(r.prompt_tokens.max(1))).sum();
+            let run = drive(cfg, workload, BlockLru::new(300));
+            let s = run.engine.stats().clone();
+            eprintln!("case {i}: {s:?}");
+            assert_eq!(s.preemptions > 0, preempts, "case {i}: {s:?}");
+            assert_eq!(s.finished + s.rejected, 300, "case {i}");
+            assert_eq!(s.rejected, 0, "case {i}");
+            assert_eq!(s.prompt_tokens, submitted_tokens, "case {i}");
+            let hits = s.gpu_hit_tokens + s.l1_hit_tokens + s.l2_hit_tokens;
+            if preempts {
+                assert!(hits + s.computed_prefill_tokens > s.prompt_tokens, "case {i}: {s:?}");
+            } else {
+                assert_eq!(hits + s.computed_prefill_tokens, s.prompt_tokens, "case {i}: {s:?}");
+            }
+            assert!(s.gpu_hit_tokens > 0, "case {i}: {s:?}");
+            assert_eq!(s.busy_us, run.steps.iter().map(|(a, b)| b - a).sum::<u64>(), "case {i}");
+            assert_eq!(run.engine.kv_usage(), 0.0, "case {i}");
+        }
+    }
+
+    #[test]
+    fn runs_are_deterministic() {
+        let cfg = EngineConfig { l1_blocks: 60, offload_to_l2: true, ..config(16, 120) };
+        let a = drive(cfg.clone(), mixed_workload(7, 200, 6), BlockLru::new(300));
+        let b = drive(cfg, mixed_workload(7, 200, 6), BlockLru::new(300));
+        assert_eq!(a.events, b.events);
+        assert_eq!(a.steps, b.steps);
+    }
+}

@@ -2,7 +2,12 @@
 //!
 //! Every source (a Mooncake trace, Azure arrivals, the synthetic generators) produces the
 //! same [`Workload`]: requests in arrival order, each with the prefix keys of its prompt's
-//! complete blocks.
+//! complete blocks. The trace readers share [`ReadOptions`], [`ReadReport`] and
+//! [`WorkloadError`]; [`Workload::stats`] gives the figures a report prints about a
+//! workload, among them the ideal prefix-hit ratio (an infinite cache, no routing loss).
+
+use std::collections::HashSet;
+use std::path::PathBuf;
 
 use warmpath_index::keys::BlockKey;
 
@@ -32,6 +37,139 @@ pub struct Workload {
     pub block_tokens: u32,
     /// Requests sorted by `arrival_us`.
     pub requests: Vec<Request>,
+}
+
+/// Summary figures of a [`Workload`], for reports and tests.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct WorkloadStats {
+    /// Number of requests.
+    pub requests: usize,
+    /// Arrival time of the last request, in microseconds (the first arrives at or after 0).
+    pub duration_us: u64,
+    /// Mean prompt length in tokens (0 for an empty workload).
+    pub mean_prompt_tokens: f64,
+    /// Mean output length in tokens (0 for an empty workload).
+    pub mean_output_tokens: f64,
+    /// Complete blocks over all requests (the sum of `keys.len()`).
+    pub blocks: u64,
+    /// Distinct `(tenant, key)` pairs over all requests.
+    pub unique_blocks: u64,
+    /// Blocks that belong to the longest prefix of their request already seen in an earlier
+    /// request of the same tenant, over all blocks: the hit ratio of one prefix cache with
+    /// infinite capacity, no eviction and no routing loss (0 when there are no blocks).
+    pub ideal_hit_ratio: f64,
+}
+
+impl Workload {
+    /// Counts, means and the ideal prefix-hit ratio of this workload.
+    pub fn stats(&self) -> WorkloadStats {
+        let mut seen: HashSet<(u32, BlockKey)> = HashSet::new();
+        let mut blocks = 0u64;
+        let mut hits = 0u64;
+        let mut prompt_sum = 0u64;
+        let mut output_sum = 0u64;
+        for r in &self.requests {
+            blocks += r.keys.len() as u64;
+            prompt_sum += u64::from(r.prompt_tokens);
+            output_sum += u64::from(r.output_tokens);
+            // Keys name whole prefixes, so the longest seen prefix is the run of leading
+            // keys already in the set.
+            hits += r
+                .keys
+                .iter()
+                .take_while(|k| seen.contains(&(r.tenant, **k)))
+                .count() as u64;
+            seen.extend(r.keys.iter().map(|k| (r.tenant, *k)));
+        }
+        let n = self.requests.len();
+        let mean = |sum: u64| if n == 0 { 0.0 } else { sum as f64 / n as f64 };
+        WorkloadStats {
+            requests: n,
+            duration_us: self
+                .requests
+                .iter()
+                .map(|r| r.arrival_us)
+                .max()
+                .unwrap_or(0),
+            mean_prompt_tokens: mean(prompt_sum),
+            mean_output_tokens: mean(output_sum),
+            blocks,
+            unique_blocks: seen.len() as u64,
+            ideal_hit_ratio: if blocks == 0 {
+                0.0
+            } else {
+                hits as f64 / blocks as f64
+            },
+        }
+    }
+}
+
+/// How the trace readers treat their input.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// Skip a bad line (and count it in [`ReadReport::skipped`]) instead of failing with
+    /// [`WorkloadError::BadLine`].
+    pub skip_bad_lines: bool,
+    /// A prompt longer than this many tokens makes its line bad; `None`: no limit.
+    pub max_prompt_tokens: Option<u32>,
+}
+
+/// What a trace reader did with its input.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReadReport {
+    /// Data lines read: not blank, not the header (`requests + skipped`).
+    pub lines: usize,
+    /// Requests (or rows) produced.
+    pub requests: usize,
+    /// Bad lines skipped under [`ReadOptions::skip_bad_lines`].
+    pub skipped: usize,
+}
+
+/// Why a workload could not be read or built.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    /// The trace file could not be read (missing, unreadable, or not UTF-8).
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A line of a trace is not a valid request (and bad lines are not being skipped).
+    #[error("{file}:{line}: {reason}")]
+    BadLine {
+        /// The file (or the name given to the parser).
+        file: String,
+        /// Line number, from 1.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A CSV trace does not start with the expected header line.
+    #[error("{file}: expected the header `{expected}`, found `{found}`")]
+    BadHeader {
+        /// The file (or the name given to the parser).
+        file: String,
+        /// The header the format requires.
+        expected: &'static str,
+        /// The first line actually found (empty for an empty file).
+        found: String,
+    },
+    /// A synthetic workload name that is not one of the known patterns.
+    #[error("unknown synthetic workload `{name}` (valid: {valid})")]
+    UnknownSynthetic {
+        /// The name given.
+        name: String,
+        /// The valid names, comma-separated.
+        valid: &'static str,
+    },
+    /// Synthetic workload parameters that cannot describe a workload.
+    #[error("bad synthetic parameters: {reason}")]
+    BadParams {
+        /// Which parameter is wrong and why.
+        reason: String,
+    },
 }
 
 pub mod azure;

@@ -1,0 +1,455 @@
+//! `warmpath simulate`: runs the cluster simulator once per policy on one workload and
+//! prints a comparison table (or JSON), with the workload's hit-rate bounds.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use warmpath_index::index::IndexConfig;
+use warmpath_index::policy::{PolicyConfig, Strategy};
+use warmpath_sim::bounds::{ideal_hit_rate, pooled_hit_rate};
+use warmpath_sim::cluster::{simulate, ClusterConfig, Progress, RunReport, Sharing};
+use warmpath_sim::engine::EngineConfig;
+use warmpath_sim::profiles;
+use warmpath_sim::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
+use warmpath_sim::workload::{mooncake, ReadOptions, Workload, WorkloadStats};
+
+/// How replicas share routing decisions in the simulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SharingArg {
+    Isolated,
+    Delayed,
+    Perfect,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SimulateArgs {
+    /// Mooncake-format JSONL trace (`hash_ids` are 512-token prefix blocks).
+    #[arg(
+        long,
+        conflicts_with = "workload",
+        required_unless_present = "workload"
+    )]
+    pub trace: Option<PathBuf>,
+    /// Synthetic workload: chat, bots, rag or code.
+    #[arg(long)]
+    pub workload: Option<String>,
+    /// Inference instances (one per host).
+    #[arg(long, default_value_t = 8)]
+    pub instances: u32,
+    /// Router replicas behind a random load balancer.
+    #[arg(long, default_value_t = 1)]
+    pub routers: u32,
+    /// Policies to compare: `all`, or names (round-robin, least-loaded, prefix-aware, kv-aware).
+    #[arg(long, num_args = 1.., default_values_t = vec!["all".to_string()])]
+    pub policy: Vec<String>,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Print one JSON document instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// How replicas learn each other's routing decisions.
+    #[arg(long, value_enum, default_value_t = SharingArg::Delayed)]
+    pub sharing: SharingArg,
+    /// Dissemination delay of routing decisions with `--sharing delayed`, ms.
+    #[arg(long, default_value_t = 50.0)]
+    pub share_delay_ms: f64,
+    /// Delay of the cache-agents' residency feed to the routers, ms.
+    #[arg(long, default_value_t = 10.0)]
+    pub agent_feed_ms: f64,
+    /// Turn the agents' residency feed off: routers know only their predictions.
+    #[arg(long)]
+    pub no_agent_feed: bool,
+    /// GPU KV-cache capacity of each instance, tokens.
+    #[arg(long, default_value_t = 400_000)]
+    pub gpu_kv_tokens: u64,
+    /// Host CPU-memory (L1) capacity of each host, tokens; 0 = no L1.
+    #[arg(long, default_value_t = 0)]
+    pub l1_kv_tokens: u64,
+    /// Global L2 store capacity, tokens; 0 = no L2.
+    #[arg(long, default_value_t = 0)]
+    pub l2_kv_tokens: u64,
+    /// Model profile (builtin name).
+    #[arg(long, default_value = "default")]
+    pub profile: String,
+    /// Tokens of the prompt used for prefix matching (SageMaker's prefix length); 0 = all.
+    #[arg(long, default_value_t = 0)]
+    pub prefix_tokens: u32,
+    /// In-flight requests at which the preferred instance is skipped; 0 = no limit.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency_threshold: u32,
+    /// kv-aware sampling temperature; 0 = always the lowest estimate.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Block size of synthetic workloads, tokens (traces bring their own).
+    #[arg(long, default_value_t = 64)]
+    pub block_tokens: u32,
+    /// Requests of a synthetic workload.
+    #[arg(long, default_value_t = 3000)]
+    pub requests: u32,
+    /// Arrival rate of a synthetic workload, requests/s.
+    #[arg(long, default_value_t = 15.0)]
+    pub rate: f64,
+    /// Tenants of a synthetic workload (same content, separate keys).
+    #[arg(long, default_value_t = 1)]
+    pub tenants: u32,
+    /// Longest prompt accepted, tokens.
+    #[arg(long, default_value_t = 262_144)]
+    pub max_prompt_tokens: u32,
+    /// Skip malformed trace lines (and count them) instead of failing.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+}
+
+/// Everything `simulate --json` prints.
+#[derive(Serialize, Debug)]
+pub struct SimulationOutput {
+    pub workload: WorkloadSummary,
+    pub cluster: ClusterSummary,
+    pub bounds: Bounds,
+    pub runs: Vec<RunReport>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct WorkloadSummary {
+    pub name: String,
+    pub block_tokens: u32,
+    pub skipped_lines: usize,
+    #[serde(flatten)]
+    pub stats: WorkloadStats,
+    /// Distinct prompt tokens in complete blocks: what all caches would need to hold.
+    pub working_set_tokens: u64,
+}
+
+#[derive(Serialize, Debug)]
+pub struct ClusterSummary {
+    pub instances: u32,
+    pub routers: u32,
+    pub sharing: Sharing,
+    pub agent_feed_ms: Option<f64>,
+    pub gpu_kv_tokens_per_instance: u64,
+    pub l1_kv_tokens_per_host: u64,
+    pub l2_kv_tokens: u64,
+    /// The fleet's GPU capacity over the working set.
+    pub gpu_capacity_over_working_set: f64,
+    pub profile: String,
+    pub prefix_tokens: u32,
+    pub concurrency_threshold: u32,
+    pub seed: u64,
+}
+
+#[derive(Serialize, Debug)]
+pub struct Bounds {
+    /// Infinite cache, no routing loss.
+    pub ideal_hit_rate: f64,
+    /// One LRU cache with the fleet's whole GPU capacity.
+    pub pooled_hit_rate: f64,
+}
+
+/// Parses `--policy` values.
+pub fn parse_policies(names: &[String]) -> Result<Vec<Strategy>> {
+    let mut out = Vec::new();
+    for n in names {
+        if n == "all" {
+            out.extend(Strategy::ALL);
+        } else {
+            out.push(n.parse::<Strategy>()?);
+        }
+    }
+    out.dedup();
+    Ok(out)
+}
+
+/// Loads the workload the arguments name.
+pub fn load_workload(args: &SimulateArgs) -> Result<(Workload, usize)> {
+    if let Some(path) = &args.trace {
+        let opts = ReadOptions {
+            skip_bad_lines: args.skip_bad_lines,
+            max_prompt_tokens: Some(args.max_prompt_tokens),
+        };
+        let (w, report) = mooncake::read_mooncake(path, &opts)?;
+        return Ok((w, report.skipped));
+    }
+    let name = args
+        .workload
+        .as_deref()
+        .context("give --trace PATH or --workload NAME")?;
+    let kind: SyntheticKind = name.parse()?;
+    if args.block_tokens == 0 {
+        bail!("--block-tokens must be at least 1");
+    }
+    let params = SyntheticParams {
+        rate_per_s: args.rate,
+        requests: args.requests,
+        tenants: args.tenants.max(1),
+        seed: args.seed,
+        ..SyntheticParams::default()
+    };
+    params.validate()?;
+    Ok((generate_workload(kind, &params, args.block_tokens), 0))
+}
+
+/// Runs the simulation the arguments describe.
+pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOutput> {
+    let strategies = parse_policies(&args.policy)?;
+    if args.instances == 0 {
+        bail!("--instances must be at least 1");
+    }
+    if args.routers == 0 {
+        bail!("--routers must be at least 1");
+    }
+    let profile = profiles::builtin(&args.profile)?;
+    let (workload, skipped) = load_workload(args)?;
+    if workload.requests.is_empty() {
+        bail!("the workload {} has no requests", workload.name);
+    }
+    let bt = workload.block_tokens;
+    let gpu_blocks = u32::try_from(args.gpu_kv_tokens / u64::from(bt))
+        .context("--gpu-kv-tokens is too large")?;
+    if gpu_blocks == 0 {
+        bail!(
+            "--gpu-kv-tokens {} holds no {bt}-token block",
+            args.gpu_kv_tokens
+        );
+    }
+    let stats = workload.stats();
+    let working_set_tokens = stats.unique_blocks * u64::from(bt);
+    let sharing = match args.sharing {
+        SharingArg::Isolated => Sharing::Isolated,
+        SharingArg::Perfect => Sharing::Perfect,
+        SharingArg::Delayed => Sharing::Delayed((args.share_delay_ms * 1e3) as u64),
+    };
+    let agent_feed_delay_us = (!args.no_agent_feed).then_some((args.agent_feed_ms * 1e3) as u64);
+    let engine = EngineConfig {
+        block_tokens: bt,
+        gpu_blocks,
+        l1_blocks: args.l1_kv_tokens / u64::from(bt),
+        offload_to_l2: args.l2_kv_tokens > 0,
+        ..EngineConfig::default()
+    };
+    let configs: Vec<ClusterConfig> = strategies
+        .iter()
+        .map(|&s| ClusterConfig {
+            instances: args.instances,
+            routers: args.routers,
+            sharing,
+            agent_feed_delay_us,
+            engine: engine.clone(),
+            profile: profile.clone(),
+            policy: PolicyConfig {
+                prefix_blocks: args.prefix_tokens.div_ceil(bt),
+                concurrency_threshold: args.concurrency_threshold,
+                temperature: args.temperature,
+                ..PolicyConfig::new(s, bt)
+            },
+            index: IndexConfig::default(),
+            l2_blocks: args.l2_kv_tokens / u64::from(bt),
+            max_prompt_tokens: args.max_prompt_tokens,
+            seed: args.seed,
+        })
+        .collect();
+    let runs = run_all(&configs, &workload, show_progress)?;
+    let fleet_blocks = u64::from(gpu_blocks) * u64::from(args.instances);
+    Ok(SimulationOutput {
+        bounds: Bounds {
+            ideal_hit_rate: ideal_hit_rate(&workload),
+            pooled_hit_rate: pooled_hit_rate(&workload, fleet_blocks),
+        },
+        cluster: ClusterSummary {
+            instances: args.instances,
+            routers: args.routers,
+            sharing,
+            agent_feed_ms: (!args.no_agent_feed).then_some(args.agent_feed_ms),
+            gpu_kv_tokens_per_instance: u64::from(gpu_blocks) * u64::from(bt),
+            l1_kv_tokens_per_host: args.l1_kv_tokens,
+            l2_kv_tokens: args.l2_kv_tokens,
+            gpu_capacity_over_working_set: (fleet_blocks * u64::from(bt)) as f64
+                / working_set_tokens.max(1) as f64,
+            profile: profile.name.clone(),
+            prefix_tokens: args.prefix_tokens,
+            concurrency_threshold: args.concurrency_threshold,
+            seed: args.seed,
+        },
+        workload: WorkloadSummary {
+            name: workload.name.clone(),
+            block_tokens: bt,
+            skipped_lines: skipped,
+            stats,
+            working_set_tokens,
+        },
+        runs,
+    })
+}
+
+/// Runs every configuration, in parallel on the available cores, in a fixed output order.
+fn run_all(
+    configs: &[ClusterConfig],
+    workload: &Workload,
+    show_progress: bool,
+) -> Result<Vec<RunReport>> {
+    let total = workload.requests.len() as u64 * configs.len() as u64;
+    let done: Vec<AtomicU64> = configs.iter().map(|_| AtomicU64::new(0)).collect();
+    let next = AtomicU64::new(0);
+    let results: Mutex<Vec<Option<RunReport>>> = Mutex::new(vec![None; configs.len()]);
+    let errors: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(configs.len())
+        .max(1);
+    let started = Instant::now();
+    let finished = AtomicU64::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let Some(config) = configs.get(i) else { break };
+                let mut progress = |p: Progress| done[i].store(p.done, Ordering::Relaxed);
+                match simulate(config, workload, &mut progress) {
+                    Ok(r) => results.lock().expect("no panics hold this lock")[i] = Some(r),
+                    Err(e) => errors
+                        .lock()
+                        .expect("no panics hold this lock")
+                        .push(e.to_string()),
+                }
+                finished.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        // Progress bar on stderr for runs longer than a couple of seconds.
+        let mut shown = false;
+        while finished.load(Ordering::Relaxed) < configs.len() as u64 {
+            std::thread::sleep(Duration::from_millis(100));
+            if show_progress && started.elapsed() > Duration::from_secs(2) {
+                let d: u64 = done.iter().map(|d| d.load(Ordering::Relaxed)).sum();
+                draw_progress(d, total, started.elapsed());
+                shown = true;
+            }
+        }
+        if shown {
+            eprint!("\r{:78}\r", "");
+        }
+    });
+    if let Some(e) = errors
+        .into_inner()
+        .expect("no panics hold this lock")
+        .into_iter()
+        .next()
+    {
+        bail!(e);
+    }
+    Ok(results
+        .into_inner()
+        .expect("no panics hold this lock")
+        .into_iter()
+        .flatten()
+        .collect())
+}
+
+fn draw_progress(done: u64, total: u64, elapsed: Duration) {
+    let frac = if total == 0 {
+        1.0
+    } else {
+        done as f64 / total as f64
+    };
+    let width = 40;
+    let filled = (frac * width as f64) as usize;
+    eprint!(
+        "\r[{}{}] {:5.1}% {done}/{total} requests, {:.0}s",
+        "#".repeat(filled),
+        "-".repeat(width - filled),
+        frac * 100.0,
+        elapsed.as_secs_f64()
+    );
+    let _ = std::io::stderr().flush();
+}
+
+/// Renders the comparison table.
+pub fn render_table(out: &SimulationOutput) -> String {
+    let w = &out.workload;
+    let c = &out.cluster;
+    let mut s = String::new();
+    s += &format!(
+        "workload {}: {} requests over {:.0} s, mean prompt {:.0} tokens, {}-token blocks, working set {} tokens{}\n",
+        w.name,
+        w.stats.requests,
+        w.stats.duration_us as f64 / 1e6,
+        w.stats.mean_prompt_tokens,
+        w.block_tokens,
+        w.working_set_tokens,
+        if w.skipped_lines > 0 { format!(", {} bad lines skipped", w.skipped_lines) } else { String::new() }
+    );
+    s += &format!(
+        "cluster: {} instances × {} GPU KV tokens ({:.0}% of the working set), L1 {} tokens/host, L2 {} tokens; {} router(s), sharing {}, agent feed {}; profile {}, threshold {}, seed {}\n",
+        c.instances,
+        c.gpu_kv_tokens_per_instance,
+        c.gpu_capacity_over_working_set * 100.0,
+        c.l1_kv_tokens_per_host,
+        c.l2_kv_tokens,
+        c.routers,
+        match c.sharing {
+            Sharing::Isolated => "isolated".to_string(),
+            Sharing::Perfect => "perfect".to_string(),
+            Sharing::Delayed(us) => format!("after {} ms", us as f64 / 1e3),
+        },
+        c.agent_feed_ms.map_or("off".to_string(), |ms| format!("{ms} ms")),
+        c.profile,
+        c.concurrency_threshold,
+        c.seed,
+    );
+    s += &format!(
+        "bounds: ideal hit rate {:.1}% (infinite cache), pooled {:.1}% (one LRU cache of the fleet's GPU capacity)\n\n",
+        out.bounds.ideal_hit_rate * 100.0,
+        out.bounds.pooled_hit_rate * 100.0
+    );
+    s += &format!(
+        "{:<13} {:>6} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>7} {:>9} {:>6} {:>7}\n",
+        "policy", "hit%", "gpu%", "l1%", "l2%", "ttft p50", "ttft p90", "ttft p99", "itl p50", "itl p99", "e2e p50", "req/s", "tok/s", "imbal", "ttft/rr"
+    );
+    let rr = out
+        .runs
+        .iter()
+        .find(|r| r.policy == "round-robin")
+        .map(|r| r.ttft_ms_p50);
+    for r in &out.runs {
+        s += &format!(
+            "{:<13} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>9.1} {:>7.2} {:>9.0} {:>6.2} {:>7}\n",
+            r.policy,
+            r.hit_rate * 100.0,
+            r.hit_rate_gpu * 100.0,
+            r.hit_rate_l1 * 100.0,
+            r.hit_rate_l2 * 100.0,
+            r.ttft_ms_p50,
+            r.ttft_ms_p90,
+            r.ttft_ms_p99,
+            r.itl_ms_p50,
+            r.itl_ms_p99,
+            r.e2e_ms_p50,
+            r.throughput_rps,
+            r.throughput_tokens_per_s,
+            r.imbalance,
+            rr.filter(|v| *v > 0.0).map_or("-".to_string(), |v| format!("{:.2}x", r.ttft_ms_p50 / v)),
+        );
+        if r.rejected > 0 {
+            s += &format!(
+                "  ({} requests rejected: prompt larger than an instance's GPU cache)\n",
+                r.rejected
+            );
+        }
+    }
+    s +=
+        "times in ms; hit% is token-weighted over all tiers; imbal = max/mean instance busy time\n";
+    s
+}
+
+pub fn run(args: SimulateArgs) -> Result<()> {
+    let out = execute(&args, std::io::stderr().is_terminal())?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{}", render_table(&out));
+    }
+    Ok(())
+}

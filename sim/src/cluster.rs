@@ -1,0 +1,513 @@
+//! The discrete-event cluster simulator: router replicas, engines, agents' residency
+//! feed, on a virtual clock.
+//!
+//! A load balancer spreads requests across `routers` replicas at random. Each replica
+//! owns a [`PrefixIndex`] view and calls the production policy ([`route`]) with it; the
+//! chosen engine (an [`Engine`], one per instance, one instance per host) runs the
+//! request. What a replica learns of other replicas' decisions depends on [`Sharing`];
+//! what it learns of real cache contents comes from the agents' feed (engine block
+//! events, delivered after `agent_feed_delay_us`), when enabled. Load is exact per
+//! replica for its own requests; in shared modes replicas also see the others' (the
+//! cluster publishes it), in isolated mode they do not.
+//!
+//! Same configuration, same workload, same seed: same report, bit for bit. Event ties are
+//! broken by insertion order, never by a hash map's iteration order.
+
+use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
+use crate::stats::Samples;
+use crate::tiers::BlockLru;
+use crate::workload::Workload;
+use serde::Serialize;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::rc::Rc;
+use warmpath_index::cost::{ModelProfile, Tier};
+use warmpath_index::index::{IndexConfig, PrefixIndex};
+use warmpath_index::keys::BlockKey;
+use warmpath_index::load::LoadView;
+use warmpath_index::policy::{route, PolicyConfig, PolicyState, RouteRequest, View};
+use warmpath_index::rng::Rng;
+use warmpath_index::InstanceId;
+
+/// How router replicas learn each other's routing decisions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Sharing {
+    /// Each replica knows only its own decisions.
+    Isolated,
+    /// Each decision reaches the other replicas after this many microseconds.
+    Delayed(u64),
+    /// Every replica sees every decision at once (one shared index).
+    Perfect,
+}
+
+/// Everything a simulation run needs besides the workload.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    pub instances: u32,
+    pub routers: u32,
+    pub sharing: Sharing,
+    /// Delay of the agents' residency feed to every router; `None` disables the feed, so
+    /// routers know only predicted entries (SageMaker-style approximate routing).
+    pub agent_feed_delay_us: Option<u64>,
+    pub engine: EngineConfig,
+    pub profile: ModelProfile,
+    pub policy: PolicyConfig,
+    pub index: IndexConfig,
+    /// Capacity of the global L2 store in blocks; 0 = no L2.
+    pub l2_blocks: u64,
+    /// Prompts longer than this are refused before the run.
+    pub max_prompt_tokens: u32,
+    pub seed: u64,
+}
+
+/// Why a run could not start.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SimError {
+    /// A cluster needs at least one instance.
+    #[error("the cluster has no instances: give at least one")]
+    NoInstances,
+    /// A cluster needs at least one router.
+    #[error("the cluster has no routers: give at least one")]
+    NoRouters,
+    /// A request with an empty prompt.
+    #[error("request {id} has an empty prompt")]
+    EmptyPrompt { id: u64 },
+    /// A request whose prompt is longer than allowed.
+    #[error("request {id} has a prompt of {tokens} tokens, over the maximum of {max}")]
+    PromptTooLong { id: u64, tokens: u32, max: u32 },
+    /// The workload's block size differs from the engines'.
+    #[error("the workload uses {workload}-token blocks but the engines use {engine}")]
+    BlockSizeMismatch { workload: u32, engine: u32 },
+}
+
+/// Figures of one run.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RunReport {
+    pub policy: String,
+    pub requests: u64,
+    pub completed: u64,
+    pub rejected: u64,
+    /// Token-weighted share of prompt tokens found cached, all tiers.
+    pub hit_rate: f64,
+    pub hit_rate_gpu: f64,
+    pub hit_rate_l1: f64,
+    pub hit_rate_l2: f64,
+    pub ttft_ms_p50: f64,
+    pub ttft_ms_p90: f64,
+    pub ttft_ms_p99: f64,
+    pub itl_ms_p50: f64,
+    pub itl_ms_p99: f64,
+    pub e2e_ms_p50: f64,
+    pub throughput_rps: f64,
+    pub throughput_tokens_per_s: f64,
+    /// Max over mean of per-instance busy time.
+    pub imbalance: f64,
+    pub preemptions: u64,
+    /// Simulated seconds from the first arrival to the last completion.
+    pub makespan_s: f64,
+}
+
+/// Progress of a run, for a progress bar.
+#[derive(Clone, Copy, Debug)]
+pub struct Progress {
+    pub done: u64,
+    pub total: u64,
+}
+
+#[derive(Debug)]
+enum Event {
+    Arrival(usize),
+    StepEnd(u32),
+    /// Another replica's routing decision reaches `router`.
+    Decision {
+        router: u32,
+        request: usize,
+        instance: u32,
+    },
+    /// A batch of agent observations reaches `router`.
+    Observed {
+        router: u32,
+        batch: Rc<Vec<Observation>>,
+    },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Observation {
+    instance: u32,
+    key: BlockKey,
+    tier: Tier,
+    present: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Track {
+    router: u32,
+    instance: u32,
+    first_token_us: Option<u64>,
+    last_token_us: u64,
+}
+
+struct Replica {
+    index: PrefixIndex,
+    own_load: LoadView,
+    policy: PolicyState,
+}
+
+/// Runs `workload` on a cluster and reports the figures. `progress` is called now and
+/// then with the completed count.
+pub fn simulate(
+    config: &ClusterConfig,
+    workload: &Workload,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<RunReport, SimError> {
+    validate(config, workload)?;
+    let mut rng = Rng::new(config.seed);
+    let mut lb_rng = rng.fork(1);
+    let mut replicas: Vec<Replica> = (0..config.routers)
+        .map(|r| Replica {
+            index: PrefixIndex::new(config.index),
+            own_load: LoadView::new(),
+            policy: PolicyState::new(config.seed ^ (u64::from(r) + 1).wrapping_mul(0x9e37_79b9)),
+        })
+        .collect();
+    let mut engines: Vec<Engine> = (0..config.instances)
+        .map(|_| Engine::new(config.engine.clone(), config.profile.clone()))
+        .collect();
+    let mut l2 = BlockLru::new(config.l2_blocks);
+    // Parent of each key, for placing observed blocks in the index tree.
+    let mut parent_of: HashMap<BlockKey, BlockKey> = HashMap::new();
+    for r in &workload.requests {
+        for w in r.keys.windows(2) {
+            parent_of.insert(w[1], w[0]);
+        }
+    }
+    let candidates: Vec<InstanceId> = (0..config.instances).map(InstanceId).collect();
+    let shared_load = !matches!(config.sharing, Sharing::Isolated);
+    let mut global_load = LoadView::new();
+
+    let mut queue: BinaryHeap<Reverse<(u64, u64, usize)>> = BinaryHeap::new();
+    let mut events: Vec<Option<Event>> = Vec::new();
+    let mut seq = 0u64;
+    let mut push = |queue: &mut BinaryHeap<Reverse<(u64, u64, usize)>>,
+                    events: &mut Vec<Option<Event>>,
+                    at: u64,
+                    e: Event| {
+        events.push(Some(e));
+        queue.push(Reverse((at, seq, events.len() - 1)));
+        seq += 1;
+    };
+    for (i, r) in workload.requests.iter().enumerate() {
+        push(&mut queue, &mut events, r.arrival_us, Event::Arrival(i));
+    }
+
+    let mut tracks = vec![Track::default(); workload.requests.len()];
+    let (mut ttft, mut itl, mut e2e) = (Samples::new(), Samples::new(), Samples::new());
+    let (mut completed, mut rejected, mut output_tokens) = (0u64, 0u64, 0u64);
+    let mut engine_events = Vec::new();
+    let total = workload.requests.len() as u64;
+    let mut last_us = 0u64;
+    let mut handled = 0u64;
+
+    while let Some(Reverse((now, _, slot))) = queue.pop() {
+        last_us = last_us.max(now);
+        let Some(event) = events[slot].take() else {
+            continue;
+        };
+        // The engine whose events this iteration produces (block events name no engine).
+        let mut stepped = 0u32;
+        handled += 1;
+        if handled.is_multiple_of(20_000) {
+            progress(Progress {
+                done: completed + rejected,
+                total,
+            });
+        }
+        match event {
+            Event::Arrival(i) => {
+                let req = &workload.requests[i];
+                let r = lb_rng.below(u64::from(config.routers)) as u32;
+                let replica = &mut replicas[r as usize];
+                replica.index.expire(now);
+                let load_view;
+                let load = if shared_load {
+                    &global_load
+                } else {
+                    load_view = replica.own_load.clone();
+                    &load_view
+                };
+                let view = View {
+                    index: &replica.index,
+                    load,
+                    profile: &config.profile,
+                    now,
+                };
+                let rr = RouteRequest {
+                    keys: &req.keys,
+                    prompt_tokens: req.prompt_tokens,
+                };
+                let decision = route(
+                    &config.policy,
+                    &rr,
+                    &candidates,
+                    &view,
+                    &mut replica.policy,
+                    false,
+                )
+                .expect("the cluster has instances");
+                let inst = decision.instance;
+                if config.policy.strategy.uses_index() {
+                    replica.index.record_route(&req.keys, inst, now);
+                    match config.sharing {
+                        Sharing::Isolated => {}
+                        Sharing::Perfect => {
+                            for (o, other) in replicas.iter_mut().enumerate() {
+                                if o as u32 != r {
+                                    other.index.record_route(&req.keys, inst, now);
+                                }
+                            }
+                        }
+                        Sharing::Delayed(d) => {
+                            for o in 0..config.routers {
+                                if o != r {
+                                    push(
+                                        &mut queue,
+                                        &mut events,
+                                        now + d,
+                                        Event::Decision {
+                                            router: o,
+                                            request: i,
+                                            instance: inst.0,
+                                        },
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+                let prompt = u64::from(req.prompt_tokens);
+                replicas[r as usize].own_load.start(inst, prompt);
+                global_load.start(inst, prompt);
+                tracks[i] = Track {
+                    router: r,
+                    instance: inst.0,
+                    first_token_us: None,
+                    last_token_us: now,
+                };
+                stepped = inst.0;
+                let engine = &mut engines[inst.0 as usize];
+                engine.submit(
+                    now,
+                    EngineRequest {
+                        id: i as u64,
+                        keys: req.keys.clone(),
+                        prompt_tokens: req.prompt_tokens,
+                        output_tokens: req.output_tokens,
+                    },
+                );
+                if !engine.step_running() {
+                    if let Some(end) = engine.start_step(now, &mut l2, &mut engine_events) {
+                        push(&mut queue, &mut events, end, Event::StepEnd(inst.0));
+                    }
+                }
+            }
+            Event::StepEnd(inst) => {
+                stepped = inst;
+                let engine = &mut engines[inst as usize];
+                engine.complete_step(now, &mut l2, &mut engine_events);
+                if let Some(end) = engine.start_step(now, &mut l2, &mut engine_events) {
+                    push(&mut queue, &mut events, end, Event::StepEnd(inst));
+                }
+            }
+            Event::Decision {
+                router,
+                request,
+                instance,
+            } => {
+                let keys = &workload.requests[request].keys;
+                replicas[router as usize]
+                    .index
+                    .record_route(keys, InstanceId(instance), now);
+            }
+            Event::Observed { router, batch } => {
+                let index = &mut replicas[router as usize].index;
+                for o in batch.iter() {
+                    let parent = parent_of.get(&o.key).copied();
+                    index.observe(
+                        InstanceId(o.instance),
+                        o.key,
+                        parent,
+                        o.tier,
+                        o.present,
+                        now,
+                    );
+                }
+            }
+        }
+
+        // Account for what the engines produced.
+        let mut observed = Vec::new();
+        for e in engine_events.drain(..) {
+            match e {
+                EngineEvent::FirstToken { id, at_us, .. } => {
+                    let i = id as usize;
+                    let t = &mut tracks[i];
+                    t.first_token_us = Some(at_us);
+                    t.last_token_us = at_us;
+                    output_tokens += 1;
+                    ttft.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
+                    let prompt = u64::from(workload.requests[i].prompt_tokens);
+                    replicas[t.router as usize]
+                        .own_load
+                        .first_token(InstanceId(t.instance), prompt);
+                    global_load.first_token(InstanceId(t.instance), prompt);
+                }
+                EngineEvent::Token { id, at_us } => {
+                    let t = &mut tracks[id as usize];
+                    itl.push((at_us - t.last_token_us) as f64 / 1e3);
+                    t.last_token_us = at_us;
+                    output_tokens += 1;
+                }
+                EngineEvent::Finished { id, at_us } => {
+                    let i = id as usize;
+                    let t = tracks[i];
+                    completed += 1;
+                    e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
+                    let prompt = u64::from(workload.requests[i].prompt_tokens);
+                    replicas[t.router as usize].own_load.finish(
+                        InstanceId(t.instance),
+                        prompt,
+                        true,
+                    );
+                    global_load.finish(InstanceId(t.instance), prompt, true);
+                }
+                EngineEvent::Rejected { id, .. } => {
+                    let i = id as usize;
+                    let t = tracks[i];
+                    rejected += 1;
+                    let prompt = u64::from(workload.requests[i].prompt_tokens);
+                    replicas[t.router as usize].own_load.finish(
+                        InstanceId(t.instance),
+                        prompt,
+                        false,
+                    );
+                    global_load.finish(InstanceId(t.instance), prompt, false);
+                }
+                EngineEvent::Stored { key, tier } | EngineEvent::Removed { key, tier }
+                    if config.agent_feed_delay_us.is_some() =>
+                {
+                    let present = matches!(e, EngineEvent::Stored { .. });
+                    observed.push(Observation {
+                        instance: stepped,
+                        key,
+                        tier,
+                        present,
+                    });
+                }
+                EngineEvent::Stored { .. } | EngineEvent::Removed { .. } => {}
+            }
+        }
+        if let (Some(delay), false) = (config.agent_feed_delay_us, observed.is_empty()) {
+            let batch = Rc::new(observed);
+            for router in 0..config.routers {
+                push(
+                    &mut queue,
+                    &mut events,
+                    now + delay,
+                    Event::Observed {
+                        router,
+                        batch: batch.clone(),
+                    },
+                );
+            }
+        }
+    }
+    progress(Progress {
+        done: completed + rejected,
+        total,
+    });
+
+    let mut busy = Vec::new();
+    let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
+    for e in &engines {
+        let s = e.stats();
+        busy.push(s.busy_us as f64);
+        prompt_tokens += s.prompt_tokens;
+        gpu_hits += s.gpu_hit_tokens;
+        l1_hits += s.l1_hit_tokens;
+        l2_hits += s.l2_hit_tokens;
+        preemptions += s.preemptions;
+    }
+    let mean_busy = busy.iter().sum::<f64>() / busy.len() as f64;
+    let max_busy = busy.iter().copied().fold(0.0, f64::max);
+    let first_us = workload.requests.first().map_or(0, |r| r.arrival_us);
+    let makespan_s = (last_us.saturating_sub(first_us)) as f64 / 1e6;
+    let frac = |x: u64| {
+        if prompt_tokens == 0 {
+            0.0
+        } else {
+            x as f64 / prompt_tokens as f64
+        }
+    };
+    let per_s = |x: f64| {
+        if makespan_s > 0.0 {
+            x / makespan_s
+        } else {
+            0.0
+        }
+    };
+    Ok(RunReport {
+        policy: config.policy.strategy.name().to_string(),
+        requests: total,
+        completed,
+        rejected,
+        hit_rate: frac(gpu_hits + l1_hits + l2_hits),
+        hit_rate_gpu: frac(gpu_hits),
+        hit_rate_l1: frac(l1_hits),
+        hit_rate_l2: frac(l2_hits),
+        ttft_ms_p50: ttft.quantile(0.5),
+        ttft_ms_p90: ttft.quantile(0.9),
+        ttft_ms_p99: ttft.quantile(0.99),
+        itl_ms_p50: itl.quantile(0.5),
+        itl_ms_p99: itl.quantile(0.99),
+        e2e_ms_p50: e2e.quantile(0.5),
+        throughput_rps: per_s(completed as f64),
+        throughput_tokens_per_s: per_s((prompt_tokens + output_tokens) as f64),
+        imbalance: if mean_busy > 0.0 {
+            max_busy / mean_busy
+        } else {
+            1.0
+        },
+        preemptions,
+        makespan_s,
+    })
+}
+
+fn validate(config: &ClusterConfig, workload: &Workload) -> Result<(), SimError> {
+    if config.instances == 0 {
+        return Err(SimError::NoInstances);
+    }
+    if config.routers == 0 {
+        return Err(SimError::NoRouters);
+    }
+    if workload.block_tokens != config.engine.block_tokens {
+        return Err(SimError::BlockSizeMismatch {
+            workload: workload.block_tokens,
+            engine: config.engine.block_tokens,
+        });
+    }
+    for r in &workload.requests {
+        if r.prompt_tokens == 0 {
+            return Err(SimError::EmptyPrompt { id: r.id });
+        }
+        if r.prompt_tokens > config.max_prompt_tokens {
+            return Err(SimError::PromptTooLong {
+                id: r.id,
+                tokens: r.prompt_tokens,
+                max: config.max_prompt_tokens,
+            });
+        }
+    }
+    Ok(())
+}
