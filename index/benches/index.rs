@@ -1,1 +1,162 @@
-fn main() {}
+//! Index benchmarks: insert and match on an index of 1M blocks over 256 instances.
+//!
+//! First a latency report (each call timed on its own, so p99 is real, not a mean), then
+//! divan's statistics for the same operations. Run with `cargo bench -p warmpath-index`.
+//!
+//! The index holds 32,768 prompts of 32 blocks (1,048,576 blocks). A quarter of the
+//! prompts share one of 256 eight-block system prompts, so shared nodes exist; each prompt
+//! is routed to one instance, and a tenth also to a second one. Queries are 32-block
+//! prompts that hit a whole cached prompt (the longest walk) or miss at the first block.
+
+use std::sync::LazyLock;
+use std::time::Instant;
+use warmpath_index::cost::Tier;
+use warmpath_index::index::{IndexConfig, MatchScratch, PrefixIndex};
+use warmpath_index::keys::BlockKey;
+use warmpath_index::rng::Rng;
+use warmpath_index::InstanceId;
+
+const PROMPTS: usize = 32_768;
+const BLOCKS: usize = 32;
+const INSTANCES: u64 = 256;
+const NOW: u64 = 1_000;
+
+struct Fixture {
+    index: PrefixIndex,
+    prompts: Vec<Vec<BlockKey>>,
+}
+
+fn prompts(seed: u64) -> Vec<Vec<BlockKey>> {
+    let mut rng = Rng::new(seed);
+    let systems: Vec<Vec<BlockKey>> = (0..256)
+        .map(|_| (0..8).map(|_| BlockKey(rng.next_u64())).collect())
+        .collect();
+    (0..PROMPTS)
+        .map(|p| {
+            let mut keys = if p % 4 == 0 {
+                systems[rng.below(256) as usize].clone()
+            } else {
+                Vec::new()
+            };
+            while keys.len() < BLOCKS {
+                keys.push(BlockKey(rng.next_u64()));
+            }
+            keys
+        })
+        .collect()
+}
+
+fn build() -> Fixture {
+    let prompts = prompts(1);
+    let mut index = PrefixIndex::new(IndexConfig {
+        capacity_blocks: 1 << 20,
+        predicted_ttl_us: u64::MAX / 2,
+    });
+    let mut rng = Rng::new(2);
+    for keys in &prompts {
+        index.record_route(keys, InstanceId(rng.below(INSTANCES) as u32), 0);
+        if rng.chance(0.1) {
+            // A second holder, observed by an agent, for a realistic mix of holder lists.
+            let inst = InstanceId(rng.below(INSTANCES) as u32);
+            let mut parent = None;
+            for &k in keys {
+                index.observe(inst, k, parent, Tier::Gpu, true, 0);
+                parent = Some(k);
+            }
+        }
+    }
+    Fixture { index, prompts }
+}
+
+static FIXTURE: LazyLock<Fixture> = LazyLock::new(build);
+
+fn percentile(sorted: &[u64], q: f64) -> f64 {
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1] as f64 / 1e3
+}
+
+fn latency_report() {
+    let started = Instant::now();
+    let f = &*FIXTURE;
+    let build_s = started.elapsed().as_secs_f64();
+    let stats = f.index.stats();
+    println!(
+        "index: {} entries, {} holders, {} bytes/entry, built in {:.2} s ({:.2} M blocks/s)",
+        stats.entries,
+        stats.holders,
+        stats.bytes_per_entry,
+        build_s,
+        (PROMPTS * BLOCKS) as f64 / build_s / 1e6
+    );
+    let mut rng = Rng::new(3);
+    let mut scratch = MatchScratch::default();
+    let misses = prompts(99);
+    for (label, hit) in [
+        ("match 32 blocks, full hit", true),
+        ("match 32 blocks, miss", false),
+    ] {
+        let mut samples = Vec::with_capacity(200_000);
+        for _ in 0..200_000 {
+            let i = rng.below(PROMPTS as u64) as usize;
+            let keys = if hit { &f.prompts[i] } else { &misses[i] };
+            let t = Instant::now();
+            f.index.match_into(keys, NOW, &mut scratch);
+            samples.push(t.elapsed().as_nanos() as u64);
+            std::hint::black_box(&scratch.result);
+        }
+        samples.sort_unstable();
+        println!(
+            "{label}: p50 {:.2} µs, p90 {:.2} µs, p99 {:.2} µs, p99.9 {:.2} µs over {} calls (target p99 < 5 µs)",
+            percentile(&samples, 0.5),
+            percentile(&samples, 0.9),
+            percentile(&samples, 0.99),
+            percentile(&samples, 0.999),
+            samples.len()
+        );
+    }
+    // Inserting a routing decision into a full index (evicts to stay at capacity).
+    let mut index = build().index;
+    let fresh = prompts(7);
+    let mut samples = Vec::with_capacity(fresh.len());
+    for (i, keys) in fresh.iter().enumerate() {
+        let t = Instant::now();
+        index.record_route(keys, InstanceId((i as u64 % INSTANCES) as u32), NOW);
+        samples.push(t.elapsed().as_nanos() as u64);
+    }
+    samples.sort_unstable();
+    println!(
+        "record_route 32 blocks into a full index: p50 {:.2} µs, p99 {:.2} µs over {} calls; {} evictions",
+        percentile(&samples, 0.5),
+        percentile(&samples, 0.99),
+        samples.len(),
+        index.stats().evictions
+    );
+}
+
+fn main() {
+    latency_report();
+    divan::main();
+}
+
+#[divan::bench]
+fn match_full_hit(bencher: divan::Bencher) {
+    let f = &*FIXTURE;
+    let mut rng = Rng::new(5);
+    let mut scratch = MatchScratch::default();
+    bencher.bench_local(|| {
+        let keys = &f.prompts[rng.below(PROMPTS as u64) as usize];
+        f.index.match_into(keys, NOW, &mut scratch);
+        scratch.result.instances.len()
+    });
+}
+
+#[divan::bench]
+fn record_route_existing(bencher: divan::Bencher) {
+    let mut index = build().index;
+    let prompts = prompts(1);
+    let mut rng = Rng::new(6);
+    bencher.bench_local(|| {
+        let keys = &prompts[rng.below(PROMPTS as u64) as usize];
+        index.record_route(keys, InstanceId(rng.below(INSTANCES) as u32), NOW);
+    });
+}

@@ -511,3 +511,141 @@ fn validate(config: &ClusterConfig, workload: &Workload) -> Result<(), SimError>
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bounds::ideal_hit_rate;
+    use crate::workload::azure::{azure_workload, AzureRow};
+    use crate::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
+    use warmpath_index::policy::Strategy;
+
+    fn config(strategy: Strategy, instances: u32, routers: u32, gpu_blocks: u32) -> ClusterConfig {
+        ClusterConfig {
+            instances,
+            routers,
+            sharing: Sharing::Perfect,
+            agent_feed_delay_us: Some(10_000),
+            engine: EngineConfig {
+                block_tokens: 64,
+                gpu_blocks,
+                ..EngineConfig::default()
+            },
+            profile: ModelProfile::dynamo_default(),
+            policy: PolicyConfig {
+                concurrency_threshold: 32,
+                ..PolicyConfig::new(strategy, 64)
+            },
+            index: IndexConfig::default(),
+            l2_blocks: 0,
+            max_prompt_tokens: 1 << 20,
+            seed: 7,
+        }
+    }
+
+    fn small(kind: SyntheticKind, requests: u32) -> Workload {
+        let params = SyntheticParams {
+            requests,
+            rate_per_s: 10.0,
+            seed: 3,
+            ..SyntheticParams::default()
+        };
+        generate_workload(kind, &params, 64)
+    }
+
+    fn run(config: &ClusterConfig, w: &Workload) -> RunReport {
+        simulate(config, w, &mut |_| {}).expect("valid run")
+    }
+
+    #[test]
+    fn no_sharing_no_hits() {
+        let rows: Vec<AzureRow> = (0..200)
+            .map(|i| AzureRow {
+                arrival_us: i * 50_000,
+                context_tokens: 1000 + (i as u32 % 7) * 100,
+                generated_tokens: 20,
+            })
+            .collect();
+        let w = azure_workload("azure", &rows, 64, 1);
+        let r = run(&config(Strategy::RoundRobin, 4, 1, 100_000), &w);
+        assert_eq!((r.completed, r.hit_rate), (200, 0.0));
+    }
+
+    #[test]
+    fn one_unbounded_instance_reaches_the_ideal() {
+        for kind in SyntheticKind::ALL {
+            let w = small(kind, 300);
+            let r = run(&config(Strategy::RoundRobin, 1, 1, 10_000_000), &w);
+            let ideal = ideal_hit_rate(&w);
+            assert_eq!(r.completed, 300);
+            assert!(
+                (r.hit_rate - ideal).abs() < 1e-9,
+                "{kind}: {} vs ideal {ideal}",
+                r.hit_rate
+            );
+        }
+    }
+
+    #[test]
+    fn prefix_aware_beats_round_robin_under_pressure() {
+        let w = small(SyntheticKind::Bots, 600);
+        let rr = run(&config(Strategy::RoundRobin, 4, 2, 600), &w);
+        let pa = run(&config(Strategy::PrefixAware, 4, 2, 600), &w);
+        assert!(
+            pa.hit_rate > rr.hit_rate + 0.1,
+            "prefix-aware {} vs round-robin {}",
+            pa.hit_rate,
+            rr.hit_rate
+        );
+        assert!(pa.ttft_ms_p50 < rr.ttft_ms_p50);
+    }
+
+    #[test]
+    fn same_seed_same_report() {
+        let w = small(SyntheticKind::Chat, 300);
+        let mut c = config(Strategy::KvAware, 3, 3, 2000);
+        c.sharing = Sharing::Delayed(20_000);
+        c.policy.temperature = 0.5;
+        assert_eq!(run(&c, &w), run(&c, &w));
+    }
+
+    #[test]
+    fn bad_configurations_are_errors() {
+        let w = small(SyntheticKind::Rag, 20);
+        let err = |c: ClusterConfig| simulate(&c, &w, &mut |_| {}).unwrap_err();
+        assert_eq!(
+            err(config(Strategy::RoundRobin, 0, 1, 100)),
+            SimError::NoInstances
+        );
+        assert_eq!(
+            err(config(Strategy::RoundRobin, 1, 0, 100)),
+            SimError::NoRouters
+        );
+        let mut c = config(Strategy::RoundRobin, 1, 1, 100);
+        c.max_prompt_tokens = 10;
+        assert!(matches!(err(c), SimError::PromptTooLong { max: 10, .. }));
+        let mut c = config(Strategy::RoundRobin, 1, 1, 100);
+        c.engine.block_tokens = 16;
+        assert_eq!(
+            err(c),
+            SimError::BlockSizeMismatch {
+                workload: 64,
+                engine: 16
+            }
+        );
+        let mut empty = w.clone();
+        empty.requests[3].prompt_tokens = 0;
+        let e = simulate(
+            &config(Strategy::RoundRobin, 1, 1, 100),
+            &empty,
+            &mut |_| {},
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            SimError::EmptyPrompt {
+                id: empty.requests[3].id
+            }
+        );
+    }
+}

@@ -97,6 +97,7 @@
 //! `VecDeque` or an LRU list. Planning a step costs O(running sequences) plus O(prompt
 //! blocks) per admission and per prefill completion, never O(cache size).
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 
 use warmpath_index::cost::{ModelProfile, Tier};
@@ -604,15 +605,21 @@ impl Engine {
     /// block `key` (`Stored{Gpu}`), or, when `key` is already resident, free the copy and
     /// reference the resident block.
     fn adopt(&mut self, key: BlockKey, events: &mut Vec<EngineEvent>) {
-        if self.resident.contains_key(&key) {
-            self.reference(key);
-            self.free_blocks += 1;
-        } else {
-            self.resident.insert(key, 1);
-            events.push(EngineEvent::Stored {
-                key,
-                tier: Tier::Gpu,
-            });
+        match self.resident.entry(key) {
+            Entry::Occupied(mut refs) => {
+                if *refs.get() == 0 {
+                    self.evictable.remove(key);
+                }
+                *refs.get_mut() += 1;
+                self.free_blocks += 1;
+            }
+            Entry::Vacant(slot) => {
+                slot.insert(1);
+                events.push(EngineEvent::Stored {
+                    key,
+                    tier: Tier::Gpu,
+                });
+            }
         }
     }
 
@@ -737,11 +744,20 @@ mod tests {
     }
 
     fn req(id: u64, keys: Vec<BlockKey>, prompt_tokens: u32, output_tokens: u32) -> EngineRequest {
-        EngineRequest { id, keys, prompt_tokens, output_tokens }
+        EngineRequest {
+            id,
+            keys,
+            prompt_tokens,
+            output_tokens,
+        }
     }
 
     fn config(block_tokens: u32, gpu_blocks: u32) -> EngineConfig {
-        EngineConfig { block_tokens, gpu_blocks, ..EngineConfig::default() }
+        EngineConfig {
+            block_tokens,
+            gpu_blocks,
+            ..EngineConfig::default()
+        }
     }
 
     fn us(ms: f64) -> u64 {
@@ -760,13 +776,22 @@ mod tests {
     impl Run {
         /// Token events only (no block events).
         fn tokens(&self) -> Vec<EngineEvent> {
-            let block = |e: &&EngineEvent| matches!(e, EngineEvent::Stored { .. } | EngineEvent::Removed { .. });
+            let block = |e: &&EngineEvent| {
+                matches!(e, EngineEvent::Stored { .. } | EngineEvent::Removed { .. })
+            };
             self.events.iter().filter(|e| !block(e)).cloned().collect()
         }
 
         fn first_token(&self, id: u64) -> (u64, [u32; 3]) {
             for e in &self.events {
-                if let EngineEvent::FirstToken { id: i, at_us, gpu_hit_tokens, l1_hit_tokens, l2_hit_tokens } = *e {
+                if let EngineEvent::FirstToken {
+                    id: i,
+                    at_us,
+                    gpu_hit_tokens,
+                    l1_hit_tokens,
+                    l2_hit_tokens,
+                } = *e
+                {
                     if i == id {
                         return (at_us, [gpu_hit_tokens, l1_hit_tokens, l2_hit_tokens]);
                     }
@@ -784,7 +809,12 @@ mod tests {
         }
 
         fn step_starting_at(&self, t: u64) -> u64 {
-            let (start, end) = self.steps.iter().find(|s| s.0 == t).copied().expect("no step there");
+            let (start, end) = self
+                .steps
+                .iter()
+                .find(|s| s.0 == t)
+                .copied()
+                .expect("no step there");
             end - start
         }
     }
@@ -820,7 +850,7 @@ mod tests {
             }
             let next_arrival = arrivals.peek().map(|(t, _)| *t);
             match (step_end, next_arrival) {
-                (Some(end), a) if a.map_or(true, |a| end <= a) => {
+                (Some(end), a) if a.is_none() || a >= Some(end) => {
                     now = end;
                     run.engine.complete_step(now, &mut run.l2, &mut run.events);
                     step_end = None;
@@ -904,7 +934,11 @@ mod tests {
 
     /// One request after another, each arriving when the previous has long finished.
     fn one_by_one(requests: Vec<EngineRequest>) -> Vec<(u64, EngineRequest)> {
-        requests.into_iter().enumerate().map(|(i, r)| (i as u64 * 10_000_000, r)).collect()
+        requests
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| (i as u64 * 10_000_000, r))
+            .collect()
     }
 
     #[test]
@@ -922,12 +956,20 @@ mod tests {
             ((vec![], 10), (vec![], 10), 0),
         ];
         for (i, ((ka, ta), (kb, tb), want)) in cases.into_iter().enumerate() {
-            let run = drive(config(16, 1000), one_by_one(vec![req(0, ka, ta, 2), req(1, kb, tb, 2)]), BlockLru::new(0));
+            let run = drive(
+                config(16, 1000),
+                one_by_one(vec![req(0, ka, ta, 2), req(1, kb, tb, 2)]),
+                BlockLru::new(0),
+            );
             assert_eq!(run.first_token(0).1, [0, 0, 0], "case {i}");
             assert_eq!(run.first_token(1).1, [want, 0, 0], "case {i}");
             let s = run.engine.stats();
             assert_eq!(s.gpu_hit_tokens, u64::from(want), "case {i}");
-            assert_eq!(s.computed_prefill_tokens + s.gpu_hit_tokens, s.prompt_tokens, "case {i}");
+            assert_eq!(
+                s.computed_prefill_tokens + s.gpu_hit_tokens,
+                s.prompt_tokens,
+                "case {i}"
+            );
         }
     }
 
@@ -937,36 +979,76 @@ mod tests {
         // After A and B: evictable [A1, A0, B1, B0] (released tail first), 2 free. C takes
         // the 2 free blocks and evicts A1; A again hits A0 and evicts B1 for its new blocks.
         let p = |tag| req(tag, keys(tag, 2), 9, 1);
-        let run = drive(config(4, 6), one_by_one(vec![p(1), p(2), p(3), p(1)]), BlockLru::new(0));
+        let run = drive(
+            config(4, 6),
+            one_by_one(vec![p(1), p(2), p(3), p(1)]),
+            BlockLru::new(0),
+        );
         assert_eq!(run.removed(Tier::Gpu), vec![keys(1, 2)[1], keys(2, 2)[1]]);
-        let hits: Vec<u32> = run.tokens().iter().filter_map(|e| match e {
-            EngineEvent::FirstToken { gpu_hit_tokens, .. } => Some(*gpu_hit_tokens),
-            _ => None,
-        }).collect();
+        let hits: Vec<u32> = run
+            .tokens()
+            .iter()
+            .filter_map(|e| match e {
+                EngineEvent::FirstToken { gpu_hit_tokens, .. } => Some(*gpu_hit_tokens),
+                _ => None,
+            })
+            .collect();
         assert_eq!(hits, vec![0, 0, 0, 4]);
     }
 
     #[test]
     fn chunked_prefill_then_decode() {
         let d = ModelProfile::dynamo_default();
-        let cfg = EngineConfig { max_batch_tokens: 100, ..config(16, 1000) };
-        let run = drive(cfg, vec![(0, req(7, keys(1, 15), 250, 3))], BlockLru::new(0));
+        let cfg = EngineConfig {
+            max_batch_tokens: 100,
+            ..config(16, 1000)
+        };
+        let run = drive(
+            cfg,
+            vec![(0, req(7, keys(1, 15), 250, 3))],
+            BlockLru::new(0),
+        );
         // 250 tokens in chunks of 100, 100, 50; then two decode steps holding 16 blocks.
         let u = 16.0 / 1000.0;
-        let want = [d.prefill_ms(100), d.prefill_ms(100), d.prefill_ms(50), d.decode_step_ms(u), d.decode_step_ms(u)];
+        let want = [
+            d.prefill_ms(100),
+            d.prefill_ms(100),
+            d.prefill_ms(50),
+            d.decode_step_ms(u),
+            d.decode_step_ms(u),
+        ];
         let got: Vec<u64> = run.steps.iter().map(|(s, e)| e - s).collect();
         assert_eq!(got, want.map(us).to_vec());
         let ends: Vec<u64> = run.steps.iter().map(|s| s.1).collect();
-        let first = EngineEvent::FirstToken { id: 7, at_us: ends[2], gpu_hit_tokens: 0, l1_hit_tokens: 0, l2_hit_tokens: 0 };
+        let first = EngineEvent::FirstToken {
+            id: 7,
+            at_us: ends[2],
+            gpu_hit_tokens: 0,
+            l1_hit_tokens: 0,
+            l2_hit_tokens: 0,
+        };
         let want = vec![
             first,
-            EngineEvent::Token { id: 7, at_us: ends[3] },
-            EngineEvent::Token { id: 7, at_us: ends[4] },
-            EngineEvent::Finished { id: 7, at_us: ends[4] },
+            EngineEvent::Token {
+                id: 7,
+                at_us: ends[3],
+            },
+            EngineEvent::Token {
+                id: 7,
+                at_us: ends[4],
+            },
+            EngineEvent::Finished {
+                id: 7,
+                at_us: ends[4],
+            },
         ];
         assert_eq!(run.tokens(), want);
         // The 15 complete blocks are named when the prefill completes, not before.
-        let stored = run.events.iter().position(|e| matches!(e, EngineEvent::Stored { .. })).unwrap();
+        let stored = run
+            .events
+            .iter()
+            .position(|e| matches!(e, EngineEvent::Stored { .. }))
+            .unwrap();
         assert_eq!(stored, 0);
         assert_eq!(run.events.len(), 4 + 15);
         assert_eq!(run.engine.stats().steps, 5);
@@ -984,14 +1066,19 @@ mod tests {
             BlockLru::new(0),
         );
         let got: Vec<u64> = run.steps.iter().map(|(s, e)| e - s).collect();
-        let want = [d.prefill_ms(10), d.prefill_ms(20) + d.decode_step_ms(0.03), d.decode_step_ms(0.01)];
+        let want = [
+            d.prefill_ms(10),
+            d.prefill_ms(20) + d.decode_step_ms(0.03),
+            d.decode_step_ms(0.01),
+        ];
         assert_eq!(got, want.map(us).to_vec());
     }
 
     #[test]
     fn preemption_under_a_tiny_cache_still_finishes_everything() {
         // (gpu blocks, requests as (keys, prompt, output)), 4-token blocks; all arrive at 0.
-        let cases: Vec<(u32, Vec<(Vec<BlockKey>, u32, u32)>)> = vec![
+        type Case = (u32, Vec<(Vec<BlockKey>, u32, u32)>);
+        let cases: Vec<Case> = vec![
             (8, (1..=4).map(|t| (keys(t, 2), 8, 12)).collect()),
             (8, (1..=6).map(|_| (keys(1, 2), 9, 15)).collect()),
             (6, (1..=5).map(|t| (keys(t, 1), 5, 9)).collect()),
@@ -999,20 +1086,36 @@ mod tests {
         for (i, (gpu, reqs)) in cases.into_iter().enumerate() {
             let n = reqs.len() as u64;
             let outputs: Vec<u32> = reqs.iter().map(|r| r.2).collect();
-            let arrivals = reqs.into_iter().enumerate().map(|(id, (k, p, o))| (0, req(id as u64, k, p, o))).collect();
+            let arrivals = reqs
+                .into_iter()
+                .enumerate()
+                .map(|(id, (k, p, o))| (0, req(id as u64, k, p, o)))
+                .collect();
             let run = drive(config(4, gpu), arrivals, BlockLru::new(0));
             let s = run.engine.stats();
             assert!(s.preemptions > 0, "case {i}: no preemption");
             assert_eq!((s.finished, s.rejected), (n, 0), "case {i}");
             for (id, &out) in outputs.iter().enumerate() {
                 let id = id as u64;
-                let count = |f: fn(&EngineEvent, u64) -> bool| run.events.iter().filter(|e| f(e, id)).count();
-                let firsts = count(|e, id| matches!(e, EngineEvent::FirstToken { id: i, .. } if *i == id));
-                let tokens = count(|e, id| matches!(e, EngineEvent::Token { id: i, .. } if *i == id));
-                let finished = count(|e, id| matches!(e, EngineEvent::Finished { id: i, .. } if *i == id));
-                assert_eq!((firsts, firsts + tokens, finished), (1, out as usize, 1), "case {i} id {id}");
+                let count = |f: fn(&EngineEvent, u64) -> bool| {
+                    run.events.iter().filter(|e| f(e, id)).count()
+                };
+                let firsts =
+                    count(|e, id| matches!(e, EngineEvent::FirstToken { id: i, .. } if *i == id));
+                let tokens =
+                    count(|e, id| matches!(e, EngineEvent::Token { id: i, .. } if *i == id));
+                let finished =
+                    count(|e, id| matches!(e, EngineEvent::Finished { id: i, .. } if *i == id));
+                assert_eq!(
+                    (firsts, firsts + tokens, finished),
+                    (1, out as usize, 1),
+                    "case {i} id {id}"
+                );
             }
-            assert!(s.gpu_hit_tokens + s.computed_prefill_tokens > s.prompt_tokens, "case {i}: recompute");
+            assert!(
+                s.gpu_hit_tokens + s.computed_prefill_tokens > s.prompt_tokens,
+                "case {i}: recompute"
+            );
         }
     }
 
@@ -1031,8 +1134,16 @@ mod tests {
             (1, false, [32, 16, 0]),
         ];
         for (i, (l1_blocks, offload_to_l2, want)) in cases.into_iter().enumerate() {
-            let cfg = EngineConfig { l1_blocks, offload_to_l2, ..config(16, 7) };
-            let workload = one_by_one(vec![req(0, keys(1, 4), 65, 1), req(1, keys(2, 4), 65, 1), req(2, keys(1, 4), 65, 1)]);
+            let cfg = EngineConfig {
+                l1_blocks,
+                offload_to_l2,
+                ..config(16, 7)
+            };
+            let workload = one_by_one(vec![
+                req(0, keys(1, 4), 65, 1),
+                req(1, keys(2, 4), 65, 1),
+                req(2, keys(1, 4), 65, 1),
+            ]);
             let run = drive(cfg, workload.clone(), BlockLru::new(1000));
             assert_eq!(run.first_token(2).1, want, "case {i}");
             // B evicts A3, A2; A's return evicts B3, B2 for the blocks it loads or computes.
@@ -1041,7 +1152,11 @@ mod tests {
             let s = run.engine.stats();
             let hits = [s.gpu_hit_tokens, s.l1_hit_tokens, s.l2_hit_tokens];
             assert_eq!(hits, want.map(u64::from), "case {i}");
-            assert_eq!(hits.iter().sum::<u64>() + s.computed_prefill_tokens, s.prompt_tokens, "case {i}");
+            assert_eq!(
+                hits.iter().sum::<u64>() + s.computed_prefill_tokens,
+                s.prompt_tokens,
+                "case {i}"
+            );
             // The admitting step computes the rest and pays for the loads.
             let computed = 65 - want.iter().sum::<u32>();
             let ms = d.prefill_ms(u64::from(computed))
@@ -1054,7 +1169,10 @@ mod tests {
     #[test]
     fn l2_evictions_are_reported() {
         // No L1, an L2 of one block: A3 then A2 go to L2, A2 displaces A3.
-        let cfg = EngineConfig { offload_to_l2: true, ..config(16, 7) };
+        let cfg = EngineConfig {
+            offload_to_l2: true,
+            ..config(16, 7)
+        };
         let workload = one_by_one(vec![req(0, keys(1, 4), 65, 1), req(1, keys(2, 4), 65, 1)]);
         let run = drive(cfg, workload, BlockLru::new(1));
         assert_eq!(run.removed(Tier::L2), vec![BlockKey(1 << 32 | 3)]);
@@ -1075,37 +1193,74 @@ mod tests {
             (2, u32::MAX, u32::MAX, true),
         ];
         for (i, (gpu, prompt, output, rejected)) in cases.into_iter().enumerate() {
-            let run = drive(config(16, gpu), vec![(5, req(9, keys(1, 100), prompt, output))], BlockLru::new(0));
+            let run = drive(
+                config(16, gpu),
+                vec![(5, req(9, keys(1, 100), prompt, output))],
+                BlockLru::new(0),
+            );
             let want = if rejected {
                 vec![EngineEvent::Rejected { id: 9, at_us: 5 }]
             } else {
-                vec![EngineEvent::Finished { id: 9, at_us: run.steps.last().unwrap().1 }]
+                vec![EngineEvent::Finished {
+                    id: 9,
+                    at_us: run.steps.last().unwrap().1,
+                }]
             };
             let last: Vec<EngineEvent> = run.tokens().into_iter().rev().take(1).collect();
             assert_eq!(last, want, "case {i}");
             let s = run.engine.stats();
-            assert_eq!((s.rejected, s.finished), (u64::from(rejected), u64::from(!rejected)), "case {i}");
+            assert_eq!(
+                (s.rejected, s.finished),
+                (u64::from(rejected), u64::from(!rejected)),
+                "case {i}"
+            );
         }
     }
 
     #[test]
     fn zero_lengths_behave_as_one() {
-        let run = drive(config(16, 10), vec![(0, req(3, vec![], 0, 0))], BlockLru::new(0));
+        let run = drive(
+            config(16, 10),
+            vec![(0, req(3, vec![], 0, 0))],
+            BlockLru::new(0),
+        );
         let end = run.steps[0].1;
-        let first = EngineEvent::FirstToken { id: 3, at_us: end, gpu_hit_tokens: 0, l1_hit_tokens: 0, l2_hit_tokens: 0 };
-        assert_eq!(run.tokens(), vec![first, EngineEvent::Finished { id: 3, at_us: end }]);
+        let first = EngineEvent::FirstToken {
+            id: 3,
+            at_us: end,
+            gpu_hit_tokens: 0,
+            l1_hit_tokens: 0,
+            l2_hit_tokens: 0,
+        };
+        assert_eq!(
+            run.tokens(),
+            vec![first, EngineEvent::Finished { id: 3, at_us: end }]
+        );
         assert_eq!(run.engine.stats().computed_prefill_tokens, 1);
         assert_eq!(end, us(ModelProfile::dynamo_default().prefill_ms(1)));
     }
 
     #[test]
     fn max_running_caps_admission() {
-        let cfg = EngineConfig { max_running: 1, ..config(16, 100) };
-        let run = drive(cfg, vec![(0, req(0, vec![], 10, 2)), (0, req(1, vec![], 10, 2))], BlockLru::new(0));
-        let ids: Vec<u64> = run.tokens().iter().map(|e| match *e {
-            EngineEvent::FirstToken { id, .. } | EngineEvent::Token { id, .. } | EngineEvent::Finished { id, .. } => id,
-            _ => u64::MAX,
-        }).collect();
+        let cfg = EngineConfig {
+            max_running: 1,
+            ..config(16, 100)
+        };
+        let run = drive(
+            cfg,
+            vec![(0, req(0, vec![], 10, 2)), (0, req(1, vec![], 10, 2))],
+            BlockLru::new(0),
+        );
+        let ids: Vec<u64> = run
+            .tokens()
+            .iter()
+            .map(|e| match *e {
+                EngineEvent::FirstToken { id, .. }
+                | EngineEvent::Token { id, .. }
+                | EngineEvent::Finished { id, .. } => id,
+                _ => u64::MAX,
+            })
+            .collect();
         assert_eq!(ids, vec![0, 0, 0, 1, 1, 1]);
     }
 
@@ -1119,7 +1274,10 @@ mod tests {
                 let family = rng.below(families);
                 let at = id * 20_000 + rng.below(20_000);
                 let prompt = blocks as u32 * 16 + tail;
-                (at, req(id, keys(family, blocks), prompt, rng.range(1, 60) as u32))
+                (
+                    at,
+                    req(id, keys(family, blocks), prompt, rng.range(1, 60) as u32),
+                )
             })
             .collect()
     }
@@ -1129,36 +1287,61 @@ mod tests {
         // (prompt families, gpu blocks, l1 blocks, offload to L2, preemptions expected)
         let cases = [
             (6, 20_000, 0, false, false),
-            (40, 1000, 400, true, false),
+            (40, 1200, 50, true, false),
             (6, 120, 60, true, true),
             (6, 60, 0, false, true),
         ];
-        for (i, (families, gpu, l1_blocks, offload_to_l2, preempts)) in cases.into_iter().enumerate() {
-            let cfg = EngineConfig { l1_blocks, offload_to_l2, ..config(16, gpu) };
+        for (i, (families, gpu, l1_blocks, offload_to_l2, preempts)) in
+            cases.into_iter().enumerate()
+        {
+            let cfg = EngineConfig {
+                l1_blocks,
+                offload_to_l2,
+                ..config(16, gpu)
+            };
             let workload = mixed_workload(i as u64, 300, families);
-            let submitted_tokens: u64 = workload.iter().map(|(_, r)| u64::from(r.prompt_tokens.max(1))).sum();
+            let submitted_tokens: u64 = workload
+                .iter()
+                .map(|(_, r)| u64::from(r.prompt_tokens.max(1)))
+                .sum();
             let run = drive(cfg, workload, BlockLru::new(300));
             let s = run.engine.stats().clone();
-            eprintln!("case {i}: {s:?}");
             assert_eq!(s.preemptions > 0, preempts, "case {i}: {s:?}");
             assert_eq!(s.finished + s.rejected, 300, "case {i}");
             assert_eq!(s.rejected, 0, "case {i}");
             assert_eq!(s.prompt_tokens, submitted_tokens, "case {i}");
             let hits = s.gpu_hit_tokens + s.l1_hit_tokens + s.l2_hit_tokens;
             if preempts {
-                assert!(hits + s.computed_prefill_tokens > s.prompt_tokens, "case {i}: {s:?}");
+                assert!(
+                    hits + s.computed_prefill_tokens > s.prompt_tokens,
+                    "case {i}: {s:?}"
+                );
             } else {
-                assert_eq!(hits + s.computed_prefill_tokens, s.prompt_tokens, "case {i}: {s:?}");
+                assert_eq!(
+                    hits + s.computed_prefill_tokens,
+                    s.prompt_tokens,
+                    "case {i}: {s:?}"
+                );
             }
             assert!(s.gpu_hit_tokens > 0, "case {i}: {s:?}");
-            assert_eq!(s.busy_us, run.steps.iter().map(|(a, b)| b - a).sum::<u64>(), "case {i}");
+            assert_eq!(s.l1_hit_tokens > 0, l1_blocks > 0, "case {i}: {s:?}");
+            assert_eq!(s.l2_hit_tokens > 0, offload_to_l2, "case {i}: {s:?}");
+            assert_eq!(
+                s.busy_us,
+                run.steps.iter().map(|(a, b)| b - a).sum::<u64>(),
+                "case {i}"
+            );
             assert_eq!(run.engine.kv_usage(), 0.0, "case {i}");
         }
     }
 
     #[test]
     fn runs_are_deterministic() {
-        let cfg = EngineConfig { l1_blocks: 60, offload_to_l2: true, ..config(16, 120) };
+        let cfg = EngineConfig {
+            l1_blocks: 60,
+            offload_to_l2: true,
+            ..config(16, 120)
+        };
         let a = drive(cfg.clone(), mixed_workload(7, 200, 6), BlockLru::new(300));
         let b = drive(cfg, mixed_workload(7, 200, 6), BlockLru::new(300));
         assert_eq!(a.events, b.events);

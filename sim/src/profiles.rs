@@ -10,15 +10,15 @@
 //!
 //! - `default`: exactly [`ModelProfile::dynamo_default`], NVIDIA Dynamo's mocker curves with
 //!   Llama-3.1-8B's KV size (32 layers × 8 KV heads × 128 head dim × 2 (K, V) × 2 bytes =
-//!   131072 bytes per token), L1 at 25 GB/s, L2 at 5 GB/s.
+//!   131072 bytes per token), L1 at 25 GB/s, L2 at 12.5 GB/s.
 //! - `llama-3.1-70b-h100`: Llama-3.1-70B on one 8×H100 node (tensor parallel 8). KV bytes
 //!   per token: 80 layers × 8 KV heads × 128 head dim × 2 (K and V) × 2 bytes (bf16) =
 //!   327680. The prefill and decode curves are Dynamo's unchanged: to first order the
 //!   70B model's ~8.8× the FLOPs and weight bytes per token of the 8B model are spread over
 //!   8 GPUs, so per-instance step times stay within the curves' own error (TP all-reduce
-//!   overhead is not modelled). The tier bandwidths are kept at one PCIe Gen5 link (L1)
-//!   and 5 GB/s (L2), a conservative choice: eight GPUs could load their shards in
-//!   parallel, but host memory and the NIC are shared.
+//!   overhead is not modelled). The tier bandwidths are `default`'s, one PCIe Gen5 link
+//!   (L1) and a 100 Gb/s network (L2): conservative, since eight GPUs could load their
+//!   shards in parallel, but host memory and the NIC are shared.
 //!
 //! JSON has no comments and the struct rejects unknown fields, so these derivations live
 //! here rather than in the files.
@@ -177,7 +177,7 @@ mod tests {
                 "unknown field `d`",
             ),
             (
-                ("\"l2_bytes_per_s\": 5e9", "\"l2_bytes_per_s\": 0"),
+                ("\"l2_bytes_per_s\": 12.5e9", "\"l2_bytes_per_s\": 0"),
                 "l2_bytes_per_s must be positive",
             ),
             (
