@@ -20,8 +20,8 @@
 
 use crate::keys::BlockKey;
 use crate::InstanceId;
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use hashbrown::HashTable;
+use std::collections::VecDeque;
 
 /// Tier bit: the block is in the instance's GPU memory.
 const GPU: u8 = 1;
@@ -30,26 +30,11 @@ const L1: u8 = 2;
 const NONE: u32 = u32::MAX;
 
 /// Block keys are already uniform hashes (or, for traces, small integers): a multiply
-/// spreads them without the cost of SipHash.
-#[derive(Default, Clone, Copy, Debug)]
-pub struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        let x = v.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = x ^ (x >> 29);
-    }
+/// and a fold spread them without the cost of SipHash.
+fn hash_key(key: BlockKey) -> u64 {
+    let x = key.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^ (x >> 29)
 }
-
-type KeyMap<V> = HashMap<BlockKey, V, BuildHasherDefault<KeyHasher>>;
 
 /// Settings of one index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -218,6 +203,8 @@ pub struct MatchScratch {
     /// Position in `alive` of each instance's candidate, by instance id; `NONE` if absent.
     slot_of: Vec<u32>,
     alive: Vec<u8>,
+    /// Positions of candidates whose run is still going.
+    live: Vec<u32>,
     /// Slots of the query's keys found in the index, in order.
     path: Vec<u32>,
     pub result: MatchResult,
@@ -255,7 +242,9 @@ pub struct IndexStats {
 #[derive(Debug)]
 pub struct PrefixIndex {
     config: IndexConfig,
-    slots: KeyMap<u32>,
+    /// Slot of each live key. The table stores only the slot number (4 bytes), so it is
+    /// small enough to stay in cache; the key is compared in the node itself.
+    slots: HashTable<u32>,
     nodes: Vec<Node>,
     free: Vec<u32>,
     /// Leaf LRU: `lru_head` is the least recently written leaf.
@@ -276,7 +265,7 @@ impl PrefixIndex {
                 capacity_blocks: config.capacity_blocks.max(1),
                 ..config
             },
-            slots: KeyMap::default(),
+            slots: HashTable::new(),
             nodes: Vec::new(),
             free: Vec::new(),
             lru_head: NONE,
@@ -301,7 +290,14 @@ impl PrefixIndex {
     }
 
     pub fn contains(&self, key: BlockKey) -> bool {
-        self.slots.contains_key(&key)
+        self.slot(key).is_some()
+    }
+
+    /// The slot of `key`, if the index holds it.
+    fn slot(&self, key: BlockKey) -> Option<u32> {
+        self.slots
+            .find(hash_key(key), |&i| self.nodes[i as usize].key == key)
+            .copied()
     }
 
     /// Records that `instance` was just sent a prompt with these keys: predicts it holds
@@ -341,14 +337,12 @@ impl PrefixIndex {
             Tier::L2 => return self.observe_l2(key, parent, present),
         };
         if present {
-            let parent_idx = parent
-                .and_then(|p| self.slots.get(&p).copied())
-                .unwrap_or(NONE);
+            let parent_idx = parent.and_then(|p| self.slot(p)).unwrap_or(NONE);
             let idx = self.ensure(key, parent_idx);
             let (holder, created) = self.nodes[idx as usize].holder_or_insert(instance.0);
             self.holders += usize::from(created);
             holder.observed |= bit;
-        } else if let Some(&idx) = self.slots.get(&key) {
+        } else if let Some(idx) = self.slot(key) {
             let node = &mut self.nodes[idx as usize];
             if let Some(holder) = node.holder_mut(instance.0) {
                 holder.observed &= !bit;
@@ -364,16 +358,14 @@ impl PrefixIndex {
     /// Applies an observation of the global L2 store.
     pub fn observe_l2(&mut self, key: BlockKey, parent: Option<BlockKey>, present: bool) {
         if present {
-            let parent_idx = parent
-                .and_then(|p| self.slots.get(&p).copied())
-                .unwrap_or(NONE);
+            let parent_idx = parent.and_then(|p| self.slot(p)).unwrap_or(NONE);
             let idx = self.ensure(key, parent_idx);
             let node = &mut self.nodes[idx as usize];
             if !node.in_l2 {
                 node.in_l2 = true;
                 self.l2_blocks += 1;
             }
-        } else if let Some(&idx) = self.slots.get(&key) {
+        } else if let Some(idx) = self.slot(key) {
             let node = &mut self.nodes[idx as usize];
             if node.in_l2 {
                 node.in_l2 = false;
@@ -407,12 +399,11 @@ impl PrefixIndex {
                 break;
             }
             self.expiry.pop_front();
-            let Some(node) = self.nodes.get_mut(idx as usize) else {
-                continue;
-            };
-            if node.key != key || self.slots.get(&key).is_none_or(|&i| i != idx) {
+            // The slot may have been freed, or reused by another key, since.
+            if self.slot(key) != Some(idx) {
                 continue;
             }
+            let node = &mut self.nodes[idx as usize];
             let Some(holder) = node.holder_mut(instance) else {
                 continue;
             };
@@ -438,9 +429,11 @@ impl PrefixIndex {
         let MatchScratch {
             slot_of,
             alive,
+            live,
             path,
             result,
         } = scratch;
+        live.clear();
         for m in &result.instances {
             slot_of[m.instance.0 as usize] = NONE;
         }
@@ -452,7 +445,15 @@ impl PrefixIndex {
         // Resolve the path first: the lookups are independent, so the CPU overlaps their
         // cache misses instead of taking them one walk step at a time.
         path.clear();
-        path.extend(keys.iter().map_while(|k| self.slots.get(k).copied()));
+        path.extend(keys.iter().map_while(|&k| self.slot(k)));
+        // Likewise load the overflow holder lists (hot prefixes have many holders) together.
+        let warm = path.iter().fold(0, |acc, &i| {
+            acc ^ self.nodes[i as usize]
+                .more
+                .first()
+                .map_or(0, |h| h.instance)
+        });
+        std::hint::black_box(warm);
         for (depth, &idx) in path.iter().enumerate() {
             let node = &self.nodes[idx as usize];
             let d = depth as u32;
@@ -477,6 +478,7 @@ impl PrefixIndex {
                             l2: d,
                         };
                         result.instances.push(m);
+                        live.push(result.instances.len() as u32 - 1);
                         alive.push(if depth == 0 {
                             GPU_ALIVE | L1_ALIVE | L2_ALIVE
                         } else {
@@ -484,6 +486,8 @@ impl PrefixIndex {
                         });
                         result.instances.len() - 1
                     }
+                    // A run that broke stays broken.
+                    slot if alive[slot as usize] == 0 => continue,
                     slot => slot as usize,
                 };
                 let (m, a) = (&mut result.instances[pos], &mut alive[pos]);
@@ -501,21 +505,24 @@ impl PrefixIndex {
                 }
                 *a |= SEEN;
             }
-            let mut any_alive = false;
-            for (pos, a) in alive.iter_mut().enumerate() {
+            // Only candidates whose run is still going are visited: after a shared system
+            // prompt, hundreds of candidates can drop to a handful.
+            live.retain(|&pos| {
+                let a = &mut alive[pos as usize];
                 if *a & SEEN != 0 {
                     *a &= !SEEN;
-                } else if *a != 0 {
+                } else {
                     // Not on this instance: only the global L2 store can continue its run.
                     *a &= !(GPU_ALIVE | L1_ALIVE);
                     if node.in_l2 && *a & L2_ALIVE != 0 {
-                        result.instances[pos].l2 = d + 1;
+                        result.instances[pos as usize].l2 = d + 1;
                     } else {
                         *a &= !L2_ALIVE;
                     }
                 }
-                any_alive |= *a != 0;
-            }
+                *a != 0
+            });
+            let any_alive = !live.is_empty();
             if global_alive && node.in_l2 {
                 result.global_l2 = d + 1;
             } else {
@@ -537,7 +544,7 @@ impl PrefixIndex {
     pub fn stats(&self) -> IndexStats {
         let entries = self.slots.len();
         let extra_holders: usize = self.nodes.iter().map(|n| n.more.len()).sum();
-        let map_bytes = self.slots.capacity() * (std::mem::size_of::<(BlockKey, u32)>() + 1);
+        let map_bytes = self.slots.capacity() * (std::mem::size_of::<u32>() + 1);
         let node_bytes = self.nodes.capacity() * std::mem::size_of::<Node>();
         let holder_bytes = extra_holders * std::mem::size_of::<Holder>();
         let expiry_bytes =
@@ -556,7 +563,7 @@ impl PrefixIndex {
     /// The slot of `key`, created under `parent` (an index or `NONE`) if absent; either way
     /// it becomes the most recently written leaf, if a leaf.
     fn ensure(&mut self, key: BlockKey, parent: u32) -> u32 {
-        if let Some(&idx) = self.slots.get(&key) {
+        if let Some(idx) = self.slot(key) {
             if self.nodes[idx as usize].children == 0 {
                 self.lru_unlink(idx);
                 self.lru_push_back(idx);
@@ -594,7 +601,9 @@ impl PrefixIndex {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.slots.insert(key, idx);
+        let nodes = &self.nodes;
+        self.slots
+            .insert_unique(hash_key(key), idx, |&i| hash_key(nodes[i as usize].key));
         if parent != NONE {
             let p = &mut self.nodes[parent as usize];
             if p.children == 0 {
@@ -641,7 +650,13 @@ impl PrefixIndex {
         self.lru_unlink(idx);
         let key = self.nodes[idx as usize].key;
         let parent = self.nodes[idx as usize].parent;
-        self.slots.remove(&key);
+        let nodes = &self.nodes;
+        if let Ok(entry) = self
+            .slots
+            .find_entry(hash_key(key), |&i| nodes[i as usize].key == key)
+        {
+            entry.remove();
+        }
         let node = &mut self.nodes[idx as usize];
         node.first = None;
         node.more = Box::default();
