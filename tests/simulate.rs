@@ -1,0 +1,156 @@
+//! `warmpath simulate` and `warmpath demo` end to end.
+
+use crate::{scratch_dir, shared_trace, warmpath};
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn same_seed_same_json() {
+    let args = [
+        "simulate",
+        "--workload",
+        "chat",
+        "--requests",
+        "400",
+        "--routers",
+        "3",
+        "--seed",
+        "9",
+        "--json",
+    ];
+    let (a, b) = (warmpath(&args), warmpath(&args));
+    assert!(a.status.success(), "{}", stderr(&a));
+    assert_eq!(stdout(&a), stdout(&b));
+    let json: serde_json::Value = serde_json::from_str(&stdout(&a)).expect("valid JSON");
+    let runs = json["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 4);
+    for r in runs {
+        assert_eq!(r["completed"], 400, "{r}");
+    }
+    let other = warmpath(&[
+        "simulate",
+        "--workload",
+        "chat",
+        "--requests",
+        "400",
+        "--routers",
+        "3",
+        "--seed",
+        "10",
+        "--json",
+    ]);
+    assert_ne!(stdout(&a), stdout(&other));
+}
+
+#[test]
+fn trace_table_has_every_policy_and_the_bounds() {
+    let trace = shared_trace("synthetic_trace.jsonl");
+    let out = warmpath(&[
+        "simulate",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--instances",
+        "8",
+        "--policy",
+        "round-robin",
+        "prefix-aware",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    for want in [
+        "round-robin",
+        "prefix-aware",
+        "bounds: ideal hit rate",
+        "3993 requests",
+    ] {
+        assert!(table.contains(want), "{want} missing from\n{table}");
+    }
+    assert!(!table.contains("kv-aware"), "only the named policies run");
+}
+
+#[test]
+fn malformed_trace_line_names_file_and_line() {
+    let dir = scratch_dir("bad-trace");
+    let path = dir.join("bad.jsonl");
+    let good = r#"{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]}"#;
+    std::fs::write(&path, format!("{good}\n{good}\nnot json\n{good}\n")).unwrap();
+    let p = path.to_str().unwrap();
+    let out = warmpath(&["simulate", "--trace", p]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("bad.jsonl") && err.contains(":3"), "{err}");
+    let out = warmpath(&["simulate", "--trace", p, "--skip-bad-lines", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(json["workload"]["skipped_lines"], 1);
+    assert_eq!(json["workload"]["requests"], 3);
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let dir = scratch_dir("bad-args");
+    let empty = dir.join("empty-prompt.jsonl");
+    std::fs::write(
+        &empty,
+        r#"{"timestamp": 0, "input_length": 0, "output_length": 4, "hash_ids": []}"#,
+    )
+    .unwrap();
+    let long = dir.join("long-prompt.jsonl");
+    std::fs::write(
+        &long,
+        r#"{"timestamp": 0, "input_length": 2048, "output_length": 4, "hash_ids": [1, 2, 3, 4]}"#,
+    )
+    .unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["simulate", "--workload", "chat", "--instances", "0"],
+            "--instances must be at least 1",
+        ),
+        (
+            &["simulate", "--workload", "chat", "--policy", "fastest"],
+            "unknown routing strategy \"fastest\"",
+        ),
+        (
+            &["simulate", "--workload", "poetry"],
+            "unknown synthetic workload",
+        ),
+        (
+            &["simulate", "--trace", "/nonexistent/trace.jsonl"],
+            "/nonexistent/trace.jsonl",
+        ),
+        (&["simulate", "--trace", empty.to_str().unwrap()], "empty"),
+        (
+            &[
+                "simulate",
+                "--trace",
+                long.to_str().unwrap(),
+                "--max-prompt-tokens",
+                "1000",
+            ],
+            "exceeds the maximum",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = warmpath(args);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = stderr(&out);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+}
+
+#[test]
+fn demo_prints_the_comparison_table() {
+    let out = warmpath(&["demo"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    for policy in ["round-robin", "least-loaded", "prefix-aware", "kv-aware"] {
+        assert!(table.contains(policy), "{policy} missing from\n{table}");
+    }
+}
