@@ -6,6 +6,7 @@
 //! - [`policy`]: the routing policies and their explanations.
 //! - [`cost`]: the model profile that kv-aware routing and the simulator share.
 //! - [`rng`]: the seeded generator behind every random choice.
+//! - [`text`]: the built-in tokenizer and chat rendering shared by router and engine-sim.
 //!
 //! **Architecture invariant:** this crate does no I/O. No tokio, no sockets, no clock
 //! reads: time is passed in (microseconds), so the simulator and the router run the same
@@ -17,6 +18,7 @@ pub mod keys;
 pub mod load;
 pub mod policy;
 pub mod rng;
+pub mod text;
 
 /// A dense instance number, assigned by whoever owns the instance list (router, simulator).
 #[derive(

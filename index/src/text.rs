@@ -1,0 +1,188 @@
+//! The built-in tokenizer and prompt rendering, shared by the router and the engine
+//! simulator so that one prompt gives the same token ids, hence the same block keys, on
+//! both sides.
+//!
+//! Tokenizer: the text is cut into pieces, each piece a run of ASCII spaces followed by
+//! either a run of alphanumeric characters (any script) or a single other character
+//! (punctuation, a newline, an emoji). Trailing spaces form their own piece. A piece's id
+//! is the 32-bit FNV-1a hash of its UTF-8 bytes modulo [`VOCAB`]. So `"Hello, world"` is
+//! `["Hello", ",", " world"]`: English prose gives about one token per word, like a real
+//! BPE vocabulary within a factor of 1.5, and the same text always gives the same ids.
+//!
+//! Chat rendering: each message becomes `<|role|>\n{content}\n`, and a final
+//! `<|assistant|>\n` asks for the answer. Real engines apply the model's own template;
+//! warmpath renders chat requests this way when it hashes them in text or token mode.
+//!
+//! [`words`] produces deterministic pseudo-words (one token each) for load generators:
+//! equal seeds, equal text.
+
+use crate::rng::Rng;
+
+/// Size of the built-in vocabulary: ids are in `[0, VOCAB)`.
+pub const VOCAB: u32 = 50_000;
+
+/// Token ids of `text` under the built-in tokenizer.
+pub fn tokenize(text: &str) -> Vec<u32> {
+    let mut ids = Vec::with_capacity(text.len() / 5 + 1);
+    for_each_piece(text, |piece| ids.push(piece_id(piece)));
+    ids
+}
+
+/// Number of tokens of `text`, without allocating the ids.
+pub fn count_tokens(text: &str) -> usize {
+    let mut n = 0;
+    for_each_piece(text, |_| n += 1);
+    n
+}
+
+fn piece_id(piece: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in piece.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h % VOCAB
+}
+
+fn for_each_piece<'t>(text: &'t str, mut f: impl FnMut(&'t str)) {
+    let mut start = 0;
+    let mut chars = text.char_indices().peekable();
+    while let Some(&(i, c)) = chars.peek() {
+        // Leading spaces join the piece that follows them.
+        if c == ' ' {
+            chars.next();
+            if chars.peek().is_none() {
+                f(&text[start..]);
+            }
+            continue;
+        }
+        chars.next();
+        let mut end = i + c.len_utf8();
+        if c.is_alphanumeric() {
+            while let Some(&(j, d)) = chars.peek() {
+                if !d.is_alphanumeric() {
+                    break;
+                }
+                end = j + d.len_utf8();
+                chars.next();
+            }
+        }
+        f(&text[start..end]);
+        start = end;
+    }
+}
+
+/// One message of a chat request.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// The prompt text of a chat request (see the module docs).
+pub fn render_chat(messages: &[ChatMessage]) -> String {
+    let mut out = String::with_capacity(
+        messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len() + 8)
+            .sum::<usize>()
+            + 16,
+    );
+    for m in messages {
+        out.push_str("<|");
+        out.push_str(&m.role);
+        out.push_str("|>\n");
+        out.push_str(&m.content);
+        out.push('\n');
+    }
+    out.push_str("<|assistant|>\n");
+    out
+}
+
+const SYLLABLES: [&str; 32] = [
+    "ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "pa", "do", "fe", "gu", "ha", "ji", "ko",
+    "la", "mo", "nu", "pi", "qua", "ri", "so", "tu", "va", "we", "xi", "yo", "ze", "bra", "cre",
+    "dro",
+];
+
+/// `n` pseudo-words drawn from `seed`, each with a leading space, so each is one token.
+pub fn words(seed: u64, n: usize) -> String {
+    let mut rng = Rng::new(seed);
+    let mut out = String::with_capacity(n * 7);
+    for _ in 0..n {
+        out.push(' ');
+        for _ in 0..rng.range(1, 3) {
+            out.push_str(SYLLABLES[rng.below(SYLLABLES.len() as u64) as usize]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces(text: &str) -> Vec<&str> {
+        let mut out = Vec::new();
+        for_each_piece(text, |p| out.push(p));
+        out
+    }
+
+    #[test]
+    fn pieces_cases() {
+        let cases: &[(&str, &[&str])] = &[
+            ("Hello, world", &["Hello", ",", " world"]),
+            ("  two  spaces ", &["  two", "  spaces", " "]),
+            ("a\nb", &["a", "\n", "b"]),
+            ("", &[]),
+            ("   ", &["   "]),
+            ("naïve 東京 ok!", &["naïve", " 東京", " ok", "!"]),
+            ("x1 y2", &["x1", " y2"]),
+        ];
+        for (text, want) in cases {
+            assert_eq!(pieces(text), *want, "{text:?}");
+            assert_eq!(count_tokens(text), want.len());
+            // Pieces cover the text exactly.
+            assert_eq!(pieces(text).concat(), *text);
+        }
+    }
+
+    #[test]
+    fn ids_are_stable() {
+        // FNV-1a 32 of "Hello" is 0xf55c314b, of " world" 0x208795dd (Python reference).
+        assert_eq!(
+            tokenize("Hello world"),
+            vec![0xf55c_314b % VOCAB, 0x2087_95dd % VOCAB]
+        );
+        assert_eq!(tokenize("Hello world"), tokenize("Hello world"));
+        assert_ne!(tokenize("Hello world"), tokenize("Hello  world"));
+        assert!(tokenize("some text here").iter().all(|&t| t < VOCAB));
+    }
+
+    #[test]
+    fn words_are_one_token_each_and_seeded() {
+        let w = words(7, 100);
+        assert_eq!(count_tokens(&w), 100);
+        assert_eq!(w, words(7, 100));
+        assert_ne!(w, words(8, 100));
+        // Concatenated word runs tokenize as the sum of their parts.
+        let joined = format!("{}{}", words(1, 10), words(2, 5));
+        assert_eq!(
+            tokenize(&joined),
+            [tokenize(&words(1, 10)), tokenize(&words(2, 5))].concat()
+        );
+    }
+
+    #[test]
+    fn chat_rendering() {
+        let m = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        assert_eq!(
+            render_chat(&[m("system", "be brief"), m("user", "hi")]),
+            "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+        );
+        assert_eq!(render_chat(&[]), "<|assistant|>\n");
+    }
+}
