@@ -6,6 +6,7 @@
 //! - [`policy`]: the routing policies and their explanations.
 //! - [`cost`]: the model profile that kv-aware routing and the simulator share.
 //! - [`rng`]: the seeded generator behind every random choice.
+//! - [`openai`]: the parts of the OpenAI wire format warmpath reads and writes.
 //! - [`text`]: the built-in tokenizer and chat rendering shared by router and engine-sim.
 //!
 //! **Architecture invariant:** this crate does no I/O. No tokio, no sockets, no clock
@@ -16,6 +17,7 @@ pub mod cost;
 pub mod index;
 pub mod keys;
 pub mod load;
+pub mod openai;
 pub mod policy;
 pub mod rng;
 pub mod text;

@@ -1,0 +1,196 @@
+//! The parts of OpenAI's completions and chat-completions wire format that warmpath reads
+//! and writes. Requests keep unknown fields out of the way (serde ignores them): the router
+//! forwards the client's original bytes and only needs the model, the prompt and the
+//! stream flag; the engine simulator also reads the generation limits.
+
+use crate::text::{render_chat, ChatMessage};
+use serde::{Deserialize, Serialize};
+
+/// `prompt` of a completions request: a string or a list of strings (a batch is not
+/// supported by warmpath; a one-element list is accepted).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    /// Forces exactly `max_tokens` tokens (vLLM's extension; the simulator always does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_eos: Option<bool>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_eos: Option<bool>,
+}
+
+/// Why a request body is not a usable request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// The prompt is empty.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// A completions request with several prompts.
+    #[error("a batch of {0} prompts is not supported: send one prompt per request")]
+    Batch(usize),
+    /// A chat request without messages.
+    #[error("`messages` is empty")]
+    NoMessages,
+    /// The model name is empty.
+    #[error("`model` is empty")]
+    NoModel,
+}
+
+impl CompletionRequest {
+    /// The prompt text.
+    pub fn prompt_text(&self) -> Result<&str, RequestError> {
+        if self.model.is_empty() {
+            return Err(RequestError::NoModel);
+        }
+        let text = match &self.prompt {
+            Prompt::Text(t) => t.as_str(),
+            Prompt::Texts(ts) if ts.len() == 1 => ts[0].as_str(),
+            Prompt::Texts(ts) if ts.is_empty() => "",
+            Prompt::Texts(ts) => return Err(RequestError::Batch(ts.len())),
+        };
+        if text.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        Ok(text)
+    }
+}
+
+impl ChatRequest {
+    /// The rendered prompt text (see [`render_chat`]).
+    pub fn prompt_text(&self) -> Result<String, RequestError> {
+        if self.model.is_empty() {
+            return Err(RequestError::NoModel);
+        }
+        if self.messages.is_empty() {
+            return Err(RequestError::NoMessages);
+        }
+        Ok(render_chat(&self.messages))
+    }
+
+    /// The generation limit, whichever field carries it.
+    pub fn max_tokens(&self) -> Option<u32> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+}
+
+/// `prompt_tokens_details` of a response's usage.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+/// `usage` of a response (and of the last streamed chunk).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+}
+
+impl ErrorBody {
+    pub fn new(kind: &str, message: impl Into<String>) -> Self {
+        ErrorBody {
+            error: ErrorDetail {
+                message: message.into(),
+                kind: kind.to_string(),
+                code: None,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_forms() {
+        let req = |p: Prompt| CompletionRequest {
+            model: "m".into(),
+            prompt: p,
+            max_tokens: None,
+            stream: false,
+            ignore_eos: None,
+        };
+        assert_eq!(req(Prompt::Text("hi".into())).prompt_text(), Ok("hi"));
+        assert_eq!(
+            req(Prompt::Texts(vec!["hi".into()])).prompt_text(),
+            Ok("hi")
+        );
+        assert_eq!(
+            req(Prompt::Texts(vec![])).prompt_text(),
+            Err(RequestError::EmptyPrompt)
+        );
+        assert_eq!(
+            req(Prompt::Text(String::new())).prompt_text(),
+            Err(RequestError::EmptyPrompt)
+        );
+        assert_eq!(
+            req(Prompt::Texts(vec!["a".into(), "b".into()])).prompt_text(),
+            Err(RequestError::Batch(2))
+        );
+    }
+
+    #[test]
+    fn chat_limits_and_rendering() {
+        let mut chat = ChatRequest {
+            model: "m".into(),
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            }],
+            max_tokens: Some(5),
+            max_completion_tokens: None,
+            stream: true,
+            ignore_eos: None,
+        };
+        assert_eq!(chat.max_tokens(), Some(5));
+        chat.max_completion_tokens = Some(7);
+        assert_eq!(chat.max_tokens(), Some(7));
+        assert_eq!(chat.prompt_text().unwrap(), "<|user|>\nhi\n<|assistant|>\n");
+        chat.messages.clear();
+        assert_eq!(chat.prompt_text(), Err(RequestError::NoMessages));
+    }
+}
