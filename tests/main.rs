@@ -4,10 +4,12 @@
 //! One test crate (this file and its modules), built as the `integration` test target of
 //! the `warmpath` package so that Cargo hands it the binary's path.
 
+mod router;
 mod simulate;
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
 
 /// Runs `warmpath` with `args` and returns its output.
 pub fn warmpath(args: &[&str]) -> Output {
@@ -29,4 +31,51 @@ pub fn scratch_dir(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("warmpath-it-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir is writable");
     dir
+}
+
+/// A running `warmpath` process, killed when dropped.
+#[derive(Debug)]
+pub struct Proc {
+    pub child: Child,
+    /// Base URL from its "listening on" line.
+    pub url: String,
+    /// Kept open so the process can still write to stdout.
+    _stdout: BufReader<ChildStdout>,
+}
+
+impl Proc {
+    /// Starts `warmpath args…` and waits for its "listening on URL" line.
+    pub fn start(args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
+            .args(args)
+            .env("WARMPATH_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("the warmpath binary starts");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("a first line on stdout");
+        let url = match line.split("listening on ").nth(1) {
+            Some(u) => u.trim().to_string(),
+            None => panic!("{args:?} printed {line:?} instead of its address"),
+        };
+        Proc {
+            child,
+            url,
+            _stdout: stdout,
+        }
+    }
+
+    /// Kills the process now (as a crash would).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }

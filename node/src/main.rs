@@ -8,6 +8,8 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 mod demo;
+mod engine_sim;
+mod router;
 mod simulate;
 
 #[derive(Parser, Debug)]
@@ -27,13 +29,50 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Run the demo: a prefix-heavy workload through every policy, with a comparison table.
     Demo(demo::DemoArgs),
+    /// Run the OpenAI-compatible gateway.
+    Router(router::RouterArgs),
+    /// Serve the engine model over HTTP, like a vLLM server.
+    EngineSim(engine_sim::EngineSimArgs),
+}
+
+/// Resolves on SIGINT or SIGTERM: the start of a graceful shutdown.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: draining open requests");
+}
+
+/// Logs to stderr; `WARMPATH_LOG` sets the filter (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WARMPATH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging();
     let result = match cli.command {
         Command::Simulate(args) => simulate::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Router(args) => router::run(args),
+        Command::EngineSim(args) => engine_sim::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

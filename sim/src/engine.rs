@@ -89,7 +89,9 @@
 //! Once every admitted request has finished and no preemption happened,
 //! `gpu_hit_tokens + l1_hit_tokens + l2_hit_tokens + computed_prefill_tokens ==
 //! prompt_tokens`; with preemptions the left side is larger by the recomputed tokens.
-//! `steps` and `busy_us` count completed steps.
+//! `steps` and `busy_us` count completed steps. A cancelled request (see [`Engine::cancel`])
+//! counts in `prompt_tokens` and the hits if it was admitted, but its uncomputed prefill
+//! never counts, so with cancellations the left side can be smaller.
 //!
 //! # Determinism and cost
 //!
@@ -198,6 +200,8 @@ pub struct EngineStats {
     pub preemptions: u64,
     pub finished: u64,
     pub rejected: u64,
+    /// Requests dropped by [`Engine::cancel`] while waiting or running.
+    pub cancelled: u64,
 }
 
 /// A request inside the engine, waiting or running.
@@ -307,8 +311,7 @@ impl Engine {
         let bt = u64::from(self.config.block_tokens);
         let prompt_tokens = u64::from(req.prompt_tokens.max(1));
         let output_tokens = u64::from(req.output_tokens.max(1));
-        let longest = prompt_tokens + output_tokens - 1;
-        if longest.div_ceil(bt) + 1 > u64::from(self.config.gpu_blocks) {
+        if !self.can_ever_fit(req.prompt_tokens, req.output_tokens) {
             self.stats.rejected += 1;
             self.rejects.push((req.id, now_us));
             return;
@@ -475,6 +478,49 @@ impl Engine {
             still.push(seq);
         }
         self.running = still;
+    }
+
+    /// Drops request `id`, waiting or running, as when its client goes away. A running
+    /// sequence releases its blocks exactly as a finish does (its named prompt blocks stay
+    /// cached, tail first); a waiting one just leaves the queue. If a step is in flight it
+    /// keeps its planned duration, but the request gets no more events. A request rejected
+    /// at submission is not in the engine: cancelling it (or an unknown or finished id)
+    /// does nothing. Returns whether the request was found. `now_us` is the time of the
+    /// cancellation; the model does not need it yet.
+    pub fn cancel(&mut self, now_us: u64, id: u64) -> bool {
+        let _ = now_us;
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.release(&seq);
+            self.stats.cancelled += 1;
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            // Waiting sequences hold no blocks (preempted ones released theirs).
+            self.waiting.remove(i);
+            self.stats.cancelled += 1;
+            return true;
+        }
+        false
+    }
+
+    /// Whether a request of `prompt_tokens` and `output_tokens` (0 counts as 1) could ever
+    /// run to completion alone; `submit` rejects those that cannot (see "Rejection").
+    pub fn can_ever_fit(&self, prompt_tokens: u32, output_tokens: u32) -> bool {
+        let bt = u64::from(self.config.block_tokens);
+        let longest = u64::from(prompt_tokens.max(1)) + u64::from(output_tokens.max(1)) - 1;
+        // Its blocks plus one block of headroom.
+        longest.div_ceil(bt) < u64::from(self.config.gpu_blocks)
+    }
+
+    /// Sequences admitted and not finished (prefilling or decoding).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests queued for admission (preempted ones included).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
     }
 
     pub fn step_running(&self) -> bool {
@@ -1262,6 +1308,52 @@ mod tests {
             })
             .collect();
         assert_eq!(ids, vec![0, 0, 0, 1, 1, 1]);
+    }
+
+    #[test]
+    fn cancel_frees_blocks_like_a_finish() {
+        let mut l2 = BlockLru::new(0);
+        let mut events = Vec::new();
+        let cfg = EngineConfig {
+            max_running: 1,
+            ..config(16, 100)
+        };
+        let mut e = Engine::new(cfg, ModelProfile::dynamo_default());
+        // A: 4 named blocks + 6 tokens, decodes for a long time; B waits behind it.
+        e.submit(0, req(1, keys(1, 4), 70, 1000));
+        e.submit(0, req(2, keys(2, 1), 20, 5));
+        let end = e.start_step(0, &mut l2, &mut events).unwrap();
+        e.complete_step(end, &mut l2, &mut events);
+        let end = e.start_step(end, &mut l2, &mut events).unwrap();
+        check_accounting(&e);
+        assert_eq!((e.num_running(), e.num_waiting()), (1, 1));
+        // Cancel the waiting B, then A in the middle of its decode step.
+        assert!(e.cancel(end - 1, 2));
+        assert!(e.cancel(end - 1, 1));
+        assert!(!e.cancel(end - 1, 1), "already gone");
+        assert!(!e.cancel(end - 1, 99), "unknown");
+        check_accounting(&e);
+        assert_eq!((e.num_running(), e.num_waiting(), e.in_flight()), (0, 0, 0));
+        assert_eq!(e.kv_usage(), 0.0);
+        let before = events.len();
+        e.complete_step(end, &mut l2, &mut events);
+        assert_eq!(events.len(), before, "a cancelled request gets no events");
+        assert_eq!(e.start_step(end, &mut l2, &mut events), None);
+        assert_eq!((e.stats().cancelled, e.stats().finished), (2, 0));
+        // A's prompt blocks stayed cached: the same prompt hits them.
+        e.submit(end, req(3, keys(1, 4), 70, 1));
+        let end2 = e.start_step(end, &mut l2, &mut events).unwrap();
+        e.complete_step(end2, &mut l2, &mut events);
+        check_accounting(&e);
+        assert!(events.contains(&EngineEvent::FirstToken {
+            id: 3,
+            at_us: end2,
+            gpu_hit_tokens: 64,
+            l1_hit_tokens: 0,
+            l2_hit_tokens: 0,
+        }));
+        assert!(e.can_ever_fit(16 * 98, 1));
+        assert!(!e.can_ever_fit(16 * 99 + 1, 1));
     }
 
     /// `n` requests with shared prefixes from a few families, arriving every ~20 ms.

@@ -1,0 +1,482 @@
+//! Router configuration: a versioned TOML file (unknown fields rejected), validated into
+//! typed settings. Flags can stand in for a file in small setups.
+//!
+//! ```toml
+//! version = 1
+//!
+//! [router]
+//! listen = "127.0.0.1:8080"
+//!
+//! [[pools]]
+//! model = "sim-llama"
+//! instances = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+//!
+//! [[tenants]]
+//! id = "acme"
+//! api_keys = ["sk-acme-1"]        # or api_key_hashes = ["<blake3 hex>"]
+//! strategy = "prefix-aware"
+//! prefix_length = 0              # tokens used for matching; 0 = the whole prompt
+//! concurrency_threshold = 32
+//! ```
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+use warmpath_index::policy::Strategy;
+
+/// The only config file version this build reads.
+pub const CONFIG_VERSION: u32 = 1;
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub version: u32,
+    #[serde(default)]
+    pub router: RouterSection,
+    #[serde(default)]
+    pub pools: Vec<PoolSection>,
+    #[serde(default)]
+    pub tenants: Vec<TenantSection>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterSection {
+    pub listen: String,
+    /// Largest request body accepted, bytes (larger: 413).
+    pub max_body_bytes: usize,
+    pub connect_timeout_ms: u64,
+    /// Time allowed for an instance's response headers; past it the attempt is retried.
+    pub first_byte_timeout_ms: u64,
+    /// Time allowed for a whole request, streaming included.
+    pub request_timeout_ms: u64,
+    /// Further instances tried after a failure before the first response byte.
+    pub retries: u32,
+    pub health_interval_ms: u64,
+    /// First passive ejection of a failing instance; doubles per consecutive failure.
+    pub eject_base_ms: u64,
+    pub eject_max_ms: u64,
+    /// Whether `x-tenant-id` names the tenant when no API key does.
+    pub allow_tenant_header: bool,
+    /// Tenant used when a request names none; empty: such requests get 401.
+    pub default_tenant: String,
+    /// Capacity of the prefix index, blocks.
+    pub index_capacity_blocks: usize,
+    /// Lifetime of a routing prediction, ms.
+    pub predicted_ttl_ms: u64,
+    /// Model profile for kv-aware cost estimates.
+    pub profile: String,
+    /// Seconds `Retry-After` suggests on 503 and 429.
+    pub retry_after_s: u64,
+}
+
+impl Default for RouterSection {
+    fn default() -> Self {
+        RouterSection {
+            listen: "127.0.0.1:8080".into(),
+            max_body_bytes: 8 << 20,
+            connect_timeout_ms: 2_000,
+            first_byte_timeout_ms: 60_000,
+            request_timeout_ms: 600_000,
+            retries: 2,
+            health_interval_ms: 1_000,
+            eject_base_ms: 1_000,
+            eject_max_ms: 30_000,
+            allow_tenant_header: true,
+            default_tenant: "default".into(),
+            index_capacity_blocks: 1 << 20,
+            predicted_ttl_ms: 120_000,
+            profile: "default".into(),
+            retry_after_s: 1,
+        }
+    }
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    /// Model name clients ask for.
+    pub model: String,
+    /// Base URLs of the instances serving it (`http://host:port`).
+    pub instances: Vec<String>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSection {
+    pub id: String,
+    #[serde(default)]
+    pub api_keys: Vec<String>,
+    /// blake3 hex digests of API keys, for files that must not hold the keys.
+    #[serde(default)]
+    pub api_key_hashes: Vec<String>,
+    #[serde(default = "default_strategy")]
+    pub strategy: String,
+    /// Prompt tokens used for prefix matching; 0 = all.
+    #[serde(default)]
+    pub prefix_length: u32,
+    /// In-flight requests at which the preferred instance is skipped; 0 = no limit.
+    #[serde(default = "default_threshold")]
+    pub concurrency_threshold: u32,
+    /// Tokens per block of this tenant's keys.
+    #[serde(default = "default_block_tokens")]
+    pub block_tokens: u32,
+    #[serde(default)]
+    pub temperature: f64,
+    /// Salt of this tenant's block keys and of its engines' prefix caches; defaults to a
+    /// value derived from the tenant id.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+}
+
+fn default_strategy() -> String {
+    "prefix-aware".into()
+}
+fn default_threshold() -> u32 {
+    32
+}
+fn default_block_tokens() -> u32 {
+    64
+}
+
+/// A validated tenant.
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    pub id: String,
+    pub api_key_hashes: Vec<[u8; 32]>,
+    pub strategy: Strategy,
+    pub prefix_length: u32,
+    pub concurrency_threshold: u32,
+    pub block_tokens: u32,
+    pub temperature: f64,
+    pub cache_salt: String,
+}
+
+/// A validated pool.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    pub model: String,
+    pub instances: Vec<String>,
+}
+
+/// Validated router settings.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: usize,
+    pub connect_timeout: Duration,
+    pub first_byte_timeout: Duration,
+    pub request_timeout: Duration,
+    pub retries: u32,
+    pub health_interval: Duration,
+    pub eject_base: Duration,
+    pub eject_max: Duration,
+    pub allow_tenant_header: bool,
+    pub default_tenant: Option<String>,
+    pub index_capacity_blocks: usize,
+    pub predicted_ttl: Duration,
+    pub profile: String,
+    pub retry_after_s: u64,
+    pub pools: Vec<Pool>,
+    pub tenants: Vec<Tenant>,
+}
+
+/// blake3 of an API key, as stored.
+pub fn hash_api_key(key: &str) -> [u8; 32] {
+    *blake3::hash(key.as_bytes()).as_bytes()
+}
+
+fn parse_hex32(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
+        let hex = std::str::from_utf8(chunk).ok()?;
+        out[i] = u8::from_str_radix(hex, 16).ok()?;
+    }
+    Some(out)
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<FileConfig> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("invalid config {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<FileConfig> {
+        let config: FileConfig = toml::from_str(text)?;
+        if config.version != CONFIG_VERSION {
+            bail!(
+                "config version {} is not supported; this build reads version {CONFIG_VERSION}",
+                config.version
+            );
+        }
+        Ok(config)
+    }
+
+    /// Checks every field and returns the typed settings, or every problem found.
+    pub fn validate(&self) -> Result<RouterConfig> {
+        let mut problems = Vec::new();
+        let r = &self.router;
+        let listen = match r.listen.parse::<SocketAddr>() {
+            Ok(a) => Some(a),
+            Err(e) => {
+                problems.push(format!("router.listen {:?}: {e}", r.listen));
+                None
+            }
+        };
+        if r.max_body_bytes == 0 {
+            problems.push("router.max_body_bytes must be positive".into());
+        }
+        for (name, v) in [
+            ("connect_timeout_ms", r.connect_timeout_ms),
+            ("first_byte_timeout_ms", r.first_byte_timeout_ms),
+            ("request_timeout_ms", r.request_timeout_ms),
+            ("health_interval_ms", r.health_interval_ms),
+            ("eject_base_ms", r.eject_base_ms),
+            ("predicted_ttl_ms", r.predicted_ttl_ms),
+        ] {
+            if v == 0 {
+                problems.push(format!("router.{name} must be positive"));
+            }
+        }
+        if warmpath_sim::profiles::builtin(&r.profile).is_err() {
+            problems.push(format!(
+                "router.profile {:?} is not a builtin profile ({})",
+                r.profile,
+                warmpath_sim::profiles::builtin_names().join(", ")
+            ));
+        }
+        let mut models = HashSet::new();
+        let mut pools = Vec::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            if p.model.is_empty() {
+                problems.push(format!("pools[{i}].model is empty"));
+            }
+            if !models.insert(p.model.clone()) {
+                problems.push(format!("pools[{i}].model {:?} is listed twice", p.model));
+            }
+            let mut instances = Vec::new();
+            for (j, url) in p.instances.iter().enumerate() {
+                match normalise_url(url) {
+                    Ok(u) => instances.push(u),
+                    Err(e) => problems.push(format!("pools[{i}].instances[{j}] {url:?}: {e}")),
+                }
+            }
+            pools.push(Pool {
+                model: p.model.clone(),
+                instances,
+            });
+        }
+        let mut ids = HashSet::new();
+        let mut keys: BTreeMap<[u8; 32], String> = BTreeMap::new();
+        let mut tenants = Vec::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            let at = format!("tenants[{i}] ({:?})", t.id);
+            if t.id.is_empty() {
+                problems.push(format!("tenants[{i}].id is empty"));
+            }
+            if !ids.insert(t.id.clone()) {
+                problems.push(format!("{at}: id listed twice"));
+            }
+            let strategy = match t.strategy.parse::<Strategy>() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    problems.push(format!("{at}.strategy: {e}"));
+                    None
+                }
+            };
+            if t.block_tokens == 0 {
+                problems.push(format!("{at}.block_tokens must be positive"));
+            }
+            if !(t.temperature.is_finite() && t.temperature >= 0.0) {
+                problems.push(format!("{at}.temperature must be a non-negative number"));
+            }
+            let mut hashes: Vec<[u8; 32]> = t.api_keys.iter().map(|k| hash_api_key(k)).collect();
+            for h in &t.api_key_hashes {
+                match parse_hex32(h) {
+                    Some(b) => hashes.push(b),
+                    None => {
+                        problems.push(format!("{at}.api_key_hashes: {h:?} is not 64 hex digits"))
+                    }
+                }
+            }
+            for k in &t.api_keys {
+                if k.is_empty() {
+                    problems.push(format!("{at}.api_keys has an empty key"));
+                }
+            }
+            for h in &hashes {
+                if let Some(other) = keys.insert(*h, t.id.clone()) {
+                    if other != t.id {
+                        problems.push(format!("{at}: an API key is also {other:?}'s"));
+                    }
+                }
+            }
+            let cache_salt = t.cache_salt.clone().unwrap_or_else(|| {
+                blake3::hash(format!("warmpath cache salt v1\0{}", t.id).as_bytes()).to_hex()[..16]
+                    .to_string()
+            });
+            if let Some(strategy) = strategy {
+                tenants.push(Tenant {
+                    id: t.id.clone(),
+                    api_key_hashes: hashes,
+                    strategy,
+                    prefix_length: t.prefix_length,
+                    concurrency_threshold: t.concurrency_threshold,
+                    block_tokens: t.block_tokens.max(1),
+                    temperature: t.temperature,
+                    cache_salt,
+                });
+            }
+        }
+        let default_tenant = (!r.default_tenant.is_empty()).then(|| r.default_tenant.clone());
+        if let Some(d) = &default_tenant {
+            if !ids.contains(d) {
+                // The default tenant exists implicitly, with default settings.
+                tenants.push(Tenant {
+                    id: d.clone(),
+                    api_key_hashes: Vec::new(),
+                    strategy: Strategy::PrefixAware,
+                    prefix_length: 0,
+                    concurrency_threshold: default_threshold(),
+                    block_tokens: default_block_tokens(),
+                    temperature: 0.0,
+                    cache_salt: blake3::hash(format!("warmpath cache salt v1\0{d}").as_bytes())
+                        .to_hex()[..16]
+                        .to_string(),
+                });
+            }
+        }
+        if !problems.is_empty() {
+            bail!(
+                "{} problem(s):\n  - {}",
+                problems.len(),
+                problems.join("\n  - ")
+            );
+        }
+        Ok(RouterConfig {
+            listen: listen.expect("no problems means it parsed"),
+            max_body_bytes: r.max_body_bytes,
+            connect_timeout: Duration::from_millis(r.connect_timeout_ms),
+            first_byte_timeout: Duration::from_millis(r.first_byte_timeout_ms),
+            request_timeout: Duration::from_millis(r.request_timeout_ms),
+            retries: r.retries,
+            health_interval: Duration::from_millis(r.health_interval_ms),
+            eject_base: Duration::from_millis(r.eject_base_ms),
+            eject_max: Duration::from_millis(r.eject_max_ms.max(r.eject_base_ms)),
+            allow_tenant_header: r.allow_tenant_header,
+            default_tenant,
+            index_capacity_blocks: r.index_capacity_blocks.max(1),
+            predicted_ttl: Duration::from_millis(r.predicted_ttl_ms),
+            profile: r.profile.clone(),
+            retry_after_s: r.retry_after_s.max(1),
+            pools,
+            tenants,
+        })
+    }
+}
+
+/// `http://host:port` without a trailing slash; only plain HTTP upstreams for now.
+fn normalise_url(url: &str) -> Result<String, String> {
+    let trimmed = url.trim_end_matches('/');
+    let uri: hyper::Uri = trimmed.parse().map_err(|e| format!("{e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err("only http:// instance URLs are supported".into());
+    }
+    if uri.host().is_none() {
+        return Err("no host".into());
+    }
+    if uri.path() != "/" && !uri.path().is_empty() {
+        return Err("give the base URL without a path".into());
+    }
+    Ok(trimmed.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_config_parses_and_validates() {
+        let c = FileConfig::parse(
+            r#"
+            version = 1
+            [router]
+            listen = "127.0.0.1:0"
+            retries = 3
+            [[pools]]
+            model = "m"
+            instances = ["http://127.0.0.1:9001/", "http://localhost:9002"]
+            [[tenants]]
+            id = "acme"
+            api_keys = ["k1"]
+            strategy = "kv-aware"
+            concurrency_threshold = 4
+            "#,
+        )
+        .unwrap()
+        .validate()
+        .unwrap();
+        assert_eq!(
+            c.pools[0].instances,
+            vec!["http://127.0.0.1:9001", "http://localhost:9002"]
+        );
+        assert_eq!(c.retries, 3);
+        let acme = &c.tenants[0];
+        assert_eq!(
+            (acme.strategy, acme.concurrency_threshold, acme.block_tokens),
+            (Strategy::KvAware, 4, 64)
+        );
+        assert_eq!(acme.api_key_hashes, vec![hash_api_key("k1")]);
+        assert_eq!(c.tenants[1].id, "default");
+        assert_ne!(acme.cache_salt, c.tenants[1].cache_salt);
+    }
+
+    #[test]
+    fn every_bad_field_is_listed() {
+        let err = FileConfig::parse(
+            r#"
+            version = 1
+            [router]
+            listen = "nowhere"
+            request_timeout_ms = 0
+            [[pools]]
+            model = "m"
+            instances = ["https://x:1", "http://y:2/v1"]
+            [[tenants]]
+            id = "a"
+            strategy = "fastest"
+            block_tokens = 0
+            api_key_hashes = ["zz"]
+            "#,
+        )
+        .unwrap()
+        .validate()
+        .unwrap_err()
+        .to_string();
+        for want in [
+            "router.listen",
+            "request_timeout_ms",
+            "instances[0]",
+            "instances[1]",
+            "fastest",
+            "block_tokens",
+            "api_key_hashes",
+        ] {
+            assert!(err.contains(want), "{want} missing in {err}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_and_versions_are_rejected() {
+        assert!(FileConfig::parse("version = 1\nbogus = 2").is_err());
+        let e = FileConfig::parse("version = 2").unwrap_err().to_string();
+        assert!(e.contains("version 2"), "{e}");
+    }
+}

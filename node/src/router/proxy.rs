@@ -1,0 +1,670 @@
+//! The gateway's request path: identify the tenant, parse and hash the prompt once, route,
+//! forward with retries before the first response byte, and stream the answer back.
+//!
+//! Errors are classified once, at this edge ([`ProxyError::into_response`]): bad input is
+//! 400 with a message saying what is wrong, an unknown model 404, a body over the limit
+//! 413, no healthy instance 503 with `Retry-After`, an unreachable upstream 502, a
+//! deadline 504. Every error body is OpenAI's `{"error": {"message", "type"}}`.
+
+use super::config::{hash_api_key, RouterConfig, Tenant};
+use super::state::{Chosen, NoRoute, RouterState};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use warmpath_index::keys::{token_block_keys, TenantKey};
+use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody};
+use warmpath_index::text::tokenize;
+use warmpath_index::InstanceId;
+
+/// Header that asks for the routing decision to be explained in the response.
+pub const EXPLAIN_HEADER: &str = "x-warmpath-explain";
+/// Header naming the tenant when no API key does (if allowed).
+pub const TENANT_HEADER: &str = "x-tenant-id";
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Shared state of the gateway.
+pub struct App {
+    pub config: RouterConfig,
+    pub core: Mutex<RouterState>,
+    pub client: HttpClient,
+    /// Tenants by id, with their key material derived once.
+    tenants: HashMap<String, TenantEntry>,
+    /// Tenant id by API key hash.
+    by_key: HashMap<[u8; 32], String>,
+    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+struct TenantEntry {
+    tenant: Tenant,
+    key: TenantKey,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("listen", &self.config.listen)
+            .finish_non_exhaustive()
+    }
+}
+
+impl App {
+    pub fn new(
+        config: RouterConfig,
+        core: RouterState,
+        metrics: metrics_exporter_prometheus::PrometheusHandle,
+    ) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        let mut tenants = HashMap::new();
+        let mut by_key = HashMap::new();
+        for t in &config.tenants {
+            for h in &t.api_key_hashes {
+                by_key.insert(*h, t.id.clone());
+            }
+            tenants.insert(
+                t.id.clone(),
+                TenantEntry {
+                    key: TenantKey::derive(&t.id, &t.cache_salt),
+                    tenant: t.clone(),
+                },
+            );
+        }
+        App {
+            config,
+            core: Mutex::new(core),
+            client,
+            tenants,
+            by_key,
+            metrics,
+        }
+    }
+
+    fn core(&self) -> std::sync::MutexGuard<'_, RouterState> {
+        // A panic while holding the lock cannot leave the routing state half-written in
+        // a way that matters more than stopping the gateway would.
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn identify(&self, headers: &HeaderMap) -> Result<&TenantEntry, ProxyError> {
+        if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
+            let auth = auth.to_str().map_err(|_| {
+                ProxyError::Unauthorized("the Authorization header is not text".into())
+            })?;
+            let key = auth.strip_prefix("Bearer ").ok_or_else(|| {
+                ProxyError::Unauthorized("Authorization must be `Bearer <api key>`".into())
+            })?;
+            let id = self
+                .by_key
+                .get(&hash_api_key(key.trim()))
+                .ok_or_else(|| ProxyError::Unauthorized("unknown API key".into()))?;
+            return Ok(&self.tenants[id]);
+        }
+        if self.config.allow_tenant_header {
+            if let Some(id) = headers.get(TENANT_HEADER) {
+                let id = id.to_str().unwrap_or_default();
+                return self
+                    .tenants
+                    .get(id)
+                    .ok_or_else(|| ProxyError::Unauthorized(format!("unknown tenant {id:?}")));
+            }
+        }
+        match &self.config.default_tenant {
+            Some(id) => Ok(&self.tenants[id]),
+            None => Err(ProxyError::Unauthorized(
+                "no API key: send `Authorization: Bearer <api key>`".into(),
+            )),
+        }
+    }
+}
+
+/// Which OpenAI endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// An error at the gateway's edge.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The request is malformed.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No or a wrong API key.
+    #[error("{0}")]
+    Unauthorized(String),
+    /// No pool serves the model.
+    #[error("model {0:?} is not served here")]
+    UnknownModel(String),
+    /// The body is over the limit.
+    #[error("request body over {0} bytes")]
+    TooLarge(usize),
+    /// No instance can take the request now.
+    #[error("no healthy instance for model {model:?}; retry shortly")]
+    NoHealthyInstance { model: String, retry_after_s: u64 },
+    /// Every attempt failed to reach an instance.
+    #[error("upstream failed after {attempts} attempt(s): {last}")]
+    Upstream { attempts: u32, last: String },
+    /// The request ran out of time.
+    #[error("timed out: {0}")]
+    Timeout(String),
+}
+
+impl ProxyError {
+    fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ProxyError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            ProxyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::NoHealthyInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ProxyError::BadRequest(_) | ProxyError::TooLarge(_) => "invalid_request_error",
+            ProxyError::Unauthorized(_) => "authentication_error",
+            ProxyError::UnknownModel(_) => "not_found_error",
+            ProxyError::NoHealthyInstance { .. }
+            | ProxyError::Upstream { .. }
+            | ProxyError::Timeout(_) => "service_unavailable",
+        }
+    }
+}
+
+impl IntoResponse for ProxyError {
+    fn into_response(self) -> axum::response::Response {
+        let status = self.status();
+        let body =
+            serde_json::to_vec(&ErrorBody::new(self.kind(), self.to_string())).unwrap_or_default();
+        let mut resp = Response::builder()
+            .status(status)
+            .header(axum::http::header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .unwrap_or_default();
+        if let ProxyError::NoHealthyInstance { retry_after_s, .. } = self {
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                HeaderValue::from(retry_after_s),
+            );
+        }
+        metrics::counter!("warmpath_router_errors_total", "status" => status.as_u16().to_string())
+            .increment(1);
+        resp
+    }
+}
+
+pub async fn completions(
+    State(app): State<Arc<App>>,
+    req: Request<Body>,
+) -> Result<Response<Body>, ProxyError> {
+    handle(app, Endpoint::Completions, req).await
+}
+
+pub async fn chat(
+    State(app): State<Arc<App>>,
+    req: Request<Body>,
+) -> Result<Response<Body>, ProxyError> {
+    handle(app, Endpoint::Chat, req).await
+}
+
+/// What the router reads of a request body.
+struct Parsed {
+    model: String,
+    prompt: String,
+    stream: bool,
+}
+
+fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
+    let bad = |e: serde_json::Error| ProxyError::BadRequest(format!("invalid request body: {e}"));
+    let bad_req = |e: warmpath_index::openai::RequestError| ProxyError::BadRequest(e.to_string());
+    match endpoint {
+        Endpoint::Completions => {
+            let r: CompletionRequest = serde_json::from_slice(body).map_err(bad)?;
+            let prompt = r.prompt_text().map_err(bad_req)?.to_string();
+            Ok(Parsed {
+                model: r.model,
+                prompt,
+                stream: r.stream,
+            })
+        }
+        Endpoint::Chat => {
+            let r: ChatRequest = serde_json::from_slice(body).map_err(bad)?;
+            let prompt = r.prompt_text().map_err(bad_req)?;
+            Ok(Parsed {
+                model: r.model,
+                prompt,
+                stream: r.stream,
+            })
+        }
+    }
+}
+
+/// The body with the tenant's cache salt as the engine's `cache_salt`, so two tenants
+/// never share an engine's prefix cache. A client's own salt is kept, after the tenant's.
+fn with_cache_salt(body: &Bytes, salt: &str) -> Result<Bytes, ProxyError> {
+    let has_own = body.windows(12).any(|w| w == b"\"cache_salt\"");
+    if has_own {
+        let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
+            .map_err(|e| ProxyError::BadRequest(format!("invalid request body: {e}")))?;
+        let own = v
+            .get("cache_salt")
+            .and_then(|s| s.as_str())
+            .unwrap_or_default()
+            .to_string();
+        v.insert(
+            "cache_salt".into(),
+            serde_json::Value::String(format!("{salt}:{own}")),
+        );
+        return Ok(Bytes::from(serde_json::to_vec(&v).unwrap_or_default()));
+    }
+    // Splice the field in after the opening brace: no second parse on the hot path.
+    let start = body
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(0);
+    if body.get(start) != Some(&b'{') {
+        return Err(ProxyError::BadRequest(
+            "the request body must be a JSON object".into(),
+        ));
+    }
+    let rest = &body[start + 1..];
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let salt_json = serde_json::to_string(salt).unwrap_or_default();
+    let mut out = Vec::with_capacity(body.len() + salt_json.len() + 16);
+    out.extend_from_slice(b"{\"cache_salt\":");
+    out.extend_from_slice(salt_json.as_bytes());
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Ok(Bytes::from(out))
+}
+
+async fn handle(
+    app: Arc<App>,
+    endpoint: Endpoint,
+    req: Request<Body>,
+) -> Result<Response<Body>, ProxyError> {
+    let started = Instant::now();
+    let (parts, body) = req.into_parts();
+    let tenant = app.identify(&parts.headers)?;
+    let limit = app.config.max_body_bytes;
+    let body = Limited::new(body, limit).collect().await.map_err(|e| {
+        if e.downcast_ref::<http_body_util::LengthLimitError>()
+            .is_some()
+        {
+            ProxyError::TooLarge(limit)
+        } else {
+            ProxyError::BadRequest(format!("could not read the request body: {e}"))
+        }
+    })?;
+    let body = body.to_bytes();
+    let parsed = parse(endpoint, &body)?;
+    // The prompt is tokenized and hashed once; every attempt reuses the keys.
+    let tokens = tokenize(&parsed.prompt);
+    let prompt_tokens = tokens.len() as u32;
+    let keys = token_block_keys(&tenant.key, &tokens, tenant.tenant.block_tokens as usize);
+    let upstream_body = with_cache_salt(&body, &tenant.tenant.cache_salt)?;
+    let explain = parts
+        .headers
+        .get(EXPLAIN_HEADER)
+        .is_some_and(|v| v.as_bytes() == b"1");
+    let deadline = started + app.config.request_timeout;
+    let overhead = started.elapsed();
+    metrics::histogram!("warmpath_router_prepare_seconds").record(overhead.as_secs_f64());
+
+    let mut tried: Vec<InstanceId> = Vec::new();
+    let mut last_error = String::new();
+    let attempts_allowed = app.config.retries + 1;
+    for attempt in 0..attempts_allowed {
+        let chosen = {
+            let mut core = app.core();
+            core.route(
+                &tenant.tenant,
+                &parsed.model,
+                &keys,
+                prompt_tokens,
+                &tried,
+                explain,
+            )
+        };
+        let chosen = match chosen {
+            Ok(c) => c,
+            Err(NoRoute::UnknownModel) => return Err(ProxyError::UnknownModel(parsed.model)),
+            Err(NoRoute::NoHealthyInstance) if attempt == 0 => {
+                return Err(ProxyError::NoHealthyInstance {
+                    model: parsed.model,
+                    retry_after_s: app.config.retry_after_s,
+                })
+            }
+            Err(NoRoute::NoHealthyInstance) => break,
+        };
+        if attempt == 0 {
+            metrics::histogram!("warmpath_router_routing_seconds")
+                .record(started.elapsed().as_secs_f64());
+        }
+        tried.push(chosen.instance);
+        match attempt_once(
+            &app,
+            endpoint,
+            &chosen,
+            upstream_body.clone(),
+            parsed.stream,
+            prompt_tokens,
+            deadline,
+        )
+        .await
+        {
+            Ok(mut resp) => {
+                app.core().attempt_succeeded(chosen.instance);
+                if explain {
+                    if let Ok(v) = HeaderValue::from_str(
+                        &serde_json::to_string(&explanation(&app, &chosen)).unwrap_or_default(),
+                    ) {
+                        resp.headers_mut().insert(EXPLAIN_HEADER, v);
+                    }
+                }
+                metrics::counter!("warmpath_router_requests_total", "tenant" => tenant.tenant.id.clone(), "status" => resp.status().as_u16().to_string()).increment(1);
+                return Ok(resp);
+            }
+            Err(AttemptError::Failed(e)) => {
+                tracing::warn!(instance = %chosen.url, attempt, error = %e, "upstream attempt failed");
+                metrics::counter!("warmpath_router_upstream_failures_total").increment(1);
+                app.core().attempt_failed(chosen.instance);
+                last_error = e;
+            }
+            Err(AttemptError::Deadline) => {
+                return Err(ProxyError::Timeout("the request deadline passed".into()))
+            }
+        }
+    }
+    if app.core().has_candidates(&parsed.model, &tried) {
+        // Attempts ran out while other instances remain.
+        return Err(ProxyError::Upstream {
+            attempts: tried.len() as u32,
+            last: last_error,
+        });
+    }
+    // Every instance of the pool failed: the pool is down for now.
+    tracing::warn!(model = %parsed.model, attempts = tried.len(), last = %last_error, "no instance answered");
+    Err(ProxyError::NoHealthyInstance {
+        model: parsed.model,
+        retry_after_s: app.config.retry_after_s,
+    })
+}
+
+fn explanation(app: &App, chosen: &Chosen) -> serde_json::Value {
+    let core = app.core();
+    let url = |i: InstanceId| {
+        core.instances()
+            .get(i.0 as usize)
+            .map(|x| x.url.clone())
+            .unwrap_or_default()
+    };
+    serde_json::json!({
+        "instance": chosen.url,
+        "reason": chosen.decision.reason,
+        "blocks_considered": chosen.decision.blocks_considered,
+        "matched": {"gpu": chosen.decision.matched.gpu, "l1": chosen.decision.matched.l1, "l2": chosen.decision.matched.l2},
+        "candidates": chosen.decision.candidates.as_ref().map(|cs| cs.iter().map(|c| serde_json::json!({
+            "instance": url(c.instance),
+            "gpu_blocks": c.gpu_blocks, "l1_blocks": c.l1_blocks, "l2_blocks": c.l2_blocks,
+            "in_flight": c.in_flight, "score": c.score,
+        })).collect::<Vec<_>>()),
+    })
+}
+
+enum AttemptError {
+    /// Retry elsewhere.
+    Failed(String),
+    Deadline,
+}
+
+/// One attempt on one instance. Succeeds once the instance answered with a non-5xx
+/// status; for a non-streaming request, once the whole body arrived (so a failure at any
+/// point before the client sees a byte is retried elsewhere).
+async fn attempt_once(
+    app: &Arc<App>,
+    endpoint: Endpoint,
+    chosen: &Chosen,
+    body: Bytes,
+    stream: bool,
+    prompt_tokens: u32,
+    deadline: Instant,
+) -> Result<Response<Body>, AttemptError> {
+    let uri = format!("{}{}", chosen.url, endpoint.path());
+    let request = Request::post(uri)
+        .header(axum::http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(|e| AttemptError::Failed(e.to_string()))?;
+    let mut guard = LoadGuard {
+        app: app.clone(),
+        instance: chosen.instance,
+        prompt_tokens,
+        prefilled: false,
+        done: false,
+    };
+    let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
+    let resp = match tokio::time::timeout_at(first_byte.into(), app.client.request(request)).await {
+        Err(_) if Instant::now() >= deadline => return Err(AttemptError::Deadline),
+        Err(_) => return Err(AttemptError::Failed("no response headers in time".into())),
+        Ok(Err(e)) => return Err(AttemptError::Failed(format!("{e}"))),
+        Ok(Ok(r)) => r,
+    };
+    let status = resp.status();
+    if status.is_server_error() {
+        return Err(AttemptError::Failed(format!("instance answered {status}")));
+    }
+    let (parts, incoming) = resp.into_parts();
+    let mut builder = Response::builder().status(parts.status);
+    for name in [
+        axum::http::header::CONTENT_TYPE,
+        axum::http::header::CACHE_CONTROL,
+    ] {
+        if let Some(v) = parts.headers.get(&name) {
+            builder = builder.header(name, v);
+        }
+    }
+    if !stream || !status.is_success() {
+        let collected = tokio::time::timeout_at(deadline.into(), incoming.collect()).await;
+        let bytes = match collected {
+            Err(_) => return Err(AttemptError::Deadline),
+            Ok(Err(e)) => {
+                return Err(AttemptError::Failed(format!(
+                    "response body broke off: {e}"
+                )))
+            }
+            Ok(Ok(b)) => b.to_bytes(),
+        };
+        guard.first_byte();
+        guard.finish();
+        return Ok(builder.body(Body::from(bytes)).unwrap_or_default());
+    }
+    let body = Tracked {
+        inner: incoming,
+        guard,
+        deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
+        ended: false,
+    };
+    Ok(builder.body(Body::new(body)).unwrap_or_default())
+}
+
+/// Keeps the load view honest: the first response byte ends the prefill, and the end of
+/// the response (complete, failed or abandoned by the client) ends the request.
+struct LoadGuard {
+    app: Arc<App>,
+    instance: InstanceId,
+    prompt_tokens: u32,
+    prefilled: bool,
+    done: bool,
+}
+
+impl LoadGuard {
+    fn first_byte(&mut self) {
+        if !self.prefilled {
+            self.prefilled = true;
+            self.app
+                .core()
+                .first_token(self.instance, self.prompt_tokens);
+        }
+    }
+
+    fn finish(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.app
+                .core()
+                .finish(self.instance, self.prompt_tokens, self.prefilled);
+        }
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// A streamed upstream body passed through frame by frame, without buffering. Dropping
+/// it (the client went away) drops the upstream response, which closes that connection
+/// and so cancels the request on the engine.
+struct Tracked {
+    inner: Incoming,
+    guard: LoadGuard,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    ended: bool,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            self.ended = true;
+            self.guard.finish();
+            return Poll::Ready(Some(Ok(Frame::data(sse_error(
+                "the request deadline passed",
+            )))));
+        }
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data() {
+                    self.guard.first_byte();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                // The instance failed mid-stream: tell the client plainly, then end.
+                tracing::warn!(instance_id = self.guard.instance.0, error = %e, "upstream stream broke off");
+                metrics::counter!("warmpath_router_stream_breaks_total").increment(1);
+                self.ended = true;
+                self.guard.finish();
+                Poll::Ready(Some(Ok(Frame::data(sse_error(
+                    "the instance failed mid-stream; retry the request",
+                )))))
+            }
+            Poll::Ready(None) => {
+                self.ended = true;
+                self.guard.finish();
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// An SSE event carrying an OpenAI error body, then `[DONE]`.
+fn sse_error(message: &str) -> Bytes {
+    let body =
+        serde_json::to_string(&ErrorBody::new("upstream_error", message)).unwrap_or_default();
+    Bytes::from(format!("data: {body}\n\ndata: [DONE]\n\n"))
+}
+
+use std::future::Future;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_salt_cases() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{"model":"m"}"#, r#"{"cache_salt":"s","model":"m"}"#),
+            (r#"  { "model":"m"}"#, r#"{"cache_salt":"s", "model":"m"}"#),
+            (r#"{}"#, r#"{"cache_salt":"s"}"#),
+            (r#"{ }"#, r#"{"cache_salt":"s" }"#),
+        ];
+        for (input, want) in cases {
+            let got = with_cache_salt(&Bytes::from(*input), "s").unwrap();
+            assert_eq!(std::str::from_utf8(&got).unwrap(), *want, "{input}");
+        }
+        let own =
+            with_cache_salt(&Bytes::from(r#"{"model":"m","cache_salt":"mine"}"#), "s").unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&own).unwrap();
+        assert_eq!(v["cache_salt"], "s:mine");
+        assert!(with_cache_salt(&Bytes::from("[1]"), "s").is_err());
+    }
+
+    #[test]
+    fn parse_errors_say_what_is_wrong() {
+        let err = |e: Endpoint, b: &str| match parse(e, b.as_bytes()) {
+            Err(ProxyError::BadRequest(m)) => m,
+            other => panic!("{b}: {:?}", other.map(|p| p.model)),
+        };
+        assert!(err(Endpoint::Completions, "{").contains("invalid request body"));
+        assert!(err(Endpoint::Completions, r#"{"model":"m"}"#).contains("prompt"));
+        assert!(err(Endpoint::Completions, r#"{"model":"m","prompt":""}"#).contains("empty"));
+        assert!(err(Endpoint::Chat, r#"{"model":"m","messages":[]}"#).contains("messages"));
+        let ok = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+        )
+        .ok()
+        .unwrap();
+        assert!(ok.stream && ok.prompt.contains("hi"));
+    }
+}

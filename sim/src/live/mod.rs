@@ -1,0 +1,9 @@
+//! Live mode: the engine model served over HTTP on the wall clock, and the load generator
+//! that drives such servers (or real vLLM ones) from outside.
+//!
+//! - [`server`]: `warmpath engine-sim`, an OpenAI-compatible server around one
+//!   [`crate::engine::Engine`], paced by the wall clock with a speed-up factor.
+//! - [`loadgen`]: the load generator.
+
+pub mod loadgen;
+pub mod server;

@@ -1,0 +1,1702 @@
+//! `warmpath engine-sim`: the engine model served live over HTTP, so that a router and a
+//! load generator can drive it like a real vLLM server.
+//!
+//! One tokio task, the *engine loop*, owns the [`Engine`] and the L2 store ([`BlockLru`]);
+//! HTTP handlers talk to it only through a command channel and get their tokens back on a
+//! per-request channel, so no lock is ever held across an await. The loop is a
+//! discrete-event simulation chasing the wall clock: virtual time is the wall time since
+//! start multiplied by `speedup`; a step planned at virtual `s` ending at `e` completes at
+//! exactly `e` once the wall clock has reached it, and the next step starts at `e` (the
+//! engine stays busy back to back, even when the loop wakes late: timer granularity delays
+//! token delivery a little but never distorts the model's timeline). Requests are
+//! submitted at the virtual time they arrive, after every step that ended before it.
+//!
+//! The HTTP surface is the part of vLLM's that warmpath uses:
+//!
+//! - `POST /v1/completions` and `POST /v1/chat/completions`, non-streaming and streaming
+//!   (SSE, `data: {json}` events then `data: [DONE]`), with `usage` (and
+//!   `prompt_tokens_details.cached_tokens`) in full responses and, when asked with
+//!   `stream_options.include_usage`, in a last streamed chunk with empty `choices`. The
+//!   engine behaves as if `ignore_eos`: exactly `max_tokens` tokens
+//!   (`max_completion_tokens` for chat) come out, finish reason `length`. Output tokens
+//!   are pseudo-words seeded by the prompt's token ids and the position, so the same
+//!   prompt always gives the same text (like greedy decoding), streamed or not.
+//! - Prompts are tokenized with [`text::tokenize`]; the prefix-cache keys are
+//!   [`token_block_keys`] under the tenant [`ENGINE_TENANT`] with the request's optional
+//!   `cache_salt` (vLLM's field), so equal prompts with different salts share nothing.
+//! - `GET /v1/models`, `GET /health`, and `GET /metrics` with vLLM's metric names.
+//!
+//! A client that goes away (drops a stream or a pending non-streaming request) cancels its
+//! request in the engine: each request holds a guard that sends a cancel command when
+//! dropped before the last token, and the loop also cancels a request whose token channel
+//! is closed.
+//!
+//! Errors are classified once, at the edge (`error`): bad input is a 400 with OpenAI's
+//! error body saying what is wrong, an unknown model a 404, a request the engine could
+//! never fit a 400, and a stopped engine loop a 503.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use warmpath_index::cost::ModelProfile;
+use warmpath_index::keys::{token_block_keys, TenantKey};
+use warmpath_index::openai::{
+    ChatRequest, CompletionRequest, ErrorBody, PromptTokensDetails, RequestError, Usage,
+};
+use warmpath_index::text;
+
+use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats};
+use crate::tiers::BlockLru;
+
+/// Tenant id under which the engine derives its block keys (with the request's
+/// `cache_salt`). Engines hash their own way; this one hashes warmpath's way.
+pub const ENGINE_TENANT: &str = "engine-sim";
+
+/// Upper bounds of the `vllm:time_to_first_token_seconds` buckets: vLLM's.
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// How one engine-sim server behaves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSimConfig {
+    /// Served model name; requests naming another model get a 404.
+    pub model: String,
+    /// Shape of the engine (block size, GPU blocks, batch budget, L1, offload to L2).
+    pub engine: EngineConfig,
+    /// Step timings and tier bandwidths.
+    pub profile: ModelProfile,
+    /// Virtual time per wall time: 1.0 is the model's real speed, 10.0 ten times faster.
+    /// Must be finite and positive.
+    pub speedup: f64,
+    /// Output tokens of a request that sets no limit.
+    pub default_max_tokens: u32,
+    /// Longer prompts (in tokens of the built-in tokenizer) are a 400.
+    pub max_prompt_tokens: u32,
+    /// Capacity in blocks of the L2 store the engine offloads to (when
+    /// `engine.offload_to_l2`) and loads from; 0 = none. This server's own store: in live
+    /// mode L2 is not shared between engine-sim processes.
+    pub l2_blocks: u64,
+}
+
+impl Default for EngineSimConfig {
+    /// Model `sim-llama` on vLLM's defaults for Llama-3.1-8B on one H100 (16-token blocks),
+    /// Dynamo's timings at real speed, 64 output tokens unless asked, prompts up to
+    /// Llama-3.1's 131072-token context, no L2.
+    fn default() -> Self {
+        EngineSimConfig {
+            model: "sim-llama".into(),
+            engine: EngineConfig::default(),
+            profile: ModelProfile::dynamo_default(),
+            speedup: 1.0,
+            default_max_tokens: 64,
+            max_prompt_tokens: 131_072,
+            l2_blocks: 0,
+        }
+    }
+}
+
+/// Serves `config`'s engine on `listener` until `shutdown` resolves, then stops accepting
+/// and returns once in-flight requests (streams included) have finished.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    config: EngineSimConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    if !(config.speedup.is_finite() && config.speedup > 0.0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "speedup must be a positive finite number, not {}",
+                config.speedup
+            ),
+        ));
+    }
+    let addr = listener.local_addr()?;
+    let engine = Engine::new(config.engine.clone(), config.profile.clone());
+    let block_tokens = engine.config().block_tokens as usize;
+    let (commands, inbox) = mpsc::unbounded_channel();
+    let engine_loop = EngineLoop {
+        engine,
+        l2: BlockLru::new(config.l2_blocks),
+        clock: Clock {
+            start: Instant::now(),
+            speedup: config.speedup,
+        },
+        step_end: None,
+        last_us: 0,
+        routes: HashMap::new(),
+        events: Vec::new(),
+        ttft: Histogram::default(),
+        generation_tokens: 0,
+    };
+    // The loop ends when the last command sender is dropped, i.e. after the server stops.
+    tokio::spawn(engine_loop.run(inbox));
+    let shared = Arc::new(Shared {
+        model: config.model.clone(),
+        block_tokens,
+        default_max_tokens: config.default_max_tokens,
+        max_prompt_tokens: config.max_prompt_tokens,
+        created: unix_now(),
+        commands,
+        next_id: AtomicU64::new(1),
+    });
+    let app = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(shared);
+    tracing::info!(%addr, model = %config.model, speedup = config.speedup, "engine-sim serving");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared state and messages
+
+/// What every handler needs; immutable except the id counter.
+#[derive(Debug)]
+struct Shared {
+    /// Served model name.
+    model: String,
+    /// Tokens per KV block, after the engine's normalization: the key block size.
+    block_tokens: usize,
+    default_max_tokens: u32,
+    max_prompt_tokens: u32,
+    /// Unix seconds at start, reported as the model's `created`.
+    created: u64,
+    /// Commands to the engine loop, the only owner of the engine.
+    commands: mpsc::UnboundedSender<Command>,
+    /// Next engine request id.
+    next_id: AtomicU64,
+}
+
+/// What handlers ask of the engine loop.
+#[derive(Debug)]
+enum Command {
+    /// Queue a request; the loop answers on `updates` with `Accepted` or `Rejected`, then
+    /// one `First` and `output_tokens − 1` `Token`s.
+    Submit {
+        req: EngineRequest,
+        updates: mpsc::UnboundedSender<Update>,
+    },
+    /// The client went away: drop the request (no-op when it has finished).
+    Cancel { id: u64 },
+    /// A copy of what `/metrics` shows.
+    Metrics { reply: oneshot::Sender<Snapshot> },
+}
+
+/// What the engine loop tells one request's handler.
+#[derive(Debug)]
+enum Update {
+    /// Queued in the engine.
+    Accepted,
+    /// The engine can never run it; says why.
+    Rejected(String),
+    /// The first output token; `cached_tokens` is the prompt's GPU + L1 + L2 hit tokens.
+    First { cached_tokens: u32 },
+    /// A later output token.
+    Token,
+}
+
+/// Sends a cancel for request `id` when dropped while armed: the client went away before
+/// the last token (a dropped stream or a dropped non-streaming handler).
+#[derive(Debug)]
+struct CancelGuard {
+    id: u64,
+    commands: mpsc::UnboundedSender<Command>,
+    armed: bool,
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::debug!(request_id = self.id, "client went away, cancelling");
+            let _ = self.commands.send(Command::Cancel { id: self.id });
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The engine loop
+
+/// Virtual time: wall time since `start` times `speedup`, in microseconds.
+#[derive(Debug)]
+struct Clock {
+    start: Instant,
+    speedup: f64,
+}
+
+impl Clock {
+    fn now_us(&self) -> u64 {
+        // Float-to-int casts saturate: no overflow panic.
+        (self.start.elapsed().as_secs_f64() * 1e6 * self.speedup) as u64
+    }
+
+    /// The wall instant at which virtual time reaches `us` (far future on overflow).
+    fn instant_of(&self, us: u64) -> Instant {
+        let far = || Instant::now() + Duration::from_secs(86_400 * 365);
+        Duration::try_from_secs_f64(us as f64 / 1e6 / self.speedup)
+            .ok()
+            .and_then(|d| self.start.checked_add(d))
+            .unwrap_or_else(far)
+    }
+}
+
+/// A request the loop routes tokens to.
+#[derive(Debug)]
+struct Route {
+    updates: mpsc::UnboundedSender<Update>,
+    /// Virtual time of submission, for time to first token.
+    arrived_us: u64,
+}
+
+/// Owner of the engine; see the module docs.
+#[derive(Debug)]
+struct EngineLoop {
+    engine: Engine,
+    /// This server's L2 store.
+    l2: BlockLru,
+    clock: Clock,
+    /// Virtual end of the step in flight.
+    step_end: Option<u64>,
+    /// Latest virtual time handed to the engine: keeps time monotonic.
+    last_us: u64,
+    /// Requests in the engine, by id.
+    routes: HashMap<u64, Route>,
+    /// Reused event buffer.
+    events: Vec<EngineEvent>,
+    /// Virtual seconds from submission to first token.
+    ttft: Histogram,
+    /// Output tokens delivered (first tokens included).
+    generation_tokens: u64,
+}
+
+impl EngineLoop {
+    async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Command>) {
+        loop {
+            let now = self.now();
+            self.advance(now);
+            let wake = self.step_end.map(|end| self.clock.instant_of(end));
+            tokio::select! {
+                biased;
+                () = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
+                command = inbox.recv() => {
+                    let Some(command) = command else { return };
+                    let now = self.now();
+                    self.advance(now);
+                    self.handle(now, command);
+                }
+            }
+        }
+    }
+
+    /// Current virtual time, never earlier than what the engine has seen.
+    fn now(&mut self) -> u64 {
+        self.last_us = self.last_us.max(self.clock.now_us());
+        self.last_us
+    }
+
+    /// Completes every step that ended by `now`, starting each next one at the previous
+    /// one's end, then starts a step at `now` if the engine is idle with work.
+    fn advance(&mut self, now: u64) {
+        loop {
+            match self.step_end {
+                Some(end) if end <= now => {
+                    self.engine
+                        .complete_step(end, &mut self.l2, &mut self.events);
+                    self.route_events();
+                    self.step_end = self.engine.start_step(end, &mut self.l2, &mut self.events);
+                    self.route_events();
+                }
+                Some(_) => return,
+                None => {
+                    self.step_end = self.engine.start_step(now, &mut self.l2, &mut self.events);
+                    self.route_events();
+                    if self.step_end.is_none() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, now: u64, command: Command) {
+        match command {
+            Command::Submit { req, updates } => {
+                if !self
+                    .engine
+                    .can_ever_fit(req.prompt_tokens, req.output_tokens)
+                {
+                    let _ = updates.send(Update::Rejected(self.too_large(&req)));
+                    return;
+                }
+                if updates.send(Update::Accepted).is_err() {
+                    return; // The client is already gone.
+                }
+                self.routes.insert(
+                    req.id,
+                    Route {
+                        updates,
+                        arrived_us: now,
+                    },
+                );
+                self.engine.submit(now, req);
+                // Start a step at once if the engine was idle.
+                self.advance(now);
+            }
+            Command::Cancel { id } => self.cancel(now, id),
+            Command::Metrics { reply } => {
+                let _ = reply.send(Snapshot {
+                    running: self.engine.num_running(),
+                    waiting: self.engine.num_waiting(),
+                    kv_usage: self.engine.kv_usage(),
+                    stats: self.engine.stats().clone(),
+                    generation_tokens: self.generation_tokens,
+                    ttft: self.ttft.clone(),
+                });
+            }
+        }
+    }
+
+    fn cancel(&mut self, now: u64, id: u64) {
+        if self.routes.remove(&id).is_some() && self.engine.cancel(now, id) {
+            tracing::debug!(request_id = id, "request cancelled");
+        }
+    }
+
+    /// Why the engine can never run `req`.
+    fn too_large(&self, req: &EngineRequest) -> String {
+        let c = self.engine.config();
+        let longest = u64::from(req.prompt_tokens.max(1)) + u64::from(req.output_tokens.max(1)) - 1;
+        let need = longest.div_ceil(u64::from(c.block_tokens)) + 1;
+        format!(
+            "the prompt ({} tokens) plus max_tokens ({}) needs {need} KV-cache blocks of {} tokens \
+             (one for headroom), more than this engine's {}: shorten the prompt or lower max_tokens",
+            req.prompt_tokens, req.output_tokens, c.block_tokens, c.gpu_blocks
+        )
+    }
+
+    /// Sends the buffered events' tokens to their requests; cancels those whose client is
+    /// gone.
+    fn route_events(&mut self) {
+        let mut events = std::mem::take(&mut self.events);
+        let mut gone = Vec::new();
+        for event in events.drain(..) {
+            let (id, update) = match event {
+                EngineEvent::FirstToken {
+                    id,
+                    at_us,
+                    gpu_hit_tokens,
+                    l1_hit_tokens,
+                    l2_hit_tokens,
+                } => {
+                    if let Some(route) = self.routes.get(&id) {
+                        let ttft_s = at_us.saturating_sub(route.arrived_us) as f64 / 1e6;
+                        self.ttft.observe(ttft_s);
+                    }
+                    let cached_tokens = gpu_hit_tokens
+                        .saturating_add(l1_hit_tokens)
+                        .saturating_add(l2_hit_tokens);
+                    (id, Update::First { cached_tokens })
+                }
+                EngineEvent::Token { id, .. } => (id, Update::Token),
+                EngineEvent::Finished { id, .. } => {
+                    self.routes.remove(&id);
+                    continue;
+                }
+                EngineEvent::Rejected { id, .. } => {
+                    // Not expected: submissions are checked with `can_ever_fit` first.
+                    if let Some(route) = self.routes.remove(&id) {
+                        let msg = "the engine rejected the request: it can never fit".into();
+                        let _ = route.updates.send(Update::Rejected(msg));
+                    }
+                    continue;
+                }
+                // Block residency is not published by the live server (yet).
+                EngineEvent::Stored { .. } | EngineEvent::Removed { .. } => continue,
+            };
+            self.generation_tokens += 1;
+            if let Some(route) = self.routes.get(&id) {
+                if route.updates.send(update).is_err() {
+                    gone.push(id);
+                }
+            }
+        }
+        self.events = events;
+        let now = self.last_us;
+        for id in gone {
+            self.cancel(now, id);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Metrics
+
+/// A TTFT histogram over [`TTFT_BUCKETS`].
+#[derive(Clone, Debug, Default)]
+struct Histogram {
+    /// Observations per bucket (not cumulative); beyond the last bound only in `count`.
+    buckets: [u64; TTFT_BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    fn observe(&mut self, value: f64) {
+        self.count += 1;
+        self.sum += value;
+        if let Some(i) = TTFT_BUCKETS.iter().position(|&le| value <= le) {
+            self.buckets[i] += 1;
+        }
+    }
+}
+
+/// What `/metrics` shows, copied out of the engine loop.
+#[derive(Debug)]
+struct Snapshot {
+    running: usize,
+    waiting: usize,
+    kv_usage: f64,
+    stats: EngineStats,
+    generation_tokens: u64,
+    ttft: Histogram,
+}
+
+/// Prometheus text exposition of `s` with vLLM's metric names.
+fn render_metrics(model: &str, s: &Snapshot) -> String {
+    use std::fmt::Write as _;
+    let label = format!("model_name=\"{}\"", escape_label(model));
+    let mut out = String::with_capacity(4096);
+    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, String)]| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (extra, value) in samples {
+            let _ = writeln!(out, "{name}{{{label}{extra}}} {value}");
+        }
+    };
+    let stats = &s.stats;
+    metric(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        &[("", s.running.to_string())],
+    );
+    metric(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        &[("", s.waiting.to_string())],
+    );
+    metric(
+        "vllm:gpu_cache_usage_perc",
+        "gauge",
+        "GPU KV-cache usage. 1 means 100 percent usage.",
+        &[("", s.kv_usage.to_string())],
+    );
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &[("", stats.prompt_tokens.to_string())],
+    );
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens (GPU prefix cache).",
+        &[("", stats.gpu_hit_tokens.to_string())],
+    );
+    metric(
+        "vllm:external_prefix_cache_queries_total",
+        "counter",
+        "External prefix cache queries (L1 and L2 tiers), in terms of number of queried tokens.",
+        &[(
+            "",
+            stats
+                .prompt_tokens
+                .saturating_sub(stats.gpu_hit_tokens)
+                .to_string(),
+        )],
+    );
+    metric(
+        "vllm:external_prefix_cache_hits_total",
+        "counter",
+        "External prefix cache hits (L1 and L2 tiers), in terms of number of loaded tokens.",
+        &[("", (stats.l1_hit_tokens + stats.l2_hit_tokens).to_string())],
+    );
+    metric(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        &[("", stats.prompt_tokens.to_string())],
+    );
+    metric(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        &[("", s.generation_tokens.to_string())],
+    );
+    metric(
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemptions from the engine.",
+        &[("", stats.preemptions.to_string())],
+    );
+    metric(
+        "vllm:request_success_total",
+        "counter",
+        "Count of finished requests, by finish reason (abort: the client went away).",
+        &[
+            (",finished_reason=\"length\"", stats.finished.to_string()),
+            (",finished_reason=\"abort\"", stats.cancelled.to_string()),
+        ],
+    );
+    let mut samples = Vec::with_capacity(TTFT_BUCKETS.len() + 1);
+    let mut cumulative = 0;
+    let bounds: Vec<String> = TTFT_BUCKETS.iter().map(|b| b.to_string()).collect();
+    let extras: Vec<String> = bounds
+        .iter()
+        .map(|b| format!(",le=\"{b}\""))
+        .chain(std::iter::once(",le=\"+Inf\"".to_string()))
+        .collect();
+    for (i, extra) in extras.iter().enumerate() {
+        cumulative += s.ttft.buckets.get(i).copied().unwrap_or(0);
+        let value = if i < TTFT_BUCKETS.len() {
+            cumulative
+        } else {
+            s.ttft.count
+        };
+        samples.push((extra.as_str(), value.to_string()));
+    }
+    let name = "vllm:time_to_first_token_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Histogram of time to first token in seconds of model time \
+         (wall time times the speed-up)."
+    );
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    for (extra, value) in &samples {
+        let _ = writeln!(out, "{name}_bucket{{{label}{extra}}} {value}");
+    }
+    let _ = writeln!(out, "{name}_sum{{{label}}} {}", s.ttft.sum);
+    let _ = writeln!(out, "{name}_count{{{label}}} {}", s.ttft.count);
+    out
+}
+
+/// A Prometheus label value with `\`, `"` and newlines escaped.
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+// ---------------------------------------------------------------------------------------
+// Handlers
+
+/// Which endpoint a generation came from: decides the response shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Fields vLLM reads that warmpath's request types leave out.
+#[derive(Debug, Default, Deserialize)]
+struct Extras {
+    /// Isolates a tenant's prefix cache: blocks are only shared under equal salts.
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+/// A parsed, validated-enough generation request.
+#[derive(Debug)]
+struct Generation {
+    kind: Kind,
+    prompt: String,
+    max_tokens: Option<u32>,
+    stream: bool,
+    extras: Extras,
+}
+
+async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let (req, extras) = match parse::<CompletionRequest>(&body) {
+        Ok(parsed) => parsed,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
+    };
+    if let Some(resp) = check_model(&shared, &req.model) {
+        return resp;
+    }
+    let prompt = match req.prompt_text() {
+        Ok(prompt) => prompt.to_string(),
+        Err(e) => return request_error(&e),
+    };
+    let generation = Generation {
+        kind: Kind::Completion,
+        prompt,
+        max_tokens: req.max_tokens,
+        stream: req.stream,
+        extras,
+    };
+    generate(shared, generation).await
+}
+
+async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let (req, extras) = match parse::<ChatRequest>(&body) {
+        Ok(parsed) => parsed,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
+    };
+    if let Some(resp) = check_model(&shared, &req.model) {
+        return resp;
+    }
+    let prompt = match req.prompt_text() {
+        Ok(prompt) => prompt,
+        Err(e) => return request_error(&e),
+    };
+    let generation = Generation {
+        kind: Kind::Chat,
+        prompt,
+        max_tokens: req.max_tokens(),
+        stream: req.stream,
+        extras,
+    };
+    generate(shared, generation).await
+}
+
+/// The body as `T` plus the extra fields, or what is wrong with it.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<(T, Extras), String> {
+    let invalid = |e: serde_json::Error| {
+        if e.is_syntax() || e.is_eof() {
+            format!("the request body is not valid JSON: {e}")
+        } else {
+            format!("invalid request: {e}")
+        }
+    };
+    let req = serde_json::from_slice::<T>(body).map_err(invalid)?;
+    let extras = serde_json::from_slice::<Extras>(body).map_err(invalid)?;
+    Ok((req, extras))
+}
+
+/// A 404 when the request names a model this server does not serve (an empty name is the
+/// request types' own 400).
+fn check_model(shared: &Shared, model: &str) -> Option<Response> {
+    if model.is_empty() || model == shared.model {
+        return None;
+    }
+    let mut body = ErrorBody::new(
+        "invalid_request_error",
+        format!(
+            "the model `{model}` does not exist: this server serves `{}`",
+            shared.model
+        ),
+    );
+    body.error.code = Some("model_not_found".into());
+    Some((StatusCode::NOT_FOUND, Json(body)).into_response())
+}
+
+fn request_error(e: &RequestError) -> Response {
+    error(StatusCode::BAD_REQUEST, e.to_string())
+}
+
+/// OpenAI's error body with `status`; the one place statuses are chosen for errors.
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    (status, Json(ErrorBody::new(kind, message))).into_response()
+}
+
+fn engine_stopped() -> Response {
+    error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
+}
+
+async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
+    let tokens = text::tokenize(&g.prompt);
+    let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+    if prompt_tokens > shared.max_prompt_tokens {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "the prompt has {prompt_tokens} tokens, more than this server's limit of {}",
+                shared.max_prompt_tokens
+            ),
+        );
+    }
+    let output_tokens = g.max_tokens.unwrap_or(shared.default_max_tokens);
+    if output_tokens == 0 {
+        return error(StatusCode::BAD_REQUEST, "`max_tokens` must be at least 1");
+    }
+    let salt = g.extras.cache_salt.as_deref().unwrap_or("");
+    let keys = token_block_keys(
+        &TenantKey::derive(ENGINE_TENANT, salt),
+        &tokens,
+        shared.block_tokens,
+    );
+    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let (updates, mut rx) = mpsc::unbounded_channel();
+    // From here on, dropping this future (the client went away) cancels the request.
+    let mut guard = CancelGuard {
+        id,
+        commands: shared.commands.clone(),
+        armed: true,
+    };
+    let req = EngineRequest {
+        id,
+        keys,
+        prompt_tokens,
+        output_tokens,
+    };
+    if shared
+        .commands
+        .send(Command::Submit { req, updates })
+        .is_err()
+    {
+        guard.armed = false;
+        return engine_stopped();
+    }
+    match rx.recv().await {
+        Some(Update::Accepted) => {}
+        Some(Update::Rejected(msg)) => {
+            guard.armed = false;
+            return error(StatusCode::BAD_REQUEST, msg);
+        }
+        _ => {
+            guard.armed = false;
+            return engine_stopped();
+        }
+    }
+    let prefix = match g.kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    };
+    let reply = Reply {
+        kind: g.kind,
+        id: format!("{prefix}-sim-{id}"),
+        created: unix_now(),
+        model: shared.model.clone(),
+        prompt_tokens,
+        output_tokens,
+        seed: prompt_seed(&tokens),
+    };
+    if g.stream {
+        let include_usage = g
+            .extras
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        stream_response(reply, rx, guard, include_usage)
+    } else {
+        full_response(reply, rx, guard).await
+    }
+}
+
+/// Collects every token, then answers with the whole text.
+async fn full_response(
+    reply: Reply,
+    mut rx: mpsc::UnboundedReceiver<Update>,
+    mut guard: CancelGuard,
+) -> Response {
+    let mut text = String::new();
+    let mut cached = 0;
+    for pos in 0..reply.output_tokens {
+        match rx.recv().await {
+            Some(Update::First { cached_tokens }) => cached = cached_tokens,
+            Some(Update::Token) => {}
+            _ => return engine_stopped(),
+        }
+        text.push_str(&reply.word(pos));
+    }
+    guard.armed = false;
+    Json(reply.full(&text, cached)).into_response()
+}
+
+/// Where a stream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Tokens,
+    Usage,
+    Done,
+    End,
+}
+
+/// State of one SSE stream; dropping it (client gone) drops the guard.
+#[derive(Debug)]
+struct StreamState {
+    reply: Reply,
+    rx: mpsc::UnboundedReceiver<Update>,
+    guard: CancelGuard,
+    include_usage: bool,
+    /// Tokens sent so far.
+    sent: u32,
+    cached: u32,
+    phase: Phase,
+}
+
+fn stream_response(
+    reply: Reply,
+    rx: mpsc::UnboundedReceiver<Update>,
+    guard: CancelGuard,
+    include_usage: bool,
+) -> Response {
+    let state = StreamState {
+        reply,
+        rx,
+        guard,
+        include_usage,
+        sent: 0,
+        cached: 0,
+        phase: Phase::Tokens,
+    };
+    let body = Body::from_stream(futures_util::stream::unfold(state, next_event));
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .unwrap_or_else(|_| engine_stopped())
+}
+
+/// The next SSE event of a stream.
+async fn next_event(mut st: StreamState) -> Option<(Result<Bytes, Infallible>, StreamState)> {
+    let event = match st.phase {
+        Phase::Tokens => {
+            match st.rx.recv().await {
+                Some(Update::First { cached_tokens }) => st.cached = cached_tokens,
+                Some(Update::Token) => {}
+                // The engine stopped: end the stream without [DONE], so the client sees
+                // it was cut short.
+                _ => return None,
+            }
+            let pos = st.sent;
+            st.sent += 1;
+            let last = st.sent >= st.reply.output_tokens;
+            if last {
+                st.guard.armed = false;
+                st.phase = if st.include_usage {
+                    Phase::Usage
+                } else {
+                    Phase::Done
+                };
+            }
+            sse(&st.reply.chunk(pos, last))
+        }
+        Phase::Usage => {
+            st.phase = Phase::Done;
+            sse(&st.reply.usage_chunk(st.cached))
+        }
+        Phase::Done => {
+            st.phase = Phase::End;
+            Bytes::from_static(b"data: [DONE]\n\n")
+        }
+        Phase::End => return None,
+    };
+    Some((Ok(event), st))
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// What every response body of one request shares.
+#[derive(Debug)]
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: u32,
+    output_tokens: u32,
+    /// Seeds the output words: a function of the prompt's tokens.
+    seed: u64,
+}
+
+impl Reply {
+    /// Output token `pos`: one pseudo-word with a leading space (one token).
+    fn word(&self, pos: u32) -> String {
+        let seed = self.seed ^ (u64::from(pos) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        text::words(seed, 1)
+    }
+
+    fn usage(&self, cached: u32) -> Value {
+        let usage = Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.output_tokens,
+            total_tokens: self.prompt_tokens.saturating_add(self.output_tokens),
+            prompt_tokens_details: Some(PromptTokensDetails {
+                cached_tokens: cached,
+            }),
+        };
+        serde_json::to_value(usage).unwrap_or(Value::Null)
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// The non-streaming response.
+    fn full(&self, text: &str, cached: u32) -> Value {
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+            }),
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": "length",
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(cached),
+        })
+    }
+
+    /// The streamed chunk of token `pos`; the last carries the finish reason. A chat
+    /// stream's first delta also carries the role.
+    fn chunk(&self, pos: u32, last: bool) -> Value {
+        let word = self.word(pos);
+        let finish = if last { json!("length") } else { Value::Null };
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": word, "logprobs": null, "finish_reason": finish,
+            }),
+            Kind::Chat => {
+                let delta = if pos == 0 {
+                    json!({"role": "assistant", "content": word})
+                } else {
+                    json!({"content": word})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+
+    /// The last chunk of a stream that asked for usage.
+    fn usage_chunk(&self, cached: u32) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(cached),
+        })
+    }
+}
+
+/// FNV-1a 64 over the token ids: the output-text seed of a prompt.
+fn prompt_seed(tokens: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for b in t.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn models(State(shared): State<Arc<Shared>>) -> Response {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": shared.model,
+            "object": "model",
+            "created": shared.created,
+            "owned_by": "warmpath",
+        }],
+    }))
+    .into_response()
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let (reply, answer) = oneshot::channel();
+    if shared.commands.send(Command::Metrics { reply }).is_err() {
+        return engine_stopped();
+    }
+    let Ok(snapshot) = answer.await else {
+        return engine_stopped();
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        render_metrics(&shared.model, &snapshot),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::Incoming;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{TcpListener, TcpStream};
+    use warmpath_index::text::{render_chat, ChatMessage};
+
+    use super::*;
+
+    /// Fast and small: 1000× speed-up, 8 tokens by default, prompts up to 2000 tokens,
+    /// 4096 GPU blocks of 16 tokens.
+    fn config() -> EngineSimConfig {
+        EngineSimConfig {
+            speedup: 1000.0,
+            default_max_tokens: 8,
+            max_prompt_tokens: 2000,
+            engine: EngineConfig {
+                gpu_blocks: 4096,
+                ..EngineConfig::default()
+            },
+            ..EngineSimConfig::default()
+        }
+    }
+
+    /// A server on 127.0.0.1:0 and a client for it.
+    struct TestServer {
+        addr: SocketAddr,
+        client: Client<HttpConnector, Full<Bytes>>,
+        stop: Option<oneshot::Sender<()>>,
+        task: tokio::task::JoinHandle<std::io::Result<()>>,
+    }
+
+    impl TestServer {
+        async fn start(config: EngineSimConfig) -> TestServer {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (stop, stopped) = oneshot::channel::<()>();
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            let task = tokio::spawn(serve(listener, config, shutdown));
+            let client = Client::builder(TokioExecutor::new()).build_http();
+            TestServer {
+                addr,
+                client,
+                stop: Some(stop),
+                task,
+            }
+        }
+
+        async fn send(&self, method: &str, path: &str, body: &str) -> hyper::Response<Incoming> {
+            let req = hyper::Request::builder()
+                .method(method)
+                .uri(format!("http://{}{path}", self.addr))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body.to_string())))
+                .unwrap();
+            self.client.request(req).await.unwrap()
+        }
+
+        async fn text(&self, method: &str, path: &str, body: &str) -> (StatusCode, String) {
+            let resp = self.send(method, path, body).await;
+            let status = resp.status();
+            let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8(bytes.to_vec()).unwrap())
+        }
+
+        async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
+            let (status, text) = self.text("POST", path, &body.to_string()).await;
+            let value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+            (status, value)
+        }
+
+        /// Posts a streaming request and returns its SSE events.
+        async fn stream(&self, path: &str, body: &Value) -> Events {
+            let resp = self.send("POST", path, &body.to_string()).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            let content_type = resp.headers()[header::CONTENT_TYPE].to_str().unwrap();
+            assert_eq!(content_type, "text/event-stream");
+            Events {
+                body: resp.into_body(),
+                buf: String::new(),
+            }
+        }
+
+        /// The value of one sample of `/metrics`, by its name and extra labels.
+        async fn metric(&self, name: &str, extra_labels: &str) -> f64 {
+            let (status, text) = self.text("GET", "/metrics", "").await;
+            assert_eq!(status, StatusCode::OK);
+            let prefix = format!("{name}{{model_name=\"sim-llama\"{extra_labels}}} ");
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(&prefix))
+                .unwrap_or_else(|| panic!("no {prefix:?} in\n{text}"));
+            line[prefix.len()..].parse().unwrap()
+        }
+
+        /// (running, waiting, aborted) from `/metrics`.
+        async fn load(&self) -> (f64, f64, f64) {
+            (
+                self.metric("vllm:num_requests_running", "").await,
+                self.metric("vllm:num_requests_waiting", "").await,
+                self.metric("vllm:request_success_total", ",finished_reason=\"abort\"")
+                    .await,
+            )
+        }
+
+        /// Polls `/metrics` until `(running, waiting, aborted)` is `want` (up to 10 s).
+        async fn wait_for_load(&self, want: (f64, f64, f64)) {
+            for _ in 0..2000 {
+                if self.load().await == want {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            panic!("load never became {want:?}: {:?}", self.load().await);
+        }
+    }
+
+    /// The SSE events of a streaming response, read as they come.
+    struct Events {
+        body: Incoming,
+        buf: String,
+    }
+
+    impl Events {
+        /// The next event's data, or None at the end of the body.
+        async fn next(&mut self) -> Option<String> {
+            loop {
+                if let Some(end) = self.buf.find("\n\n") {
+                    let event: String = self.buf.drain(..end + 2).collect();
+                    let data = event.trim_end().strip_prefix("data: ");
+                    return Some(data.unwrap_or_else(|| panic!("{event:?}")).to_string());
+                }
+                let frame = self.body.frame().await?.unwrap();
+                if let Ok(data) = frame.into_data() {
+                    self.buf.push_str(std::str::from_utf8(&data).unwrap());
+                }
+            }
+        }
+
+        async fn all(mut self) -> Vec<String> {
+            let mut out = Vec::new();
+            while let Some(event) = self.next().await {
+                out.push(event);
+            }
+            assert!(self.buf.is_empty(), "trailing bytes {:?}", self.buf);
+            out
+        }
+    }
+
+    fn completion(prompt: &str, max_tokens: u32) -> Value {
+        json!({"model": "sim-llama", "prompt": prompt, "max_tokens": max_tokens})
+    }
+
+    fn cached_tokens(response: &Value) -> u64 {
+        response["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn completion_returns_max_tokens_and_usage() {
+        let s = TestServer::start(config()).await;
+        let prompt = text::words(1, 40);
+        let (status, v) = s.post("/v1/completions", &completion(&prompt, 7)).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(v["model"], "sim-llama");
+        assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        let out = v["choices"][0]["text"].as_str().unwrap();
+        assert_eq!(text::count_tokens(out), 7, "{out:?}");
+        let usage = json!({
+            "prompt_tokens": 40,
+            "completion_tokens": 7,
+            "total_tokens": 47,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        });
+        assert_eq!(v["usage"], usage);
+        // Without max_tokens: the default.
+        let body = json!({"model": "sim-llama", "prompt": text::words(2, 5)});
+        let (status, v) = s.post("/v1/completions", &body).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(v["usage"]["completion_tokens"], 8);
+        let out = v["choices"][0]["text"].as_str().unwrap();
+        assert_eq!(text::count_tokens(out), 8);
+    }
+
+    #[tokio::test]
+    async fn repeated_prompts_report_cached_tokens_per_salt() {
+        let s = TestServer::start(config()).await;
+        // 100 tokens: 6 complete blocks of 16, all of which can hit (the last token, in
+        // the partial 7th block, is always computed).
+        let prompt = text::words(3, 100);
+        // (cache_salt, cached tokens reported)
+        let cases = [
+            (None, 0),
+            (None, 96),
+            (Some("a"), 0),
+            (Some("a"), 96),
+            (Some("b"), 0),
+            (Some(""), 96),
+        ];
+        for (i, (salt, want)) in cases.into_iter().enumerate() {
+            let mut body = completion(&prompt, 2);
+            if let Some(salt) = salt {
+                body["cache_salt"] = json!(salt);
+            }
+            let (status, v) = s.post("/v1/completions", &body).await;
+            assert_eq!(status, StatusCode::OK, "case {i}: {v}");
+            assert_eq!(cached_tokens(&v), want, "case {i}");
+        }
+    }
+
+    #[tokio::test]
+    async fn streams_concatenate_to_the_full_text() {
+        let s = TestServer::start(config()).await;
+        let messages = json!([{"role": "user", "content": text::words(4, 30)}]);
+        let cases = [
+            (
+                "/v1/completions",
+                json!({"model": "sim-llama", "prompt": text::words(4, 30), "max_tokens": 5}),
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"model": "sim-llama", "messages": messages, "max_tokens": 5}),
+            ),
+        ];
+        for (path, body) in cases {
+            let chat = path.contains("chat");
+            let (status, full) = s.post(path, &body).await;
+            assert_eq!(status, StatusCode::OK, "{full}");
+            let want = if chat {
+                full["choices"][0]["message"]["content"].clone()
+            } else {
+                full["choices"][0]["text"].clone()
+            };
+            for include_usage in [false, true] {
+                let mut streaming = body.clone();
+                streaming["stream"] = json!(true);
+                if include_usage {
+                    streaming["stream_options"] = json!({"include_usage": true});
+                }
+                let events = s.stream(path, &streaming).await.all().await;
+                let n = 5 + usize::from(include_usage);
+                assert_eq!(events.len(), n + 1, "{path}: {events:?}");
+                assert_eq!(events[n], "[DONE]");
+                let chunks: Vec<Value> = events[..n]
+                    .iter()
+                    .map(|e| serde_json::from_str(e).unwrap())
+                    .collect();
+                let mut text = String::new();
+                for (i, chunk) in chunks[..5].iter().enumerate() {
+                    let object = if chat {
+                        "chat.completion.chunk"
+                    } else {
+                        "text_completion"
+                    };
+                    assert_eq!(chunk["object"], object, "{chunk}");
+                    assert_eq!(chunk["model"], "sim-llama");
+                    assert_eq!(chunk["id"], chunks[0]["id"]);
+                    assert!(chunk.get("usage").is_none(), "{chunk}");
+                    let choice = &chunk["choices"][0];
+                    assert_eq!(choice["index"], 0);
+                    let finish = if i == 4 { json!("length") } else { Value::Null };
+                    assert_eq!(choice["finish_reason"], finish, "{chunk}");
+                    if chat {
+                        let role = if i == 0 {
+                            json!("assistant")
+                        } else {
+                            Value::Null
+                        };
+                        assert_eq!(choice["delta"]["role"], role, "{chunk}");
+                        text.push_str(choice["delta"]["content"].as_str().unwrap());
+                    } else {
+                        text.push_str(choice["text"].as_str().unwrap());
+                    }
+                }
+                assert_eq!(json!(text), want, "{path}");
+                if include_usage {
+                    let last = &chunks[5];
+                    assert_eq!(last["choices"], json!([]));
+                    let usage = &last["usage"];
+                    assert_eq!(usage["prompt_tokens"], full["usage"]["prompt_tokens"]);
+                    assert_eq!(usage["completion_tokens"], 5);
+                    // The non-streaming request cached the prompt's complete blocks.
+                    assert!(cached_tokens(last) > 0, "{last}");
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn chat_completion() {
+        let s = TestServer::start(config()).await;
+        let messages = vec![
+            ChatMessage {
+                role: "system".into(),
+                content: "be brief".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: text::words(5, 20),
+            },
+        ];
+        let body = json!({
+            "model": "sim-llama",
+            "messages": messages,
+            "max_tokens": 3,
+            "max_completion_tokens": 6,
+        });
+        let (status, v) = s.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert_eq!(v["object"], "chat.completion");
+        assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        let choice = &v["choices"][0];
+        assert_eq!(choice["message"]["role"], "assistant");
+        assert_eq!(choice["finish_reason"], "length");
+        let out = choice["message"]["content"].as_str().unwrap();
+        assert_eq!(text::count_tokens(out), 6);
+        let prompt_tokens = text::count_tokens(&render_chat(&messages));
+        assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+        assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 6);
+    }
+
+    #[tokio::test]
+    async fn bad_requests_get_openai_error_bodies() {
+        let s = TestServer::start(config()).await;
+        let long = text::words(6, 2001);
+        // (path, body, status, part of the message)
+        let cases = [
+            ("/v1/completions", "{".to_string(), 400, "not valid JSON"),
+            ("/v1/completions", "[]".to_string(), 400, "invalid request"),
+            (
+                "/v1/completions",
+                r#"{"model": "sim-llama"}"#.to_string(),
+                400,
+                "missing field `prompt`",
+            ),
+            (
+                "/v1/completions",
+                completion("", 4).to_string(),
+                400,
+                "the prompt is empty",
+            ),
+            (
+                "/v1/completions",
+                json!({"model": "sim-llama", "prompt": ["a", "b"]}).to_string(),
+                400,
+                "batch of 2 prompts",
+            ),
+            (
+                "/v1/completions",
+                completion(&long, 4).to_string(),
+                400,
+                "2001 tokens, more than this server's limit of 2000",
+            ),
+            (
+                "/v1/completions",
+                completion("hi", 0).to_string(),
+                400,
+                "`max_tokens` must be at least 1",
+            ),
+            (
+                // 4096 blocks of 16 tokens cannot hold 70000 tokens.
+                "/v1/completions",
+                completion("hi", 70_000).to_string(),
+                400,
+                "more than this engine's 4096",
+            ),
+            (
+                "/v1/completions",
+                json!({"model": "sim-llama", "prompt": "hi", "cache_salt": 5}).to_string(),
+                400,
+                "invalid request",
+            ),
+            (
+                "/v1/completions",
+                json!({"model": "", "prompt": "hi"}).to_string(),
+                400,
+                "`model` is empty",
+            ),
+            (
+                "/v1/completions",
+                json!({"model": "gpt-9", "prompt": "hi"}).to_string(),
+                404,
+                "the model `gpt-9` does not exist",
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"model": "sim-llama", "messages": []}).to_string(),
+                400,
+                "`messages` is empty",
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"model": "sim-llama"}).to_string(),
+                400,
+                "missing field `messages`",
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"model": "other", "messages": [{"role": "user", "content": "x"}]})
+                    .to_string(),
+                404,
+                "does not exist",
+            ),
+        ];
+        for (i, (path, body, status, message)) in cases.into_iter().enumerate() {
+            let (got, text) = s.text("POST", path, &body).await;
+            assert_eq!(got.as_u16(), status, "case {i}: {text}");
+            let error: ErrorBody =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("case {i}: {e}: {text}"));
+            assert_eq!(error.error.kind, "invalid_request_error", "case {i}");
+            assert!(
+                error.error.message.contains(message),
+                "case {i}: {:?}",
+                error.error.message
+            );
+        }
+        // Nothing reached the engine's counters, and nothing is left in it.
+        assert_eq!(s.metric("vllm:prefix_cache_queries_total", "").await, 0.0);
+        assert_eq!(s.load().await, (0.0, 0.0, 0.0));
+    }
+
+    #[tokio::test]
+    async fn models_and_health() {
+        let s = TestServer::start(config()).await;
+        let (status, body) = s.text("GET", "/health", "").await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, ""));
+        let (status, body) = s.text("GET", "/v1/models", "").await;
+        assert_eq!(status, StatusCode::OK);
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["object"], "list");
+        assert_eq!(v["data"].as_array().unwrap().len(), 1);
+        assert_eq!(v["data"][0]["id"], "sim-llama");
+        assert_eq!(v["data"][0]["object"], "model");
+        assert_eq!(v["data"][0]["owned_by"], "warmpath");
+    }
+
+    #[tokio::test]
+    async fn metrics_use_vllm_names_and_count_tokens() {
+        let s = TestServer::start(config()).await;
+        let (status, text) = s.text("GET", "/metrics", "").await;
+        assert_eq!(status, StatusCode::OK);
+        for (name, kind) in [
+            ("vllm:num_requests_running", "gauge"),
+            ("vllm:num_requests_waiting", "gauge"),
+            ("vllm:gpu_cache_usage_perc", "gauge"),
+            ("vllm:prefix_cache_queries_total", "counter"),
+            ("vllm:prefix_cache_hits_total", "counter"),
+            ("vllm:time_to_first_token_seconds", "histogram"),
+        ] {
+            assert!(text.contains(&format!("# HELP {name} ")), "{name}");
+            assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{name}");
+        }
+        let prompt = text::words(7, 100);
+        // (queries, hits, first tokens so far) after each request of the same prompt.
+        for (i, want) in [(100.0, 0.0, 1.0), (200.0, 96.0, 2.0)]
+            .into_iter()
+            .enumerate()
+        {
+            let (status, _) = s.post("/v1/completions", &completion(&prompt, 3)).await;
+            assert_eq!(status, StatusCode::OK);
+            let got = (
+                s.metric("vllm:prefix_cache_queries_total", "").await,
+                s.metric("vllm:prefix_cache_hits_total", "").await,
+                s.metric("vllm:time_to_first_token_seconds_count", "").await,
+            );
+            assert_eq!(got, want, "request {i}");
+            let inf = ",le=\"+Inf\"";
+            let bucket = s.metric("vllm:time_to_first_token_seconds_bucket", inf);
+            assert_eq!(bucket.await, want.2);
+            // A first token takes at least the 16.5 ms constant of a prefill.
+            let under_10ms = ",le=\"0.01\"";
+            let fast = s.metric("vllm:time_to_first_token_seconds_bucket", under_10ms);
+            assert_eq!(fast.await, 0.0);
+            let gen = s.metric("vllm:generation_tokens_total", "").await;
+            assert_eq!(gen, 3.0 * (i + 1) as f64);
+            assert_eq!(s.load().await, (0.0, 0.0, 0.0));
+            assert_eq!(s.metric("vllm:gpu_cache_usage_perc", "").await, 0.0);
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_requests_are_batched_and_all_complete() {
+        let s = Arc::new(TestServer::start(config()).await);
+        let tasks: Vec<_> = (0..16u32)
+            .map(|i| {
+                let s = Arc::clone(&s);
+                tokio::spawn(async move {
+                    let body = completion(&text::words(100 + u64::from(i % 4), 40), 3 + i);
+                    s.post("/v1/completions", &body).await
+                })
+            })
+            .collect();
+        for (i, task) in tasks.into_iter().enumerate() {
+            let (status, v) = task.await.unwrap();
+            assert_eq!(status, StatusCode::OK, "{v}");
+            let out = v["choices"][0]["text"].as_str().unwrap();
+            assert_eq!(text::count_tokens(out), 3 + i, "request {i}");
+        }
+        assert_eq!(s.load().await, (0.0, 0.0, 0.0));
+        let gen = s.metric("vllm:generation_tokens_total", "").await;
+        assert_eq!(gen, (0..16).map(|i| 3.0 + f64::from(i)).sum::<f64>());
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let mut ttft = Histogram::default();
+        for v in [0.0005, 0.003, 0.003, 3000.0] {
+            ttft.observe(v);
+        }
+        let snapshot = Snapshot {
+            running: 1,
+            waiting: 2,
+            kv_usage: 0.5,
+            stats: EngineStats::default(),
+            generation_tokens: 0,
+            ttft,
+        };
+        let text = render_metrics("m\"x", &snapshot);
+        let name = "vllm:time_to_first_token_seconds";
+        let label = "model_name=\"m\\\"x\"";
+        // (le, cumulative count)
+        let cases = [
+            ("0.001", 1),
+            ("0.005", 3),
+            ("0.01", 3),
+            ("2560", 3),
+            ("+Inf", 4),
+        ];
+        for (le, want) in cases {
+            let line = format!("{name}_bucket{{{label},le=\"{le}\"}} {want}\n");
+            assert!(text.contains(&line), "{line:?} not in\n{text}");
+        }
+        assert!(text.contains(&format!("{name}_count{{{label}}} 4\n")));
+        assert!(text.contains(&format!("vllm:num_requests_waiting{{{label}}} 2\n")));
+        assert!(text.contains(&format!("vllm:gpu_cache_usage_perc{{{label}}} 0.5\n")));
+    }
+
+    /// Real speed and a very long output: the request could not finish during the test.
+    fn slow_config() -> EngineSimConfig {
+        EngineSimConfig {
+            speedup: 1.0,
+            ..config()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_client_dropping_its_stream_cancels_the_request() {
+        let s = TestServer::start(slow_config()).await;
+        let mut body = completion(&text::words(8, 50), 50_000);
+        body["stream"] = json!(true);
+        let mut events = s.stream("/v1/completions", &body).await;
+        for _ in 0..3 {
+            let event = events.next().await.unwrap();
+            assert!(event.starts_with('{'), "{event}");
+        }
+        assert_eq!(s.load().await, (1.0, 0.0, 0.0));
+        drop(events);
+        s.wait_for_load((0.0, 0.0, 1.0)).await;
+        let finished = ",finished_reason=\"length\"";
+        assert_eq!(s.metric("vllm:request_success_total", finished).await, 0.0);
+        assert_eq!(s.metric("vllm:gpu_cache_usage_perc", "").await, 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_client_closing_before_the_response_cancels_the_request() {
+        let s = TestServer::start(slow_config()).await;
+        let body = completion(&text::words(9, 50), 50_000).to_string();
+        let mut conn = TcpStream::connect(s.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        conn.write_all(body.as_bytes()).await.unwrap();
+        s.wait_for_load((1.0, 0.0, 0.0)).await;
+        drop(conn);
+        s.wait_for_load((0.0, 0.0, 1.0)).await;
+    }
+
+    #[tokio::test]
+    async fn shutdown_lets_in_flight_streams_finish() {
+        let mut s = TestServer::start(slow_config()).await;
+        let mut body = completion(&text::words(10, 20), 20);
+        body["stream"] = json!(true);
+        let mut events = s.stream("/v1/completions", &body).await;
+        events.next().await.unwrap();
+        s.stop.take().unwrap().send(()).unwrap();
+        let rest = events.all().await;
+        assert_eq!(rest.len(), 20, "{rest:?}");
+        assert_eq!(rest.last().unwrap(), "[DONE]");
+        s.task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn speedup_must_be_positive() {
+        for speedup in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let config = EngineSimConfig {
+                speedup,
+                ..config()
+            };
+            let err = serve(listener, config, async {}).await.unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+        }
+    }
+}

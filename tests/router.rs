@@ -1,0 +1,434 @@
+//! The gateway end to end: real `warmpath router` and `warmpath engine-sim` processes on
+//! loopback ports chosen by the OS, driven over HTTP.
+
+use crate::{scratch_dir, Proc};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new())
+}
+
+fn engine(speedup: &str) -> Proc {
+    Proc::start(&[
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        speedup,
+    ])
+}
+
+/// A router over `engines`, with extra flags.
+fn router(engines: &[&Proc], extra: &[&str]) -> Proc {
+    let mut args = vec!["router", "--listen", "127.0.0.1:0"];
+    for e in engines {
+        args.push("--instance");
+        args.push(&e.url);
+    }
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
+struct Reply {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    fn explain(&self) -> Value {
+        serde_json::from_slice(
+            self.headers
+                .get("x-warmpath-explain")
+                .expect("explain header")
+                .as_bytes(),
+        )
+        .expect("explain JSON")
+    }
+}
+
+async fn post(
+    client: &HttpClient,
+    url: &str,
+    path: &str,
+    body: impl Into<Bytes>,
+    headers: &[(&str, &str)],
+) -> Reply {
+    let mut req =
+        hyper::Request::post(format!("{url}{path}")).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = client
+        .request(req.body(Full::new(body.into())).unwrap())
+        .await
+        .expect("the router answers");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("a whole body")
+        .to_bytes();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
+    json!({"model": "sim-llama", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+        .to_string()
+}
+
+fn long_prompt(seed: u64) -> String {
+    warmpath_index::text::words(seed, 600)
+}
+
+/// SSE events with the per-response fields (`id`, `created`) blanked.
+fn normalised_events(body: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(body);
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let data = e.strip_prefix("data: ").unwrap_or(e);
+            match serde_json::from_str::<Value>(data) {
+                Ok(mut v) => {
+                    v["id"] = json!("-");
+                    v["created"] = json!(0);
+                    v.to_string()
+                }
+                Err(_) => data.to_string(),
+            }
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_bytes_through_the_router_equal_the_direct_ones() {
+    let e = engine("1000");
+    let r = router(&[&e], &[]);
+    let c = client();
+    for (path, body) in [
+        ("/v1/completions", completion(&long_prompt(1), 12, true)),
+        (
+            "/v1/chat/completions",
+            json!({"model": "sim-llama", "messages": [{"role": "user", "content": long_prompt(2)}], "max_tokens": 7, "stream": true}).to_string(),
+        ),
+    ] {
+        let direct = post(&c, &e.url, path, body.clone(), &[]).await;
+        let routed = post(&c, &r.url, path, body.clone(), &[]).await;
+        assert_eq!((direct.status, routed.status), (200, 200));
+        assert_eq!(routed.headers.get("content-type"), direct.headers.get("content-type"));
+        let (d, v) = (normalised_events(&direct.body), normalised_events(&routed.body));
+        assert!(d.len() >= 8 && d.last().map(String::as_str) == Some("[DONE]"), "{d:?}");
+        // The router's salt changes the cache, not the text: events match one for one.
+        assert_eq!(d, v, "{path}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors() {
+    let e = engine("1000");
+    let dir = scratch_dir("router-limits");
+    let config = dir.join("router.toml");
+    std::fs::write(&config, "version = 1\n[router]\nmax_body_bytes = 2000\n").unwrap();
+    let r = router(&[&e], &["--config", config.to_str().unwrap()]);
+    let c = client();
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{not json".into(), 400, "invalid request body"),
+        (json!({"model": "sim-llama"}).to_string(), 400, "prompt"),
+        (
+            json!({"model": "sim-llama", "prompt": ""}).to_string(),
+            400,
+            "empty",
+        ),
+        (
+            json!({"model": "gpt-9", "prompt": "hi"}).to_string(),
+            404,
+            "gpt-9",
+        ),
+        (completion(&"x ".repeat(2000), 1, false), 413, "2000 bytes"),
+    ];
+    for (body, status, needle) in cases {
+        let reply = post(&c, &r.url, "/v1/completions", body.clone(), &[]).await;
+        assert_eq!(reply.status, status, "{body:.60}");
+        let err = reply.json();
+        let message = err["error"]["message"].as_str().expect("OpenAI error body");
+        assert!(message.contains(needle), "{message}");
+        assert!(err["error"]["type"].is_string());
+    }
+    let reply = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        completion("hi", 1, false),
+        &[("authorization", "Bearer nope")],
+    )
+    .await;
+    assert_eq!(reply.status, 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_healthy_instance_is_503_with_retry_after() {
+    // An address nothing listens on: bind, note the port, close.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let url = format!("http://{dead}");
+    let r = Proc::start(&["router", "--listen", "127.0.0.1:0", "--instance", &url]);
+    let c = client();
+    for _ in 0..2 {
+        let reply = post(
+            &c,
+            &r.url,
+            "/v1/completions",
+            completion("hello", 1, false),
+            &[],
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            503,
+            "{:?}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert!(reply.headers.contains_key("retry-after"));
+        assert!(reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no healthy instance"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_never_share_cache_hits() {
+    let e = engine("1000");
+    let dir = scratch_dir("router-tenants");
+    let config = dir.join("router.toml");
+    std::fs::write(
+        &config,
+        "version = 1\n[[tenants]]\nid = \"a\"\napi_keys = [\"key-a\"]\n[[tenants]]\nid = \"b\"\napi_keys = [\"key-b\"]\n",
+    )
+    .unwrap();
+    let r = router(&[&e], &["--config", config.to_str().unwrap()]);
+    let c = client();
+    let body = completion(&long_prompt(9), 2, false);
+    let cached = |reply: &Reply| {
+        reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let a1 = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        body.clone(),
+        &[("authorization", "Bearer key-a")],
+    )
+    .await;
+    let a2 = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        body.clone(),
+        &[("authorization", "Bearer key-a")],
+    )
+    .await;
+    let b1 = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        body.clone(),
+        &[("authorization", "Bearer key-b")],
+    )
+    .await;
+    let b2 = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        body.clone(),
+        &[("x-tenant-id", "b")],
+    )
+    .await;
+    assert_eq!(
+        (a1.status, a2.status, b1.status, b2.status),
+        (200, 200, 200, 200)
+    );
+    assert_eq!(cached(&a1), 0);
+    assert!(
+        cached(&a2) > 500,
+        "a's second request hits a's cache: {}",
+        cached(&a2)
+    );
+    assert_eq!(cached(&b1), 0, "b must not hit a's blocks");
+    assert!(cached(&b2) > 500, "b hits its own cache");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_threshold_spills_to_the_next_instance() {
+    let e1 = engine("1");
+    let e2 = engine("1");
+    let r = router(
+        &[&e1, &e2],
+        &["--strategy", "prefix-aware", "--concurrency-threshold", "1"],
+    );
+    let c = client();
+    let prompt = long_prompt(3);
+    let explain = [("x-warmpath-explain", "1")];
+    // Warm one instance with the prompt.
+    let first = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        completion(&prompt, 1, false),
+        &explain,
+    )
+    .await;
+    let owner = first.explain()["instance"].as_str().unwrap().to_string();
+    // Hold a long stream open on the owner: it is now at the threshold.
+    let req = hyper::Request::post(format!("{}/v1/completions", r.url))
+        .header("x-warmpath-explain", "1")
+        .body(Full::new(Bytes::from(completion(&prompt, 5000, true))))
+        .unwrap();
+    let held = c.request(req).await.unwrap();
+    let held_at: Value =
+        serde_json::from_slice(held.headers()["x-warmpath-explain"].as_bytes()).unwrap();
+    assert_eq!(held_at["instance"], owner.as_str());
+    assert_eq!(held_at["reason"], "longest-prefix");
+    // The same prompt now spills to the other instance.
+    let spilled = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        completion(&prompt, 1, false),
+        &explain,
+    )
+    .await;
+    assert_eq!(spilled.status, 200);
+    let why = spilled.explain();
+    assert_ne!(why["instance"], owner.as_str(), "{why}");
+    assert_eq!(why["reason"], "spilled", "{why}");
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_instance_loses_no_request() {
+    // At speed-up 2 each request takes about 0.7 s: all are in flight at the kill.
+    let mut e1 = engine("2");
+    let e2 = engine("2");
+    let r = router(&[&e1, &e2], &["--strategy", "round-robin"]);
+    let c = client();
+    let mut tasks = Vec::new();
+    for i in 0..40u64 {
+        let c = c.clone();
+        let url = r.url.clone();
+        let stream = i % 2 == 1;
+        tasks.push(tokio::spawn(async move {
+            let reply = post(
+                &c,
+                &url,
+                "/v1/completions",
+                completion(&long_prompt(100 + i), 200, stream),
+                &[],
+            )
+            .await;
+            (stream, reply)
+        }));
+    }
+    // Kill one instance while requests are in flight.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    e1.kill();
+    let (mut ok, mut retriable) = (0, 0);
+    for t in tasks {
+        let (stream, reply) = t.await.unwrap();
+        let text = String::from_utf8_lossy(&reply.body).to_string();
+        if !stream {
+            // Non-streaming requests are retried until a byte reaches the client.
+            assert_eq!(reply.status, 200, "{text}");
+            assert_eq!(reply.json()["usage"]["completion_tokens"], 200);
+            ok += 1;
+        } else if reply.status == 200 && !text.contains("upstream_error") {
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text:.200}");
+            ok += 1;
+        } else {
+            // A stream cut mid-way ends with a clear error event the client can retry on.
+            assert!(
+                text.contains("retry the request") || reply.status >= 500,
+                "{text:.300}"
+            );
+            assert!(text.ends_with("data: [DONE]\n\n") || reply.status >= 500);
+            retriable += 1;
+        }
+    }
+    assert_eq!(ok + retriable, 40);
+    assert!(retriable > 0, "streams on the killed instance were cut");
+    // After the failure the dead instance is ejected: new requests all succeed.
+    for i in 0..6 {
+        let reply = post(
+            &c,
+            &r.url,
+            "/v1/completions",
+            completion(&long_prompt(900 + i), 2, false),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_metrics() {
+    let e = engine("1000");
+    let r = router(&[&e], &[]);
+    let c = client();
+    let get = |path: &str| {
+        let c = c.clone();
+        let url = format!("{}{path}", r.url);
+        async move {
+            let resp = c.get(url.parse().unwrap()).await.unwrap();
+            let status = resp.status().as_u16();
+            (
+                status,
+                String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes())
+                    .to_string(),
+            )
+        }
+    };
+    let (s, models) = get("/v1/models").await;
+    assert_eq!(s, 200);
+    assert!(models.contains("sim-llama"), "{models}");
+    assert_eq!(get("/healthz").await.0, 200);
+    assert_eq!(get("/readyz").await.0, 200);
+    post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        completion("hello world", 1, false),
+        &[],
+    )
+    .await;
+    let (s, metrics) = get("/metrics").await;
+    assert_eq!(s, 200);
+    for name in [
+        "warmpath_router_requests_total",
+        "warmpath_index_entries",
+        "warmpath_router_instance_healthy",
+    ] {
+        assert!(metrics.contains(name), "{name} missing:\n{metrics}");
+    }
+}
