@@ -432,3 +432,95 @@ async fn models_health_and_metrics() {
         assert!(metrics.contains(name), "{name} missing:\n{metrics}");
     }
 }
+
+/// Polls `url/metrics` until `pred` holds for the text, for at most ten seconds.
+async fn wait_for_metrics(c: &HttpClient, url: &str, pred: impl Fn(&str) -> bool) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let resp = c
+            .get(format!("{url}/metrics").parse().unwrap())
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes())
+            .to_string();
+        if pred(&text) || tokio::time::Instant::now() > deadline {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_cancels_the_upstream_request() {
+    let e = engine("1");
+    let r = router(&[&e], &[]);
+    let c = client();
+    let req = hyper::Request::post(format!("{}/v1/completions", r.url))
+        .body(Full::new(Bytes::from(completion(
+            "a long answer please",
+            50_000,
+            true,
+        ))))
+        .unwrap();
+    let mut resp = c.request(req).await.unwrap();
+    // Wait for the first streamed bytes: the engine is generating.
+    let first = resp.body_mut().frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    let running = wait_for_metrics(&c, &e.url, |m| {
+        metric(m, "vllm:num_requests_running") >= 1.0
+    })
+    .await;
+    assert_eq!(metric(&running, "vllm:num_requests_running"), 1.0);
+    drop(resp);
+    let after = wait_for_metrics(&c, &e.url, |m| {
+        metric(m, "vllm:num_requests_running") == 0.0
+    })
+    .await;
+    assert_eq!(
+        metric(&after, "vllm:num_requests_running"),
+        0.0,
+        "the engine still runs the abandoned request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_drains_open_streams() {
+    let e = engine("4");
+    let r = router(&[&e], &[]);
+    let c = client();
+    let req = hyper::Request::post(format!("{}/v1/completions", r.url))
+        .body(Full::new(Bytes::from(completion(
+            "tell me a story",
+            150,
+            true,
+        ))))
+        .unwrap();
+    let mut resp = c.request(req).await.unwrap();
+    let first = resp.body_mut().frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    // SIGTERM the router mid-stream: it stops accepting but finishes the stream.
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &r.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rest = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("the stream completes")
+        .to_bytes();
+    let text = String::from_utf8_lossy(&rest);
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text:.300}");
+    assert!(!text.contains("upstream_error"));
+    // And new connections are refused once it has exited.
+    let refused = c.get(format!("{}/healthz", r.url).parse().unwrap()).await;
+    assert!(refused.is_err());
+}

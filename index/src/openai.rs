@@ -27,6 +27,9 @@ pub struct CompletionRequest {
     /// Forces exactly `max_tokens` tokens (vLLM's extension; the simulator always does).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
+    /// vLLM's salt isolating prefix caches; the router prepends the tenant's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -42,6 +45,9 @@ pub struct ChatRequest {
     pub stream: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
+    /// vLLM's salt isolating prefix caches; the router prepends the tenant's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
 /// Why a request body is not a usable request.
@@ -153,6 +159,7 @@ mod tests {
             max_tokens: None,
             stream: false,
             ignore_eos: None,
+            cache_salt: None,
         };
         assert_eq!(req(Prompt::Text("hi".into())).prompt_text(), Ok("hi"));
         assert_eq!(
@@ -185,6 +192,7 @@ mod tests {
             max_completion_tokens: None,
             stream: true,
             ignore_eos: None,
+            cache_salt: None,
         };
         assert_eq!(chat.max_tokens(), Some(5));
         chat.max_completion_tokens = Some(7);

@@ -22,9 +22,59 @@ use crate::rng::Rng;
 pub const VOCAB: u32 = 50_000;
 
 /// Token ids of `text` under the built-in tokenizer.
+///
+/// One pass over the bytes that hashes each piece as it finds its end (the router runs
+/// this on every prompt; [`for_each_piece`] is the plain definition, and a test holds the
+/// two equal).
 pub fn tokenize(text: &str) -> Vec<u32> {
-    let mut ids = Vec::with_capacity(text.len() / 5 + 1);
-    for_each_piece(text, |piece| ids.push(piece_id(piece)));
+    const OFFSET: u32 = 0x811c_9dc5;
+    #[inline(always)]
+    fn step(h: u32, b: u8) -> u32 {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    }
+    let b = text.as_bytes();
+    let n = b.len();
+    let mut ids = Vec::with_capacity(n / 4 + 1);
+    let mut i = 0;
+    let mut h = OFFSET;
+    while i < n {
+        while i < n && b[i] == b' ' {
+            h = step(h, b' ');
+            i += 1;
+        }
+        if i == n {
+            ids.push(h % VOCAB);
+            break;
+        }
+        let (alnum, width) = char_at(text, i);
+        for &byte in &b[i..i + width] {
+            h = step(h, byte);
+        }
+        i += width;
+        if alnum {
+            while i < n {
+                let byte = b[i];
+                if byte < 0x80 {
+                    if !byte.is_ascii_alphanumeric() {
+                        break;
+                    }
+                    h = step(h, byte);
+                    i += 1;
+                } else {
+                    let (alnum, width) = char_at(text, i);
+                    if !alnum {
+                        break;
+                    }
+                    for &byte in &b[i..i + width] {
+                        h = step(h, byte);
+                    }
+                    i += width;
+                }
+            }
+        }
+        ids.push(h % VOCAB);
+        h = OFFSET;
+    }
     ids
 }
 
@@ -35,6 +85,8 @@ pub fn count_tokens(text: &str) -> usize {
     n
 }
 
+/// The id of one piece: FNV-1a 32 modulo [`VOCAB`] (the definition [`tokenize`] follows).
+#[cfg(test)]
 fn piece_id(piece: &str) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
     for b in piece.bytes() {
@@ -45,30 +97,47 @@ fn piece_id(piece: &str) -> u32 {
 }
 
 fn for_each_piece<'t>(text: &'t str, mut f: impl FnMut(&'t str)) {
+    // Byte-wise with an ASCII fast path: prompts are mostly ASCII, and decoding every
+    // character was most of the router's per-request work.
+    let b = text.as_bytes();
+    let n = b.len();
     let mut start = 0;
-    let mut chars = text.char_indices().peekable();
-    while let Some(&(i, c)) = chars.peek() {
+    let mut i = 0;
+    while i < n {
         // Leading spaces join the piece that follows them.
-        if c == ' ' {
-            chars.next();
-            if chars.peek().is_none() {
-                f(&text[start..]);
-            }
-            continue;
+        while i < n && b[i] == b' ' {
+            i += 1;
         }
-        chars.next();
-        let mut end = i + c.len_utf8();
-        if c.is_alphanumeric() {
-            while let Some(&(j, d)) = chars.peek() {
-                if !d.is_alphanumeric() {
+        if i == n {
+            f(&text[start..]);
+            return;
+        }
+        let (first_alnum, width) = char_at(text, i);
+        i += width;
+        if first_alnum {
+            while i < n {
+                let (alnum, width) = char_at(text, i);
+                if !alnum {
                     break;
                 }
-                end = j + d.len_utf8();
-                chars.next();
+                i += width;
             }
         }
-        f(&text[start..end]);
-        start = end;
+        f(&text[start..i]);
+        start = i;
+    }
+}
+
+/// Whether the character at byte `i` is alphanumeric, and its UTF-8 width.
+#[inline]
+fn char_at(text: &str, i: usize) -> (bool, usize) {
+    let byte = text.as_bytes()[i];
+    if byte < 0x80 {
+        return (byte.is_ascii_alphanumeric(), 1);
+    }
+    match text[i..].chars().next() {
+        Some(c) => (c.is_alphanumeric(), c.len_utf8()),
+        None => (false, 1),
     }
 }
 
@@ -144,6 +213,23 @@ mod tests {
             assert_eq!(count_tokens(text), want.len());
             // Pieces cover the text exactly.
             assert_eq!(pieces(text).concat(), *text);
+        }
+    }
+
+    #[test]
+    fn fast_tokenize_matches_the_definition() {
+        let mut rng = Rng::new(11);
+        let alphabet = [
+            "a", "Z", "9", " ", "  ", ",", "\n", "é", "東", "🙂", "x1", "-", "ß", "\t",
+        ];
+        for _ in 0..2000 {
+            let len = rng.below(30) as usize;
+            let text: String = (0..len)
+                .map(|_| alphabet[rng.below(alphabet.len() as u64) as usize])
+                .collect();
+            let mut want = Vec::new();
+            for_each_piece(&text, |p| want.push(piece_id(p)));
+            assert_eq!(tokenize(&text), want, "{text:?}");
         }
     }
 

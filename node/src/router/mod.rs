@@ -229,6 +229,11 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let health = tokio::spawn(health_loop(app.clone()));
+    use axum::serve::ListenerExt;
+    // Streamed tokens are small writes: never hold them back for Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let result = axum::serve(listener, routes(app))
         .with_graceful_shutdown(shutdown)
         .await;

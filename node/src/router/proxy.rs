@@ -241,6 +241,8 @@ struct Parsed {
     model: String,
     prompt: String,
     stream: bool,
+    /// Whether the client set its own `cache_salt`.
+    own_salt: bool,
 }
 
 fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
@@ -254,6 +256,7 @@ fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
                 model: r.model,
                 prompt,
                 stream: r.stream,
+                own_salt: r.cache_salt.is_some(),
             })
         }
         Endpoint::Chat => {
@@ -263,6 +266,7 @@ fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
                 model: r.model,
                 prompt,
                 stream: r.stream,
+                own_salt: r.cache_salt.is_some(),
             })
         }
     }
@@ -270,8 +274,7 @@ fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
 
 /// The body with the tenant's cache salt as the engine's `cache_salt`, so two tenants
 /// never share an engine's prefix cache. A client's own salt is kept, after the tenant's.
-fn with_cache_salt(body: &Bytes, salt: &str) -> Result<Bytes, ProxyError> {
-    let has_own = body.windows(12).any(|w| w == b"\"cache_salt\"");
+fn with_cache_salt(body: &Bytes, salt: &str, has_own: bool) -> Result<Bytes, ProxyError> {
     if has_own {
         let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
             .map_err(|e| ProxyError::BadRequest(format!("invalid request body: {e}")))?;
@@ -333,7 +336,7 @@ async fn handle(
     let tokens = tokenize(&parsed.prompt);
     let prompt_tokens = tokens.len() as u32;
     let keys = token_block_keys(&tenant.key, &tokens, tenant.tenant.block_tokens as usize);
-    let upstream_body = with_cache_salt(&body, &tenant.tenant.cache_salt)?;
+    let upstream_body = with_cache_salt(&body, &tenant.tenant.cache_salt, parsed.own_salt)?;
     let explain = parts
         .headers
         .get(EXPLAIN_HEADER)
@@ -639,14 +642,18 @@ mod tests {
             (r#"{ }"#, r#"{"cache_salt":"s" }"#),
         ];
         for (input, want) in cases {
-            let got = with_cache_salt(&Bytes::from(*input), "s").unwrap();
+            let got = with_cache_salt(&Bytes::from(*input), "s", false).unwrap();
             assert_eq!(std::str::from_utf8(&got).unwrap(), *want, "{input}");
         }
-        let own =
-            with_cache_salt(&Bytes::from(r#"{"model":"m","cache_salt":"mine"}"#), "s").unwrap();
+        let own = with_cache_salt(
+            &Bytes::from(r#"{"model":"m","cache_salt":"mine"}"#),
+            "s",
+            true,
+        )
+        .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&own).unwrap();
         assert_eq!(v["cache_salt"], "s:mine");
-        assert!(with_cache_salt(&Bytes::from("[1]"), "s").is_err());
+        assert!(with_cache_salt(&Bytes::from("[1]"), "s", false).is_err());
     }
 
     #[test]

@@ -164,6 +164,11 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .with_state(shared);
     tracing::info!(%addr, model = %config.model, speedup = config.speedup, "engine-sim serving");
+    use axum::serve::ListenerExt;
+    // Streamed tokens are small writes: never hold them back for Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
