@@ -1,38 +1,255 @@
 //! `warmpath demo`: the main job on an embedded default.
 //!
-//! Today it simulates a cluster of 8 instances (120k-token GPU KV caches) and 2 router
-//! replicas on the embedded `bots` workload (templated bots sharing long system prompts,
-//! 3,000 requests at 30/s) with every policy and prints the comparison table. The live version, with real routers and
-//! engine simulators on loopback, replaces it with the gateway.
+//! Starts on loopback, once per policy, a router and four engine-sims (real processes of
+//! this binary), drives a prefix-heavy synthetic workload (`bots`: templated bots sharing
+//! long system prompts) through the router with the load generator, and prints one
+//! comparison table: hit rate, TTFT p50 and p99, throughput, and the router's own
+//! overhead. Each policy gets fresh engines, so no policy inherits another's cache.
+//!
+//! The engines run `--speedup` times faster than the model's timings so the demo takes
+//! well under two minutes; TTFT and throughput are reported in model time (wall time ×
+//! speed-up), router overhead in wall time. `--keep-running` then leaves a prefix-aware
+//! cluster up and prints its URLs.
 
-use crate::simulate::{self, SimulateArgs};
-use anyhow::Result;
+use crate::loadgen::execute;
+use anyhow::{bail, Context, Result};
 use clap::Args;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use warmpath_index::policy::Strategy;
+use warmpath_sim::live::loadgen::{self, Endpoint, LoadReport, LoadgenConfig, Mode};
+use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, SyntheticParams};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
-    /// Seed of the workload and of every random choice.
+    /// Requests per policy.
+    #[arg(long, default_value_t = 600)]
+    pub requests: u32,
+    /// Arrival rate in model time, requests/s.
+    #[arg(long, default_value_t = 20.0)]
+    pub rate: f64,
+    /// How much faster than the model's timings the engines run.
+    #[arg(long, default_value_t = 10.0)]
+    pub speedup: f64,
+    /// Engine-sims behind the router.
+    #[arg(long, default_value_t = 4)]
+    pub instances: u32,
+    /// GPU KV-cache capacity of each engine-sim, tokens.
+    #[arg(long, default_value_t = 120_000)]
+    pub gpu_kv_tokens: u64,
+    /// Synthetic workload: chat, bots, rag or code.
+    #[arg(long, default_value = "bots")]
+    pub workload: String,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Leave a prefix-aware cluster running afterwards and print its URLs.
+    #[arg(long)]
+    pub keep_running: bool,
+}
+
+/// A child process of this binary, killed when dropped.
+struct Proc {
+    child: Child,
+    url: String,
+}
+
+async fn spawn(args: &[String]) -> Result<Proc> {
+    let exe = std::env::current_exe().context("cannot find this binary")?;
+    let mut child = Command::new(exe)
+        .args(args)
+        .env("WARMPATH_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("cannot start warmpath {}", args.join(" ")))?;
+    let stdout = child.stdout.take().context("stdout is piped")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .context("a child took over 20 s to start")??
+        .with_context(|| format!("warmpath {} exited before listening", args.join(" ")))?;
+    let url = line
+        .split("listening on ")
+        .nth(1)
+        .with_context(|| format!("unexpected first line {line:?}"))?
+        .trim()
+        .to_string();
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(Proc { child, url })
+}
+
+struct Cluster {
+    router: Proc,
+    engines: Vec<Proc>,
+}
+
+async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
+    let mut engines = Vec::new();
+    for _ in 0..args.instances {
+        engines.push(
+            spawn(&[
+                "engine-sim".into(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--speedup".into(),
+                args.speedup.to_string(),
+                "--gpu-kv-tokens".into(),
+                args.gpu_kv_tokens.to_string(),
+            ])
+            .await?,
+        );
+    }
+    let mut router_args: Vec<String> = vec![
+        "router".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--strategy".into(),
+        strategy.name().into(),
+    ];
+    for e in &engines {
+        router_args.push("--instance".into());
+        router_args.push(e.url.clone());
+    }
+    let router = spawn(&router_args).await?;
+    Ok(Cluster { router, engines })
+}
+
+/// p50 and p99 of the router's overhead summary, in µs.
+async fn router_overhead_us(url: &str) -> Result<(f64, f64)> {
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    use http_body_util::BodyExt;
+    let resp = client.get(format!("{url}/metrics").parse()?).await?;
+    let text = String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string();
+    let quantile = |q: &str| -> f64 {
+        let prefix = format!("warmpath_router_overhead_seconds{{quantile=\"{q}\"}}");
+        text.lines()
+            .find(|l| l.starts_with(&prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .map_or(f64::NAN, |s| s * 1e6)
+    };
+    Ok((quantile("0.5"), quantile("0.99")))
+}
+
+struct Row {
+    strategy: Strategy,
+    report: LoadReport,
+    overhead_us: (f64, f64),
 }
 
 pub fn run(args: DemoArgs) -> Result<()> {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Wrapper {
-        #[command(flatten)]
-        sim: SimulateArgs,
+    if args.instances == 0 {
+        bail!("--instances must be at least 1");
     }
-    let seed = args.seed.to_string();
-    let wrapper = Wrapper::try_parse_from([
-        "demo",
-        "--workload",
-        "bots",
-        "--routers",
-        "2",
-        "--seed",
-        &seed,
-    ])?;
-    println!("warmpath demo: simulated cluster, same routing code as the router\n");
-    simulate::run(wrapper.sim)
+    if !(args.speedup.is_finite() && args.speedup > 0.0) {
+        bail!("--speedup must be positive");
+    }
+    let kind: SyntheticKind = args.workload.parse()?;
+    let params = SyntheticParams {
+        rate_per_s: args.rate,
+        requests: args.requests,
+        seed: args.seed,
+        ..SyntheticParams::default()
+    };
+    params.validate()?;
+    let synthetic = generate(kind, &params);
+    let workload = to_workload(kind.name(), &synthetic, 64);
+    let requests = loadgen::from_workload(&workload, Some(&synthetic), Endpoint::Completions);
+    let stats = workload.stats();
+    println!(
+        "warmpath demo: {} engine-sims ({} GPU KV tokens each, {}× speed-up) behind one router, on loopback",
+        args.instances, args.gpu_kv_tokens, args.speedup
+    );
+    println!(
+        "workload {}: {} requests over {:.0} s of model time, mean prompt {:.0} tokens, ideal hit rate {:.1}%\n",
+        kind.name(),
+        stats.requests,
+        stats.duration_us as f64 / 1e6,
+        stats.mean_prompt_tokens,
+        stats.ideal_hit_ratio * 100.0
+    );
+    let started = Instant::now();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let mut rows = Vec::new();
+        for strategy in Strategy::ALL {
+            let cluster = start_cluster(&args, strategy).await?;
+            let mut config = LoadgenConfig::new(vec![cluster.router.url.clone()], "sim-llama");
+            config.mode = Mode::OpenLoop { time_scale: args.speedup };
+            config.timeout = Duration::from_secs(60);
+            config.max_duration = Some(Duration::from_secs(60));
+            let report = execute(&config, &requests, false).await?;
+            let overhead_us = router_overhead_us(&cluster.router.url).await.unwrap_or((f64::NAN, f64::NAN));
+            println!("  {:<13} done at {:5.1} s: {} ok, {} errors", strategy.name(), started.elapsed().as_secs_f64(), report.ok, report.error_count());
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+            rows.push(Row { strategy, report, overhead_us });
+            drop(cluster);
+        }
+        print!("{}", render(&rows, args.speedup));
+        println!("\ntotal {:.1} s of wall time", started.elapsed().as_secs_f64());
+        if args.keep_running {
+            let cluster = start_cluster(&args, Strategy::PrefixAware).await?;
+            println!("\ncluster running (prefix-aware); Ctrl-C stops it");
+            println!("  router:  {}  (metrics: {}/metrics)", cluster.router.url, cluster.router.url);
+            for e in &cluster.engines {
+                println!("  engine:  {}  (metrics: {}/metrics)", e.url, e.url);
+            }
+            println!(
+                "  try: curl -s {}/v1/completions -H 'x-warmpath-explain: 1' -d '{{\"model\":\"sim-llama\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
+                cluster.router.url
+            );
+            crate::shutdown_signal().await;
+            let _ = cluster.router.child.id();
+        }
+        Ok::<(), anyhow::Error>(())
+    })
+}
+
+fn render(rows: &[Row], speedup: f64) -> String {
+    let mut s = String::new();
+    s += &format!(
+        "\n{:<13} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}\n",
+        "policy",
+        "hit%",
+        "ttft p50",
+        "ttft p99",
+        "ttft/rr",
+        "req/s",
+        "errors",
+        "ovh p50",
+        "ovh p99",
+        "ok"
+    );
+    let rr = rows
+        .iter()
+        .find(|r| r.strategy == Strategy::RoundRobin)
+        .map(|r| r.report.ttft_ms.p50);
+    for r in rows {
+        let rep = &r.report;
+        s += &format!(
+            "{:<13} {:>6.1} {:>10.1} {:>10.1} {:>10} {:>9.2} {:>7} {:>8.0} {:>8.0} {:>8}\n",
+            r.strategy.name(),
+            rep.hit_rate * 100.0,
+            rep.ttft_ms.p50 * speedup,
+            rep.ttft_ms.p99 * speedup,
+            rr.filter(|v| *v > 0.0)
+                .map_or("-".to_string(), |v| format!("{:.2}x", rep.ttft_ms.p50 / v)),
+            rep.throughput_rps / speedup,
+            rep.error_count(),
+            r.overhead_us.0,
+            r.overhead_us.1,
+            rep.ok,
+        );
+    }
+    s += "ttft in ms of model time (wall × speed-up); req/s in model time; ovh = router overhead per request\n";
+    s += "(arrival to upstream send: parse, tokenize, hash, route), µs of wall time\n";
+    s
 }

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 mod demo;
 mod engine_sim;
+mod loadgen;
 mod router;
 mod simulate;
 
@@ -33,6 +34,8 @@ enum Command {
     Router(router::RouterArgs),
     /// Serve the engine model over HTTP, like a vLLM server.
     EngineSim(engine_sim::EngineSimArgs),
+    /// Send load to an OpenAI-compatible endpoint and measure it.
+    Loadgen(loadgen::LoadgenArgs),
 }
 
 /// Resolves on SIGINT or SIGTERM: the start of a graceful shutdown.
@@ -73,6 +76,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Router(args) => router::run(args),
         Command::EngineSim(args) => engine_sim::run(args),
+        Command::Loadgen(args) => loadgen::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -103,6 +103,7 @@ impl RouterArgs {
 
 /// Prometheus recorder for this process (installed once).
 pub fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
+    describe_metrics();
     use std::sync::OnceLock;
     static HANDLE: OnceLock<metrics_exporter_prometheus::PrometheusHandle> = OnceLock::new();
     HANDLE
@@ -116,6 +117,46 @@ pub fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
             }
         })
         .clone()
+}
+
+/// Declares every router metric once, with its description and unit.
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "warmpath_router_requests_total",
+        "Requests answered by an instance, by tenant and status."
+    );
+    describe_counter!(
+        "warmpath_router_errors_total",
+        "Requests the router answered with an error, by status."
+    );
+    describe_counter!(
+        "warmpath_router_upstream_failures_total",
+        "Attempts that failed before the first response byte."
+    );
+    describe_counter!(
+        "warmpath_router_stream_breaks_total",
+        "Streams an instance broke off mid-way."
+    );
+    describe_histogram!(
+        "warmpath_router_overhead_seconds",
+        Unit::Seconds,
+        "From request arrival to the upstream send: body read, parse, tokenize, hash, route."
+    );
+    describe_gauge!("warmpath_index_entries", "Blocks in the prefix index.");
+    describe_gauge!(
+        "warmpath_index_bytes_per_entry",
+        Unit::Bytes,
+        "Estimated index memory per block."
+    );
+    describe_gauge!(
+        "warmpath_router_instance_healthy",
+        "1 when the instance passed its last health check."
+    );
+    describe_gauge!(
+        "warmpath_router_instance_in_flight",
+        "Requests this router has in flight on the instance."
+    );
 }
 
 /// The gateway's routes.

@@ -342,8 +342,6 @@ async fn handle(
         .get(EXPLAIN_HEADER)
         .is_some_and(|v| v.as_bytes() == b"1");
     let deadline = started + app.config.request_timeout;
-    let overhead = started.elapsed();
-    metrics::histogram!("warmpath_router_prepare_seconds").record(overhead.as_secs_f64());
 
     let mut tried: Vec<InstanceId> = Vec::new();
     let mut last_error = String::new();
@@ -372,7 +370,8 @@ async fn handle(
             Err(NoRoute::NoHealthyInstance) => break,
         };
         if attempt == 0 {
-            metrics::histogram!("warmpath_router_routing_seconds")
+            // Arrival to upstream send: body read, parse, tokenize, hash, route.
+            metrics::histogram!("warmpath_router_overhead_seconds")
                 .record(started.elapsed().as_secs_f64());
         }
         tried.push(chosen.instance);
