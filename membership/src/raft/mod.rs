@@ -1,0 +1,1 @@
+//! Tenant configuration in Raft (being written).
