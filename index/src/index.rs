@@ -302,13 +302,24 @@ impl PrefixIndex {
 
     /// Records that `instance` was just sent a prompt with these keys: predicts it holds
     /// every block in GPU memory until `now + predicted_ttl_us`.
-    pub fn record_route(&mut self, keys: &[BlockKey], instance: InstanceId, now: u64) {
+    ///
+    /// Returns how many leading keys the index already knew `instance` to hold, with a
+    /// prediction at least half its TTL from expiry (or an agent's observation): what a
+    /// router needs to tell its peers is `keys[returned..]` (plus the key before it, to
+    /// link the chain).
+    pub fn record_route(&mut self, keys: &[BlockKey], instance: InstanceId, now: u64) -> usize {
         let until = now.saturating_add(self.config.predicted_ttl_us);
+        let fresh_after = now.saturating_add(self.config.predicted_ttl_us / 2);
+        let mut known = 0;
+        let mut still_known = true;
         let mut parent = NONE;
         for &key in keys {
             let idx = self.ensure(key, parent);
             let (holder, created) = self.nodes[idx as usize].holder_or_insert(instance.0);
             self.holders += usize::from(created);
+            still_known &=
+                !created && (holder.observed & GPU != 0 || holder.predicted_until > fresh_after);
+            known += usize::from(still_known);
             holder.predicted_until = until;
             if !holder.queued {
                 holder.queued = true;
@@ -316,6 +327,7 @@ impl PrefixIndex {
             }
             parent = idx;
         }
+        known
     }
 
     /// Applies an agent's observation: `instance` now holds (or no longer holds) `key` in
@@ -754,7 +766,9 @@ mod tests {
         });
         for op in ops {
             match *op {
-                Op::Route(ks, i) => index.record_route(&keys(ks), InstanceId(i), 0),
+                Op::Route(ks, i) => {
+                    index.record_route(&keys(ks), InstanceId(i), 0);
+                }
                 Op::Observe(i, key, parent, tier, present) => {
                     index.observe(InstanceId(i), k(key), parent.map(k), tier, present, 0)
                 }
@@ -858,6 +872,22 @@ mod tests {
             &[],
             0,
         );
+    }
+
+    #[test]
+    fn record_route_reports_what_was_already_known() {
+        let mut index = PrefixIndex::new(IndexConfig {
+            capacity_blocks: 100,
+            predicted_ttl_us: 1000,
+        });
+        let i = InstanceId(0);
+        assert_eq!(index.record_route(&keys(&[1, 2, 3]), i, 0), 0);
+        assert_eq!(index.record_route(&keys(&[1, 2, 3, 4]), i, 100), 3);
+        assert_eq!(index.record_route(&keys(&[1, 2, 5]), InstanceId(1), 100), 0);
+        // Past half the TTL, a prediction is worth refreshing at the peers.
+        assert_eq!(index.record_route(&keys(&[1, 2, 3, 4]), i, 700), 0);
+        index.observe(InstanceId(2), k(1), None, Tier::Gpu, true, 0);
+        assert_eq!(index.record_route(&keys(&[1, 9]), InstanceId(2), 5000), 1);
     }
 
     #[test]
