@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use warmpath_index::cost::ModelProfile;
 use warmpath_index::index::{IndexConfig, IndexStats, PrefixIndex};
 use warmpath_index::keys::BlockKey;
-use warmpath_index::load::LoadView;
+use warmpath_index::load::{InstanceLoad, LoadView};
 use warmpath_index::policy::{route, Decision, PolicyConfig, PolicyState, RouteRequest, View};
 use warmpath_index::InstanceId;
 
@@ -41,10 +41,28 @@ pub struct Chosen {
     pub decision: Decision,
 }
 
+/// A routing decision to tell the other routers: `keys` now predicted on the instance
+/// whose stable key (a hash of its URL, the same on every router) is `instance`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedDecision {
+    pub instance: u64,
+    pub keys: Vec<BlockKey>,
+}
+
 #[derive(Debug)]
 pub struct RouterState {
     index: PrefixIndex,
+    /// This router's own requests, exact.
+    own_load: LoadView,
+    /// The latest load each peer router published, by peer node id.
+    peer_loads: HashMap<String, LoadView>,
+    /// `own_load` plus every peer's: what policies route on.
     load: LoadView,
+    /// Stable instance keys (hash of the URL), by instance id, and back.
+    instance_keys: Vec<u64>,
+    by_instance_key: HashMap<u64, InstanceId>,
+    /// Decisions not yet handed to the gossip layer; `None` when running alone.
+    outbox: Option<Vec<SharedDecision>>,
     policies: HashMap<String, PolicyState>,
     instances: Vec<InstanceInfo>,
     pools: HashMap<String, Vec<InstanceId>>,
@@ -76,7 +94,12 @@ impl RouterState {
                 capacity_blocks: config.index_capacity_blocks,
                 predicted_ttl_us: config.predicted_ttl.as_micros() as u64,
             }),
+            own_load: LoadView::new(),
+            peer_loads: HashMap::new(),
             load: LoadView::new(),
+            instance_keys: instances.iter().map(|i| instance_key(&i.url)).collect(),
+            by_instance_key: instances.iter().enumerate().map(|(n, i)| (instance_key(&i.url), InstanceId(n as u32))).collect(),
+            outbox: None,
             policies: HashMap::new(),
             instances,
             pools,
@@ -143,8 +166,16 @@ impl RouterState {
             .map_err(|_| NoRoute::NoHealthyInstance)?;
         let instance = decision.instance;
         if tenant.strategy.uses_index() {
-            self.index.record_route(keys, instance, now_us);
+            let known = self.index.record_route(keys, instance, now_us);
+            if let Some(outbox) = &mut self.outbox {
+                if known < keys.len() {
+                    // What peers lack, plus the key before it to link the chain.
+                    let from = known.saturating_sub(1);
+                    outbox.push(SharedDecision { instance: self.instance_keys[instance.0 as usize], keys: keys[from..].to_vec() });
+                }
+            }
         }
+        self.own_load.start(instance, u64::from(prompt_tokens));
         self.load.start(instance, u64::from(prompt_tokens));
         Ok(Chosen {
             instance,
@@ -155,13 +186,75 @@ impl RouterState {
 
     /// The request's first byte of response arrived: its prefill is done.
     pub fn first_token(&mut self, instance: InstanceId, prompt_tokens: u32) {
+        self.own_load.first_token(instance, u64::from(prompt_tokens));
         self.load.first_token(instance, u64::from(prompt_tokens));
     }
 
     /// The request left the instance.
     pub fn finish(&mut self, instance: InstanceId, prompt_tokens: u32, prefilled: bool) {
-        self.load
-            .finish(instance, u64::from(prompt_tokens), prefilled);
+        self.own_load.finish(instance, u64::from(prompt_tokens), prefilled);
+        self.load.finish(instance, u64::from(prompt_tokens), prefilled);
+    }
+
+    /// Starts collecting decisions for the other routers.
+    pub fn enable_sharing(&mut self) {
+        self.outbox.get_or_insert_with(Vec::new);
+    }
+
+    /// Decisions made since the last call.
+    pub fn take_outbox(&mut self) -> Vec<SharedDecision> {
+        self.outbox.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Applies other routers' decisions; decisions naming instances this router does not
+    /// know are skipped (their count is returned).
+    pub fn apply_shared(&mut self, decisions: &[SharedDecision]) -> usize {
+        let now_us = self.now_us();
+        self.index.expire(now_us);
+        let mut unknown = 0;
+        for d in decisions {
+            match self.by_instance_key.get(&d.instance) {
+                Some(&id) => {
+                    self.index.record_route(&d.keys, id, now_us);
+                }
+                None => unknown += 1,
+            }
+        }
+        unknown
+    }
+
+    /// This router's own load, by stable instance key, for publishing.
+    pub fn own_loads(&self) -> Vec<(u64, InstanceLoad)> {
+        self.own_load
+            .iter()
+            .filter(|(i, _)| (i.0 as usize) < self.instance_keys.len())
+            .map(|(i, l)| (self.instance_keys[i.0 as usize], l))
+            .collect()
+    }
+
+    /// Replaces the peers' loads (`origin → (instance key, load)`), dropping peers not
+    /// listed (departed), and recomputes the combined view.
+    pub fn set_peer_loads(&mut self, peers: Vec<(String, Vec<(u64, InstanceLoad)>)>) {
+        self.peer_loads.clear();
+        for (origin, entries) in peers {
+            let mut view = LoadView::new();
+            for (key, load) in entries {
+                if let Some(&id) = self.by_instance_key.get(&key) {
+                    view.set(id, load);
+                }
+            }
+            self.peer_loads.insert(origin, view);
+        }
+        let mut combined = self.own_load.clone();
+        for view in self.peer_loads.values() {
+            combined.add(view);
+        }
+        self.load = combined;
+    }
+
+    /// In-flight requests of `instance` across the cluster (own + peers').
+    pub fn cluster_in_flight(&self, instance: InstanceId) -> u32 {
+        self.load.get(instance).in_flight
     }
 
     /// An attempt failed before its first byte: eject the instance for a while, longer
@@ -226,8 +319,9 @@ impl RouterState {
         self.index.stats()
     }
 
+    /// This router's own in-flight requests on `instance`.
     pub fn in_flight(&self, instance: InstanceId) -> u32 {
-        self.load.get(instance).in_flight
+        self.own_load.get(instance).in_flight
     }
 }
 
@@ -235,4 +329,70 @@ impl RouterState {
 fn seed_of(tenant: &str) -> u64 {
     let h = blake3::hash(tenant.as_bytes());
     u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// The stable key of an instance: the first 8 bytes (LE) of blake3 of its base URL, the
+/// same on every router.
+pub fn instance_key(url: &str) -> u64 {
+    let h = blake3::hash(url.as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::config::FileConfig;
+
+    fn state(instances: &[&str]) -> (RouterState, Tenant) {
+        let mut file = FileConfig::parse("version = 1").unwrap();
+        file.pools.push(crate::router::config::PoolSection { model: "m".into(), instances: instances.iter().map(|s| s.to_string()).collect() });
+        let config = file.validate().unwrap();
+        let tenant = config.tenants[0].clone();
+        (RouterState::new(&config, ModelProfile::dynamo_default()), tenant)
+    }
+
+    fn keys(ids: &[u64]) -> Vec<BlockKey> {
+        ids.iter().map(|&i| BlockKey(i)).collect()
+    }
+
+    #[test]
+    fn decisions_are_shared_once_and_applied_by_peers() {
+        let urls = ["http://a:1", "http://b:2"];
+        let (mut one, tenant) = state(&urls);
+        let (mut two, _) = state(&urls);
+        one.enable_sharing();
+        let chosen = one.route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false).unwrap();
+        let out = one.take_outbox();
+        assert_eq!(out, vec![SharedDecision { instance: instance_key(&chosen.url), keys: keys(&[1, 2, 3]) }]);
+        // The same prefix again, on the same instance: nothing new to share.
+        let again = one.route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false).unwrap();
+        assert_eq!(again.instance, chosen.instance);
+        assert!(one.take_outbox().is_empty());
+        // A longer prompt shares only the new block and its parent.
+        one.route(&tenant, "m", &keys(&[1, 2, 3, 4]), 260, &[], false).unwrap();
+        assert_eq!(one.take_outbox()[0].keys, keys(&[3, 4]));
+        // The peer applies it and routes the prefix to the same instance.
+        assert_eq!(two.apply_shared(&out), 0);
+        let there = two.route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false).unwrap();
+        assert_eq!(there.url, chosen.url);
+        assert_eq!(two.apply_shared(&[SharedDecision { instance: 42, keys: keys(&[9]) }]), 1);
+    }
+
+    #[test]
+    fn peers_load_adds_to_own() {
+        let urls = ["http://a:1", "http://b:2"];
+        let (mut s, tenant) = state(&urls);
+        let a = InstanceId(0);
+        let load = |n| InstanceLoad { in_flight: n, pending_prefill_tokens: 0 };
+        s.set_peer_loads(vec![("r2".into(), vec![(instance_key(urls[0]), load(5))]), ("r3".into(), vec![(instance_key(urls[0]), load(2)), (7, load(9))])]);
+        assert_eq!((s.cluster_in_flight(a), s.in_flight(a)), (7, 0));
+        // Least-loaded sees the cluster: instance b wins.
+        let t = Tenant { strategy: warmpath_index::policy::Strategy::LeastLoaded, ..tenant };
+        assert_eq!(s.route(&t, "m", &[], 10, &[], false).unwrap().instance, InstanceId(1));
+        let routed = InstanceLoad { in_flight: 1, pending_prefill_tokens: 10 };
+        assert_eq!(s.own_loads(), vec![(instance_key(urls[0]), InstanceLoad::default()), (instance_key(urls[1]), routed)]);
+        // A departed peer's load goes away.
+        s.set_peer_loads(vec![]);
+        assert_eq!(s.cluster_in_flight(a), 0);
+    }
 }
