@@ -4,6 +4,7 @@
 //! One test crate (this file and its modules), built as the `integration` test target of
 //! the `warmpath` package so that Cargo hands it the binary's path.
 
+mod cluster;
 mod router;
 mod simulate;
 
@@ -65,6 +66,13 @@ impl Proc {
             url,
             _stdout: stdout,
         }
+    }
+
+    /// The next line the process prints on stdout.
+    pub fn read_line(&mut self) -> String {
+        let mut line = String::new();
+        self._stdout.read_line(&mut line).expect("a line on stdout");
+        line
     }
 
     /// Kills the process now (as a crash would).

@@ -40,6 +40,41 @@ pub struct FileConfig {
     pub pools: Vec<PoolSection>,
     #[serde(default)]
     pub tenants: Vec<TenantSection>,
+    /// Router replicas: gossip with peers (absent: this router runs alone).
+    #[serde(default)]
+    pub cluster: Option<ClusterSection>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    /// This router's name in the cluster; unique per replica.
+    pub node_id: String,
+    /// UDP address for gossip; port 0 picks a free one.
+    pub gossip_listen: String,
+    /// Gossip addresses (`host:port`) of other routers to join through.
+    #[serde(default)]
+    pub seeds: Vec<String>,
+    #[serde(default = "default_gossip_interval_ms")]
+    pub gossip_interval_ms: u64,
+    /// File holding the cluster secret that authenticates every gossip datagram
+    /// (recommended outside a private network; all routers need the same secret).
+    #[serde(default)]
+    pub secret_file: Option<String>,
+}
+
+fn default_gossip_interval_ms() -> u64 {
+    50
+}
+
+/// Validated cluster settings.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    pub node_id: String,
+    pub gossip_listen: SocketAddr,
+    pub seeds: Vec<String>,
+    pub gossip_interval: Duration,
+    pub secret: Option<Vec<u8>>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -182,6 +217,7 @@ pub struct RouterConfig {
     pub retry_after_s: u64,
     pub pools: Vec<Pool>,
     pub tenants: Vec<Tenant>,
+    pub cluster: Option<ClusterSettings>,
 }
 
 /// blake3 of an API key, as stored.
@@ -353,6 +389,50 @@ impl FileConfig {
                 });
             }
         }
+        let cluster = self.cluster.as_ref().and_then(|c| {
+            let mut ok = true;
+            if c.node_id.is_empty() {
+                problems.push("cluster.node_id is empty".into());
+                ok = false;
+            }
+            let listen = match c.gossip_listen.parse::<SocketAddr>() {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    problems.push(format!("cluster.gossip_listen {:?}: {e}", c.gossip_listen));
+                    None
+                }
+            };
+            if c.gossip_interval_ms == 0 {
+                problems.push("cluster.gossip_interval_ms must be positive".into());
+                ok = false;
+            }
+            let secret = match &c.secret_file {
+                None => Some(None),
+                Some(path) => match std::fs::read(path) {
+                    Ok(bytes) if bytes.len() >= 16 => Some(Some(bytes)),
+                    Ok(_) => {
+                        problems.push(format!(
+                            "cluster.secret_file {path:?} holds fewer than 16 bytes"
+                        ));
+                        None
+                    }
+                    Err(e) => {
+                        problems.push(format!("cluster.secret_file {path:?}: {e}"));
+                        None
+                    }
+                },
+            };
+            match (ok, listen, secret) {
+                (true, Some(gossip_listen), Some(secret)) => Some(ClusterSettings {
+                    node_id: c.node_id.clone(),
+                    gossip_listen,
+                    seeds: c.seeds.clone(),
+                    gossip_interval: Duration::from_millis(c.gossip_interval_ms),
+                    secret,
+                }),
+                _ => None,
+            }
+        });
         if !problems.is_empty() {
             bail!(
                 "{} problem(s):\n  - {}",
@@ -378,6 +458,7 @@ impl FileConfig {
             retry_after_s: r.retry_after_s.max(1),
             pools,
             tenants,
+            cluster,
         })
     }
 }

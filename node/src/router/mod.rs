@@ -4,6 +4,7 @@
 //! routers on port 0 and stop them cleanly. The request path is in [`proxy`], the
 //! routing state in [`state`], configuration in [`config`].
 
+pub mod cluster;
 pub mod config;
 pub mod proxy;
 pub mod state;
@@ -46,6 +47,23 @@ pub struct RouterArgs {
     /// Prefix length (tokens) of the default tenant.
     #[arg(long)]
     pub prefix_length: Option<u32>,
+    /// This router's node id in a cluster of replicas (turns gossip on).
+    #[arg(long, requires = "gossip_listen")]
+    pub node_id: Option<String>,
+    /// UDP address for gossip with the other replicas; port 0 picks a free one.
+    #[arg(long, requires = "node_id")]
+    pub gossip_listen: Option<String>,
+    /// Gossip address of another replica to join through, repeatable.
+    #[arg(long = "seed")]
+    pub seeds: Vec<String>,
+    /// File with the cluster secret that authenticates gossip.
+    #[arg(long)]
+    pub gossip_secret_file: Option<String>,
+    /// Serve `POST /debug/partition` and `/debug/heal` (cut this router's gossip off and
+    /// back) and `/debug/route` (an explained dry run, unauthenticated), for fault tests.
+    /// Never in production.
+    #[arg(long)]
+    pub fault_injection: bool,
 }
 
 impl RouterArgs {
@@ -57,6 +75,23 @@ impl RouterArgs {
         };
         if let Some(listen) = &self.listen {
             file.router.listen = listen.clone();
+        }
+        if let (Some(node_id), Some(listen)) = (&self.node_id, &self.gossip_listen) {
+            let section = file.cluster.get_or_insert_with(|| config::ClusterSection {
+                node_id: node_id.clone(),
+                gossip_listen: listen.clone(),
+                seeds: Vec::new(),
+                gossip_interval_ms: 50,
+                secret_file: None,
+            });
+            section.node_id = node_id.clone();
+            section.gossip_listen = listen.clone();
+        }
+        if let Some(section) = &mut file.cluster {
+            section.seeds.extend(self.seeds.iter().cloned());
+            if self.gossip_secret_file.is_some() {
+                section.secret_file = self.gossip_secret_file.clone();
+            }
         }
         if !self.instances.is_empty() {
             file.pools.push(PoolSection {
@@ -166,8 +201,16 @@ pub fn app(config: RouterConfig) -> Result<Arc<App>> {
     Ok(Arc::new(App::new(config, core, metrics_handle())))
 }
 
-fn routes(app: Arc<App>) -> Router {
-    Router::new()
+fn routes(app: Arc<App>, fault_injection: bool) -> Router {
+    let router = if fault_injection {
+        Router::new()
+            .route("/debug/partition", post(partition))
+            .route("/debug/heal", post(heal))
+            .route("/debug/route", post(proxy::dry_run))
+    } else {
+        Router::new()
+    };
+    router
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat))
         .route("/v1/models", get(models))
@@ -177,6 +220,45 @@ fn routes(app: Arc<App>) -> Router {
         // The gateway applies its own body limit, with an OpenAI-style 413.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(app)
+}
+
+/// Fault injection: drops all gossip to and from every peer this router knows.
+async fn partition(State(app): State<Arc<App>>) -> impl IntoResponse {
+    let Some(gossip) = app.gossip.get() else {
+        return (
+            StatusCode::CONFLICT,
+            "this router runs alone: nothing to partition".to_string(),
+        );
+    };
+    let mut addrs: Vec<std::net::SocketAddr> = gossip
+        .live_peers()
+        .await
+        .into_iter()
+        .map(|p| p.gossip_addr)
+        .collect();
+    if let Some(cluster) = &app.config.cluster {
+        addrs.extend(
+            cluster
+                .seeds
+                .iter()
+                .filter_map(|s| s.parse::<std::net::SocketAddr>().ok()),
+        );
+    }
+    gossip.block_peers(&addrs);
+    tracing::warn!(peers = addrs.len(), "fault injection: gossip partitioned");
+    (StatusCode::OK, format!("blocked {} peers", addrs.len()))
+}
+
+/// Fault injection: lifts [`partition`].
+async fn heal(State(app): State<Arc<App>>) -> impl IntoResponse {
+    match app.gossip.get() {
+        Some(gossip) => {
+            gossip.heal();
+            tracing::warn!("fault injection: gossip healed");
+            (StatusCode::OK, "healed")
+        }
+        None => (StatusCode::CONFLICT, "this router runs alone"),
+    }
 }
 
 async fn models(State(app): State<Arc<App>>) -> impl IntoResponse {
@@ -210,6 +292,8 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
         for (i, inst) in core.instances().iter().enumerate() {
             metrics::gauge!("warmpath_router_instance_healthy", "instance" => inst.url.clone())
                 .set(if inst.healthy { 1.0 } else { 0.0 });
+            metrics::gauge!("warmpath_router_instance_cluster_in_flight", "instance" => inst.url.clone())
+                .set(f64::from(core.cluster_in_flight(InstanceId(i as u32))));
             metrics::gauge!("warmpath_router_instance_in_flight", "instance" => inst.url.clone())
                 .set(f64::from(core.in_flight(InstanceId(i as u32))));
         }
@@ -267,6 +351,7 @@ async fn health_loop(app: Arc<App>) {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Arc<App>,
+    fault_injection: bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let health = tokio::spawn(health_loop(app.clone()));
@@ -275,7 +360,7 @@ pub async fn serve(
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    let result = axum::serve(listener, routes(app))
+    let result = axum::serve(listener, routes(app, fault_injection))
         .with_graceful_shutdown(shutdown)
         .await;
     health.abort();
@@ -293,10 +378,38 @@ pub fn run(args: RouterArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {}", config.listen))?;
         let addr = listener.local_addr()?;
+        let cluster = config.cluster.clone();
+        let decision_ttl = config.predicted_ttl;
         let app = app(config)?;
         println!("warmpath router listening on http://{addr}");
+        let mut cluster_task = None;
+        if let Some(settings) = cluster {
+            let (gossip, gossip_addr) =
+                cluster::start_gossip(&settings, &format!("http://{addr}"), decision_ttl).await?;
+            println!(
+                "warmpath router {} gossip on {gossip_addr}",
+                settings.node_id
+            );
+            let _ = app.gossip.set(gossip.clone());
+            cluster_task = Some(tokio::spawn(cluster::run(
+                app.clone(),
+                gossip,
+                Duration::from_millis(25),
+                Duration::from_millis(100),
+            )));
+        }
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        serve(listener, app, crate::shutdown_signal()).await
+        let result = serve(
+            listener,
+            app,
+            args.fault_injection,
+            crate::shutdown_signal(),
+        )
+        .await;
+        if let Some(task) = cluster_task {
+            task.abort();
+        }
+        result
     })
 }

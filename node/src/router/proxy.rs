@@ -44,6 +44,8 @@ pub struct App {
     /// Tenant id by API key hash.
     by_key: HashMap<[u8; 32], String>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    /// Gossip with the other replicas, once started (absent when running alone).
+    pub gossip: std::sync::OnceLock<Arc<warmpath_membership::gossip::Gossip>>,
 }
 
 struct TenantEntry {
@@ -92,6 +94,7 @@ impl App {
             tenants,
             by_key,
             metrics,
+            gossip: std::sync::OnceLock::new(),
         }
     }
 
@@ -219,6 +222,40 @@ impl IntoResponse for ProxyError {
         metrics::counter!("warmpath_router_errors_total", "status" => status.as_u16().to_string())
             .increment(1);
         resp
+    }
+}
+
+/// `POST /debug/route`: the explained decision for a completions or chat body, without
+/// sending it anywhere or changing any state.
+pub async fn dry_run(
+    State(app): State<Arc<App>>,
+    req: Request<Body>,
+) -> Result<Response<Body>, ProxyError> {
+    let (parts, body) = req.into_parts();
+    let tenant = app.identify(&parts.headers)?;
+    let body = Limited::new(body, app.config.max_body_bytes)
+        .collect()
+        .await
+        .map_err(|_| ProxyError::TooLarge(app.config.max_body_bytes))?
+        .to_bytes();
+    let endpoint = if body.windows(10).any(|w| w == b"\"messages\"") {
+        Endpoint::Chat
+    } else {
+        Endpoint::Completions
+    };
+    let parsed = parse(endpoint, &body)?;
+    let tokens = tokenize(&parsed.prompt);
+    let keys = token_block_keys(&tenant.key, &tokens, tenant.tenant.block_tokens as usize);
+    let chosen = app
+        .core()
+        .dry_run(&tenant.tenant, &parsed.model, &keys, tokens.len() as u32);
+    match chosen {
+        Ok(c) => Ok(axum::Json(explanation(&app, &c)).into_response()),
+        Err(NoRoute::UnknownModel) => Err(ProxyError::UnknownModel(parsed.model)),
+        Err(NoRoute::NoHealthyInstance) => Err(ProxyError::NoHealthyInstance {
+            model: parsed.model,
+            retry_after_s: app.config.retry_after_s,
+        }),
     }
 }
 

@@ -63,6 +63,9 @@ pub struct RouterState {
     by_instance_key: HashMap<u64, InstanceId>,
     /// Decisions not yet handed to the gossip layer; `None` when running alone.
     outbox: Option<Vec<SharedDecision>>,
+    /// Wall-clock ms of the oldest decision in the outbox (batches carry it, so the lag
+    /// peers measure includes the wait for the next publish).
+    outbox_since_ms: Option<u64>,
     policies: HashMap<String, PolicyState>,
     instances: Vec<InstanceInfo>,
     pools: HashMap<String, Vec<InstanceId>>,
@@ -98,8 +101,13 @@ impl RouterState {
             peer_loads: HashMap::new(),
             load: LoadView::new(),
             instance_keys: instances.iter().map(|i| instance_key(&i.url)).collect(),
-            by_instance_key: instances.iter().enumerate().map(|(n, i)| (instance_key(&i.url), InstanceId(n as u32))).collect(),
+            by_instance_key: instances
+                .iter()
+                .enumerate()
+                .map(|(n, i)| (instance_key(&i.url), InstanceId(n as u32)))
+                .collect(),
             outbox: None,
+            outbox_since_ms: None,
             policies: HashMap::new(),
             instances,
             pools,
@@ -125,6 +133,32 @@ impl RouterState {
         prompt_tokens: u32,
         tried: &[InstanceId],
         explain: bool,
+    ) -> Result<Chosen, NoRoute> {
+        self.decide(tenant, model, keys, prompt_tokens, tried, explain, false)
+    }
+
+    /// What [`RouterState::route`] would choose now, explained, changing nothing: no
+    /// prediction, no load, no round-robin turn.
+    pub fn dry_run(
+        &mut self,
+        tenant: &Tenant,
+        model: &str,
+        keys: &[BlockKey],
+        prompt_tokens: u32,
+    ) -> Result<Chosen, NoRoute> {
+        self.decide(tenant, model, keys, prompt_tokens, &[], true, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &mut self,
+        tenant: &Tenant,
+        model: &str,
+        keys: &[BlockKey],
+        prompt_tokens: u32,
+        tried: &[InstanceId],
+        explain: bool,
+        dry_run: bool,
     ) -> Result<Chosen, NoRoute> {
         let now = Instant::now();
         let now_us = self.now_us();
@@ -162,16 +196,36 @@ impl RouterState {
             keys,
             prompt_tokens,
         };
+        let mut scratch_policy;
+        let policy = if dry_run {
+            scratch_policy = policy.clone();
+            &mut scratch_policy
+        } else {
+            policy
+        };
         let decision = route(&config, &request, &self.candidates, &view, policy, explain)
             .map_err(|_| NoRoute::NoHealthyInstance)?;
         let instance = decision.instance;
+        if dry_run {
+            return Ok(Chosen {
+                instance,
+                url: self.instances[instance.0 as usize].url.clone(),
+                decision,
+            });
+        }
         if tenant.strategy.uses_index() {
             let known = self.index.record_route(keys, instance, now_us);
             if let Some(outbox) = &mut self.outbox {
                 if known < keys.len() {
                     // What peers lack, plus the key before it to link the chain.
                     let from = known.saturating_sub(1);
-                    outbox.push(SharedDecision { instance: self.instance_keys[instance.0 as usize], keys: keys[from..].to_vec() });
+                    if outbox.is_empty() {
+                        self.outbox_since_ms = Some(now_ms());
+                    }
+                    outbox.push(SharedDecision {
+                        instance: self.instance_keys[instance.0 as usize],
+                        keys: keys[from..].to_vec(),
+                    });
                 }
             }
         }
@@ -186,14 +240,17 @@ impl RouterState {
 
     /// The request's first byte of response arrived: its prefill is done.
     pub fn first_token(&mut self, instance: InstanceId, prompt_tokens: u32) {
-        self.own_load.first_token(instance, u64::from(prompt_tokens));
+        self.own_load
+            .first_token(instance, u64::from(prompt_tokens));
         self.load.first_token(instance, u64::from(prompt_tokens));
     }
 
     /// The request left the instance.
     pub fn finish(&mut self, instance: InstanceId, prompt_tokens: u32, prefilled: bool) {
-        self.own_load.finish(instance, u64::from(prompt_tokens), prefilled);
-        self.load.finish(instance, u64::from(prompt_tokens), prefilled);
+        self.own_load
+            .finish(instance, u64::from(prompt_tokens), prefilled);
+        self.load
+            .finish(instance, u64::from(prompt_tokens), prefilled);
     }
 
     /// Starts collecting decisions for the other routers.
@@ -201,9 +258,13 @@ impl RouterState {
         self.outbox.get_or_insert_with(Vec::new);
     }
 
-    /// Decisions made since the last call.
-    pub fn take_outbox(&mut self) -> Vec<SharedDecision> {
-        self.outbox.as_mut().map(std::mem::take).unwrap_or_default()
+    /// Decisions made since the last call, and the wall-clock ms of the oldest.
+    pub fn take_outbox(&mut self) -> (Vec<SharedDecision>, u64) {
+        let since = self.outbox_since_ms.take().unwrap_or(0);
+        (
+            self.outbox.as_mut().map(std::mem::take).unwrap_or_default(),
+            since,
+        )
     }
 
     /// Applies other routers' decisions; decisions naming instances this router does not
@@ -331,12 +392,15 @@ fn seed_of(tenant: &str) -> u64 {
     u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
-/// The stable key of an instance: the first 8 bytes (LE) of blake3 of its base URL, the
-/// same on every router.
-pub fn instance_key(url: &str) -> u64 {
-    let h = blake3::hash(url.as_bytes());
-    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+/// Wall-clock milliseconds since the Unix epoch (decision batches carry it, so receivers
+/// can measure dissemination lag on hosts with synchronised clocks).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
+
+pub use warmpath_membership::decisions::instance_key;
 
 #[cfg(test)]
 mod tests {
@@ -345,10 +409,16 @@ mod tests {
 
     fn state(instances: &[&str]) -> (RouterState, Tenant) {
         let mut file = FileConfig::parse("version = 1").unwrap();
-        file.pools.push(crate::router::config::PoolSection { model: "m".into(), instances: instances.iter().map(|s| s.to_string()).collect() });
+        file.pools.push(crate::router::config::PoolSection {
+            model: "m".into(),
+            instances: instances.iter().map(|s| s.to_string()).collect(),
+        });
         let config = file.validate().unwrap();
         let tenant = config.tenants[0].clone();
-        (RouterState::new(&config, ModelProfile::dynamo_default()), tenant)
+        (
+            RouterState::new(&config, ModelProfile::dynamo_default()),
+            tenant,
+        )
     }
 
     fn keys(ids: &[u64]) -> Vec<BlockKey> {
@@ -361,21 +431,40 @@ mod tests {
         let (mut one, tenant) = state(&urls);
         let (mut two, _) = state(&urls);
         one.enable_sharing();
-        let chosen = one.route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false).unwrap();
-        let out = one.take_outbox();
-        assert_eq!(out, vec![SharedDecision { instance: instance_key(&chosen.url), keys: keys(&[1, 2, 3]) }]);
+        let chosen = one
+            .route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false)
+            .unwrap();
+        let (out, _) = one.take_outbox();
+        assert_eq!(
+            out,
+            vec![SharedDecision {
+                instance: instance_key(&chosen.url),
+                keys: keys(&[1, 2, 3])
+            }]
+        );
         // The same prefix again, on the same instance: nothing new to share.
-        let again = one.route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false).unwrap();
+        let again = one
+            .route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false)
+            .unwrap();
         assert_eq!(again.instance, chosen.instance);
-        assert!(one.take_outbox().is_empty());
+        assert!(one.take_outbox().0.is_empty());
         // A longer prompt shares only the new block and its parent.
-        one.route(&tenant, "m", &keys(&[1, 2, 3, 4]), 260, &[], false).unwrap();
-        assert_eq!(one.take_outbox()[0].keys, keys(&[3, 4]));
+        one.route(&tenant, "m", &keys(&[1, 2, 3, 4]), 260, &[], false)
+            .unwrap();
+        assert_eq!(one.take_outbox().0[0].keys, keys(&[3, 4]));
         // The peer applies it and routes the prefix to the same instance.
         assert_eq!(two.apply_shared(&out), 0);
-        let there = two.route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false).unwrap();
+        let there = two
+            .route(&tenant, "m", &keys(&[1, 2, 3]), 200, &[], false)
+            .unwrap();
         assert_eq!(there.url, chosen.url);
-        assert_eq!(two.apply_shared(&[SharedDecision { instance: 42, keys: keys(&[9]) }]), 1);
+        assert_eq!(
+            two.apply_shared(&[SharedDecision {
+                instance: 42,
+                keys: keys(&[9])
+            }]),
+            1
+        );
     }
 
     #[test]
@@ -383,14 +472,38 @@ mod tests {
         let urls = ["http://a:1", "http://b:2"];
         let (mut s, tenant) = state(&urls);
         let a = InstanceId(0);
-        let load = |n| InstanceLoad { in_flight: n, pending_prefill_tokens: 0 };
-        s.set_peer_loads(vec![("r2".into(), vec![(instance_key(urls[0]), load(5))]), ("r3".into(), vec![(instance_key(urls[0]), load(2)), (7, load(9))])]);
+        let load = |n| InstanceLoad {
+            in_flight: n,
+            pending_prefill_tokens: 0,
+        };
+        s.set_peer_loads(vec![
+            ("r2".into(), vec![(instance_key(urls[0]), load(5))]),
+            (
+                "r3".into(),
+                vec![(instance_key(urls[0]), load(2)), (7, load(9))],
+            ),
+        ]);
         assert_eq!((s.cluster_in_flight(a), s.in_flight(a)), (7, 0));
         // Least-loaded sees the cluster: instance b wins.
-        let t = Tenant { strategy: warmpath_index::policy::Strategy::LeastLoaded, ..tenant };
-        assert_eq!(s.route(&t, "m", &[], 10, &[], false).unwrap().instance, InstanceId(1));
-        let routed = InstanceLoad { in_flight: 1, pending_prefill_tokens: 10 };
-        assert_eq!(s.own_loads(), vec![(instance_key(urls[0]), InstanceLoad::default()), (instance_key(urls[1]), routed)]);
+        let t = Tenant {
+            strategy: warmpath_index::policy::Strategy::LeastLoaded,
+            ..tenant
+        };
+        assert_eq!(
+            s.route(&t, "m", &[], 10, &[], false).unwrap().instance,
+            InstanceId(1)
+        );
+        let routed = InstanceLoad {
+            in_flight: 1,
+            pending_prefill_tokens: 10,
+        };
+        assert_eq!(
+            s.own_loads(),
+            vec![
+                (instance_key(urls[0]), InstanceLoad::default()),
+                (instance_key(urls[1]), routed)
+            ]
+        );
         // A departed peer's load goes away.
         s.set_peer_loads(vec![]);
         assert_eq!(s.cluster_in_flight(a), 0);

@@ -1,0 +1,450 @@
+//! Raft RPCs over HTTP between routers: the axum routes a node serves under `/raft/`, and
+//! the client side openraft uses to reach peers (hyper-util's pooled HTTP/1 client).
+//!
+//! Bodies are JSON. Peer RPCs (`append`, `vote`, `snapshot`) carry openraft's own request
+//! types and answer `Result<response, RaftError>`; leader-only operations (`write`,
+//! `read-index`, `join`) answer a [`LeaderReply`]. A node that has shut down answers 503.
+//!
+//! Client errors are classified once, here, into openraft's [`RPCError`] kinds: refused
+//! connections and 503 are `Unreachable` (openraft backs off), an expired deadline is
+//! `Timeout`, an error decoded from the peer is `RemoteError`, anything else (bad status,
+//! undecodable body, broken connection) is `Network`.
+
+use super::state::{Command, CommandResult};
+use super::store::{NodeId, TypeConfig};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable,
+};
+use openraft::network::RPCOption;
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::{BasicNode, RPCTypes, Raft, RaftNetwork, RaftNetworkFactory};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::time::Duration;
+
+/// Path of the AppendEntries RPC.
+pub const PATH_APPEND: &str = "/raft/append";
+/// Path of the RequestVote RPC.
+pub const PATH_VOTE: &str = "/raft/vote";
+/// Path of the InstallSnapshot RPC (chunked by openraft).
+pub const PATH_SNAPSHOT: &str = "/raft/snapshot";
+/// Path of a write forwarded to the leader.
+pub const PATH_WRITE: &str = "/raft/write";
+/// Path of a linearizable read-index request to the leader.
+pub const PATH_READ_INDEX: &str = "/raft/read-index";
+/// Path of a learner's request to join.
+pub const PATH_JOIN: &str = "/raft/join";
+
+/// Largest request or response body, bytes (snapshot chunks are 512 KiB before JSON).
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// The answer of a leader-only operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum LeaderReply<T> {
+    /// Done.
+    Ok(T),
+    /// This node is not the leader; the leader it knows of, if any.
+    NotLeader {
+        /// Id of the leader.
+        leader_id: Option<NodeId>,
+        /// Base URL of the leader.
+        leader_url: Option<String>,
+    },
+    /// The leader could not confirm its leadership with a quorum.
+    NoQuorum(String),
+    /// The leader accepted the write but did not see it committed in time: outcome unknown.
+    Timeout,
+    /// The leader failed after accepting the write (e.g. it stopped): outcome unknown.
+    Unknown(String),
+    /// Anything else (shutting down, storage failure, bad request).
+    Failed(String),
+}
+
+/// A learner's request to be added to the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinRequest {
+    /// The learner's node id.
+    pub node_id: NodeId,
+    /// The learner's base URL.
+    pub url: String,
+}
+
+/// What a failed HTTP call to a peer ran into.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HttpError {
+    /// No connection could be made (refused, unresolvable, connect timeout).
+    #[error("cannot connect to {url}: {message}")]
+    Connect {
+        /// The URL called.
+        url: String,
+        /// The cause.
+        message: String,
+    },
+    /// The deadline passed before a full answer arrived.
+    #[error("{url}: no answer within {timeout:?}")]
+    Timeout {
+        /// The URL called.
+        url: String,
+        /// The deadline.
+        timeout: Duration,
+    },
+    /// The peer answered with a non-success status.
+    #[error("{url}: status {status}: {body}")]
+    Status {
+        /// The URL called.
+        url: String,
+        /// The HTTP status.
+        status: u16,
+        /// The start of the body.
+        body: String,
+    },
+    /// The connection broke, or the body was too large or not the expected JSON.
+    #[error("{url}: {message}")]
+    Transport {
+        /// The URL called.
+        url: String,
+        /// The cause.
+        message: String,
+    },
+}
+
+impl HttpError {
+    /// Whether the peer is down or refusing work (the caller should back off).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, HttpError::Connect { .. })
+            || matches!(self, HttpError::Status { status, .. } if *status == 503)
+    }
+}
+
+/// A pooled HTTP client for peer calls.
+#[derive(Debug, Clone)]
+pub struct HttpClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    auth_token: Option<String>,
+}
+
+impl HttpClient {
+    /// A client that gives up connecting after `connect_timeout` and sends `auth_token`, if
+    /// any, as a bearer token.
+    pub fn new(connect_timeout: Duration, auth_token: Option<String>) -> HttpClient {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        HttpClient { client, auth_token }
+    }
+
+    /// POSTs `body` as JSON to `base + path` and decodes the JSON answer, all within
+    /// `timeout`.
+    pub async fn post_json<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        base: &str,
+        path: &str,
+        body: &Req,
+        timeout: Duration,
+    ) -> Result<Resp, HttpError> {
+        let url = format!("{}{path}", base.trim_end_matches('/'));
+        match tokio::time::timeout(timeout, self.post_inner(&url, body)).await {
+            Ok(r) => r,
+            Err(_) => Err(HttpError::Timeout { url, timeout }),
+        }
+    }
+
+    async fn post_inner<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        url: &str,
+        body: &Req,
+    ) -> Result<Resp, HttpError> {
+        let transport = |message: String| HttpError::Transport {
+            url: url.to_string(),
+            message,
+        };
+        let bytes = serde_json::to_vec(body).map_err(|e| transport(format!("encode: {e}")))?;
+        let mut req = hyper::Request::post(url).header("content-type", "application/json");
+        if let Some(t) = &self.auth_token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let req = req
+            .body(Full::new(Bytes::from(bytes)))
+            .map_err(|e| transport(format!("request: {e}")))?;
+        let resp = self.client.request(req).await.map_err(|e| {
+            if e.is_connect() {
+                HttpError::Connect {
+                    url: url.to_string(),
+                    message: e.to_string(),
+                }
+            } else {
+                transport(e.to_string())
+            }
+        })?;
+        let status = resp.status();
+        let body = Limited::new(resp.into_body(), MAX_BODY_BYTES)
+            .collect()
+            .await
+            .map_err(|e| transport(format!("body: {e}")))?
+            .to_bytes();
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
+            return Err(HttpError::Status {
+                url: url.to_string(),
+                status: status.as_u16(),
+                body: text,
+            });
+        }
+        serde_json::from_slice(&body).map_err(|e| transport(format!("decode: {e}")))
+    }
+}
+
+/// Creates a [`PeerConnection`] per target for openraft.
+#[derive(Debug, Clone)]
+pub struct NetworkFactory {
+    /// This node's id, for timeout errors.
+    pub node_id: NodeId,
+    /// The shared client.
+    pub client: HttpClient,
+}
+
+impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
+    type Network = PeerConnection;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerConnection {
+        PeerConnection {
+            node_id: self.node_id,
+            target,
+            url: node.addr.clone(),
+            client: self.client.clone(),
+        }
+    }
+}
+
+/// openraft's view of one peer.
+#[derive(Debug, Clone)]
+pub struct PeerConnection {
+    node_id: NodeId,
+    target: NodeId,
+    url: String,
+    client: HttpClient,
+}
+
+impl PeerConnection {
+    async fn call<Req, Resp, E>(
+        &self,
+        path: &str,
+        action: RPCTypes,
+        req: &Req,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let ttl = option.hard_ttl();
+        let got: Result<Result<Resp, RaftError<NodeId, E>>, HttpError> =
+            self.client.post_json(&self.url, path, req, ttl).await;
+        match got {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(remote)) => Err(RPCError::RemoteError(RemoteError::new_with_node(
+                self.target,
+                BasicNode::new(&self.url),
+                remote,
+            ))),
+            Err(HttpError::Timeout { .. }) => Err(RPCError::Timeout(Timeout {
+                action,
+                id: self.node_id,
+                target: self.target,
+                timeout: ttl,
+            })),
+            Err(e) if e.is_unreachable() => Err(RPCError::Unreachable(Unreachable::new(&e))),
+            Err(e) => Err(RPCError::Network(NetworkError::new(&e))),
+        }
+    }
+}
+
+impl RaftNetwork<TypeConfig> for PeerConnection {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(PATH_APPEND, RPCTypes::AppendEntries, &rpc, &option)
+            .await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
+        self.call(PATH_SNAPSHOT, RPCTypes::InstallSnapshot, &rpc, &option)
+            .await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(PATH_VOTE, RPCTypes::Vote, &rpc, &option).await
+    }
+}
+
+/// What the HTTP handlers need.
+#[derive(Clone)]
+pub(crate) struct ServerState {
+    /// The local Raft node.
+    pub(crate) raft: Raft<TypeConfig>,
+    /// blake3 of the expected bearer token, when one is required.
+    pub(crate) auth_hash: Option<blake3::Hash>,
+    /// How long a forwarded write may wait for its commit.
+    pub(crate) write_timeout: Duration,
+}
+
+impl std::fmt::Debug for ServerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerState")
+            .field("auth", &self.auth_hash.is_some())
+            .field("write_timeout", &self.write_timeout)
+            .finish()
+    }
+}
+
+/// The `/raft/…` routes of one node.
+pub(crate) fn router(state: ServerState) -> Router {
+    Router::new()
+        .route(PATH_APPEND, post(append))
+        .route(PATH_VOTE, post(vote))
+        .route(PATH_SNAPSHOT, post(snapshot))
+        .route(PATH_WRITE, post(write))
+        .route(PATH_READ_INDEX, post(read_index))
+        .route(PATH_JOIN, post(join))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+fn authorized(state: &ServerState, headers: &HeaderMap) -> bool {
+    let Some(expected) = &state.auth_hash else {
+        return true;
+    };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Comparing digests keeps the comparison independent of where the strings differ.
+    blake3::hash(given.as_bytes()) == *expected
+}
+
+fn unauthorized() -> Response {
+    (StatusCode::UNAUTHORIZED, "missing or wrong raft token").into_response()
+}
+
+/// Answers a peer RPC; a stopped node answers 503 so that callers see it as unreachable.
+fn rpc_reply<T: Serialize, E: std::error::Error + Serialize>(
+    r: Result<T, RaftError<NodeId, E>>,
+) -> Response {
+    match r {
+        Err(RaftError::Fatal(f)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("raft stopped: {f}"),
+        )
+            .into_response(),
+        other => Json(other).into_response(),
+    }
+}
+
+async fn append(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+    Json(rpc): Json<AppendEntriesRequest<TypeConfig>>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    rpc_reply(s.raft.append_entries(rpc).await)
+}
+
+async fn vote(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+    Json(rpc): Json<VoteRequest<NodeId>>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    rpc_reply(s.raft.vote(rpc).await)
+}
+
+async fn snapshot(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+    Json(rpc): Json<InstallSnapshotRequest<TypeConfig>>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    rpc_reply(s.raft.install_snapshot(rpc).await)
+}
+
+/// A stopped node takes no leader work: 503 tells the caller nothing was submitted.
+fn stopped(s: &ServerState) -> Option<Response> {
+    let m = s.raft.metrics();
+    let stopped = m.borrow().running_state.is_err();
+    stopped.then(|| (StatusCode::SERVICE_UNAVAILABLE, "raft stopped").into_response())
+}
+
+async fn write(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+    Json(cmd): Json<Command>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    if let Some(r) = stopped(&s) {
+        return r;
+    }
+    let r: LeaderReply<CommandResult> = super::leader_write(&s.raft, cmd, s.write_timeout).await;
+    Json(r).into_response()
+}
+
+async fn read_index(State(s): State<ServerState>, headers: HeaderMap) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    if let Some(r) = stopped(&s) {
+        return r;
+    }
+    Json(super::leader_read_index(&s.raft, s.write_timeout).await).into_response()
+}
+
+async fn join(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+    Json(req): Json<JoinRequest>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
+    if let Some(r) = stopped(&s) {
+        return r;
+    }
+    Json(super::leader_join(&s.raft, req, s.write_timeout).await).into_response()
+}

@@ -1,0 +1,859 @@
+//! The tenant-configuration state machine: plain data, no I/O, no clock.
+//!
+//! Every router applies the same committed [`Command`]s in log order to a [`ConfigState`]
+//! and so holds the same tenant table. [`ConfigState::apply`] is deterministic: it depends
+//! only on the state, the log index and the command (validation rules are fixed here, not
+//! borrowed from other crates, so that two builds never disagree about what a command does).
+//! A rejected command leaves the state untouched and says why, naming every bad field.
+//!
+//! `version` is the log index of the last command that changed the state (0 when empty).
+//! Blank and membership log entries, and rejected commands, do not change it, so a client
+//! that read version `v` can write with `expected_version: Some(v)` (compare-and-set) and
+//! only fails if the configuration really changed in between.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Strategies a tenant may name (the names of `warmpath_index::policy::Strategy`).
+pub const STRATEGIES: [&str; 4] = ["round-robin", "least-loaded", "prefix-aware", "kv-aware"];
+
+/// Longest tenant id or model name, bytes.
+pub const MAX_NAME_BYTES: usize = 128;
+/// Longest instance URL or cache salt, bytes.
+pub const MAX_VALUE_BYTES: usize = 512;
+/// Most instances in one pool.
+pub const MAX_POOL_INSTANCES: usize = 4096;
+/// Most API keys per tenant.
+pub const MAX_TENANT_KEYS: usize = 1024;
+
+/// The replicated tenant configuration.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConfigState {
+    /// Log index of the last command that changed this state; 0 for the empty state.
+    pub version: u64,
+    /// Tenants by id.
+    pub tenants: BTreeMap<String, TenantSpec>,
+    /// Instance pools by model name.
+    pub pools: BTreeMap<String, PoolSpec>,
+}
+
+/// One tenant's routing settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    /// Routing strategy, one of [`STRATEGIES`].
+    pub strategy: String,
+    /// Prompt tokens used for prefix matching; 0 = the whole prompt.
+    pub prefix_length: u32,
+    /// In-flight requests at which the preferred instance is skipped; 0 = no limit.
+    pub concurrency_threshold: u32,
+    /// Tokens per block of this tenant's keys; positive.
+    pub block_tokens: u32,
+    /// kv-aware sampling temperature; finite and non-negative.
+    pub temperature: f64,
+    /// Model name of the pool serving this tenant; the pool must exist.
+    pub pool: String,
+    /// blake3 hex digests (64 lowercase hex digits) of the tenant's API keys.
+    pub api_key_hashes: Vec<String>,
+    /// Salt of this tenant's block keys; non-empty (see [`TenantSpec::default_cache_salt`]).
+    pub cache_salt: String,
+    /// Requests per second allowed; `None` = unlimited; otherwise finite and positive.
+    pub rate_limit_rps: Option<f64>,
+}
+
+impl TenantSpec {
+    /// The cache salt a tenant gets when none is given (the same formula as the file config).
+    pub fn default_cache_salt(tenant_id: &str) -> String {
+        blake3::hash(format!("warmpath cache salt v1\0{tenant_id}").as_bytes()).to_hex()[..16]
+            .to_string()
+    }
+
+    /// A tenant with the defaults of the file config, served by `pool`.
+    pub fn with_defaults(tenant_id: &str, pool: &str) -> TenantSpec {
+        TenantSpec {
+            strategy: "prefix-aware".into(),
+            prefix_length: 0,
+            concurrency_threshold: 32,
+            block_tokens: 64,
+            temperature: 0.0,
+            pool: pool.into(),
+            api_key_hashes: Vec::new(),
+            cache_salt: TenantSpec::default_cache_salt(tenant_id),
+            rate_limit_rps: None,
+        }
+    }
+}
+
+/// The instances serving one model.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    /// Base URLs, `http://host:port`, no path, no duplicates.
+    pub instances: Vec<String>,
+}
+
+/// A change to the configuration, as stored in the Raft log.
+///
+/// The log outlives any one build: variants are only ever appended, never changed or
+/// removed, so that every build can replay every log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// The first command set.
+    V1(CommandV1),
+}
+
+/// Commands of version 1. Each `expected_version`, when given, must equal the state's
+/// `version` or the command is refused with [`CommandResult::Conflict`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CommandV1 {
+    /// Create or replace a tenant.
+    PutTenant {
+        id: String,
+        spec: TenantSpec,
+        expected_version: Option<u64>,
+    },
+    /// Delete a tenant.
+    DeleteTenant {
+        id: String,
+        expected_version: Option<u64>,
+    },
+    /// Create or replace the pool of a model.
+    PutPool {
+        model: String,
+        spec: PoolSpec,
+        expected_version: Option<u64>,
+    },
+    /// Delete a pool no tenant uses.
+    DeletePool {
+        model: String,
+        expected_version: Option<u64>,
+    },
+    /// Add an instance to an existing pool.
+    AddInstance {
+        model: String,
+        url: String,
+        expected_version: Option<u64>,
+    },
+    /// Remove an instance from a pool.
+    RemoveInstance {
+        model: String,
+        url: String,
+        expected_version: Option<u64>,
+    },
+    /// Add an API key hash to a tenant.
+    AddApiKey {
+        tenant: String,
+        key_hash: String,
+        expected_version: Option<u64>,
+    },
+    /// Remove an API key hash from a tenant.
+    RemoveApiKey {
+        tenant: String,
+        key_hash: String,
+        expected_version: Option<u64>,
+    },
+}
+
+impl CommandV1 {
+    fn expected_version(&self) -> Option<u64> {
+        match self {
+            CommandV1::PutTenant {
+                expected_version, ..
+            }
+            | CommandV1::DeleteTenant {
+                expected_version, ..
+            }
+            | CommandV1::PutPool {
+                expected_version, ..
+            }
+            | CommandV1::DeletePool {
+                expected_version, ..
+            }
+            | CommandV1::AddInstance {
+                expected_version, ..
+            }
+            | CommandV1::RemoveInstance {
+                expected_version, ..
+            }
+            | CommandV1::AddApiKey {
+                expected_version, ..
+            }
+            | CommandV1::RemoveApiKey {
+                expected_version, ..
+            } => *expected_version,
+        }
+    }
+}
+
+/// What applying a command did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CommandResult {
+    /// The state changed; `version` is its new version (the command's log index).
+    Applied { version: u64 },
+    /// `expected_version` did not match; nothing changed.
+    Conflict { current_version: u64 },
+    /// The command is malformed; each problem names its field. Nothing changed.
+    Invalid { problems: Vec<String> },
+    /// The tenant, pool, instance or key named does not exist. Nothing changed.
+    NotFound { what: String },
+}
+
+impl ConfigState {
+    /// Applies `cmd`, committed at log `index`, and says what happened.
+    pub fn apply(&mut self, index: u64, cmd: &Command) -> CommandResult {
+        let Command::V1(cmd) = cmd;
+        if let Some(expected) = cmd.expected_version() {
+            if expected != self.version {
+                return CommandResult::Conflict {
+                    current_version: self.version,
+                };
+            }
+        }
+        let outcome = match cmd {
+            CommandV1::PutTenant { id, spec, .. } => self.put_tenant(id, spec),
+            CommandV1::DeleteTenant { id, .. } => match self.tenants.remove(id) {
+                Some(_) => Ok(()),
+                None => Err(not_found(format!("tenant {id:?}"))),
+            },
+            CommandV1::PutPool { model, spec, .. } => self.put_pool(model, spec),
+            CommandV1::DeletePool { model, .. } => self.delete_pool(model),
+            CommandV1::AddInstance { model, url, .. } => self.add_instance(model, url),
+            CommandV1::RemoveInstance { model, url, .. } => {
+                let Some(pool) = self.pools.get_mut(model) else {
+                    return not_found(format!("pool {model:?}"));
+                };
+                match pool.instances.iter().position(|u| u == url) {
+                    Some(i) => {
+                        pool.instances.remove(i);
+                        Ok(())
+                    }
+                    None => Err(not_found(format!("instance {url:?} in pool {model:?}"))),
+                }
+            }
+            CommandV1::AddApiKey {
+                tenant, key_hash, ..
+            } => self.add_api_key(tenant, key_hash),
+            CommandV1::RemoveApiKey {
+                tenant, key_hash, ..
+            } => {
+                let Some(t) = self.tenants.get_mut(tenant) else {
+                    return not_found(format!("tenant {tenant:?}"));
+                };
+                match t.api_key_hashes.iter().position(|h| h == key_hash) {
+                    Some(i) => {
+                        t.api_key_hashes.remove(i);
+                        Ok(())
+                    }
+                    None => Err(not_found(format!("api key hash of tenant {tenant:?}"))),
+                }
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                self.version = index;
+                CommandResult::Applied { version: index }
+            }
+            Err(refusal) => refusal,
+        }
+    }
+
+    /// The tenant that owns an API key hash, if any.
+    pub fn tenant_of_key(&self, key_hash: &str) -> Option<&str> {
+        self.tenants
+            .iter()
+            .find(|(_, t)| t.api_key_hashes.iter().any(|h| h == key_hash))
+            .map(|(id, _)| id.as_str())
+    }
+
+    fn put_tenant(&mut self, id: &str, spec: &TenantSpec) -> Result<(), CommandResult> {
+        let mut problems = Vec::new();
+        check_name("id", id, &mut problems);
+        problems.extend(validate_tenant(spec));
+        if !spec.pool.is_empty() && !self.pools.contains_key(&spec.pool) {
+            problems.push(format!("pool: no pool serves model {:?}", spec.pool));
+        }
+        for h in &spec.api_key_hashes {
+            if let Some(owner) = self.tenant_of_key(h) {
+                if owner != id {
+                    problems.push(format!(
+                        "api_key_hashes: {h:?} already belongs to tenant {owner:?}"
+                    ));
+                }
+            }
+        }
+        invalid_unless_empty(problems)?;
+        self.tenants.insert(id.to_string(), spec.clone());
+        Ok(())
+    }
+
+    fn put_pool(&mut self, model: &str, spec: &PoolSpec) -> Result<(), CommandResult> {
+        let mut problems = Vec::new();
+        check_name("model", model, &mut problems);
+        if spec.instances.len() > MAX_POOL_INSTANCES {
+            problems.push(format!(
+                "instances: {} instances, at most {MAX_POOL_INSTANCES}",
+                spec.instances.len()
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for (i, url) in spec.instances.iter().enumerate() {
+            if let Err(e) = check_instance_url(url) {
+                problems.push(format!("instances[{i}] {url:?}: {e}"));
+            }
+            if !seen.insert(url) {
+                problems.push(format!("instances[{i}] {url:?}: listed twice"));
+            }
+        }
+        invalid_unless_empty(problems)?;
+        self.pools.insert(model.to_string(), spec.clone());
+        Ok(())
+    }
+
+    fn delete_pool(&mut self, model: &str) -> Result<(), CommandResult> {
+        if !self.pools.contains_key(model) {
+            return Err(not_found(format!("pool {model:?}")));
+        }
+        let users: Vec<&str> = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| t.pool == model)
+            .map(|(id, _)| id.as_str())
+            .collect();
+        if !users.is_empty() {
+            return Err(CommandResult::Invalid {
+                problems: vec![format!(
+                    "model: pool {model:?} is used by tenants {}",
+                    users.join(", ")
+                )],
+            });
+        }
+        self.pools.remove(model);
+        Ok(())
+    }
+
+    fn add_instance(&mut self, model: &str, url: &str) -> Result<(), CommandResult> {
+        let Some(pool) = self.pools.get_mut(model) else {
+            return Err(not_found(format!("pool {model:?}")));
+        };
+        let mut problems = Vec::new();
+        if let Err(e) = check_instance_url(url) {
+            problems.push(format!("url {url:?}: {e}"));
+        }
+        if pool.instances.iter().any(|u| u == url) {
+            problems.push(format!("url {url:?}: already in pool {model:?}"));
+        }
+        if pool.instances.len() >= MAX_POOL_INSTANCES {
+            problems.push(format!(
+                "url: pool {model:?} already has {MAX_POOL_INSTANCES} instances"
+            ));
+        }
+        invalid_unless_empty(problems)?;
+        pool.instances.push(url.to_string());
+        Ok(())
+    }
+
+    fn add_api_key(&mut self, tenant: &str, key_hash: &str) -> Result<(), CommandResult> {
+        if !self.tenants.contains_key(tenant) {
+            return Err(not_found(format!("tenant {tenant:?}")));
+        }
+        let mut problems = Vec::new();
+        if !is_key_hash(key_hash) {
+            problems.push("key_hash: not 64 lowercase hex digits".to_string());
+        }
+        if let Some(owner) = self.tenant_of_key(key_hash) {
+            problems.push(if owner == tenant {
+                "key_hash: the tenant already has this key".to_string()
+            } else {
+                format!("key_hash: already belongs to tenant {owner:?}")
+            });
+        }
+        let t = self
+            .tenants
+            .get_mut(tenant)
+            .ok_or_else(|| not_found(format!("tenant {tenant:?}")))?;
+        if t.api_key_hashes.len() >= MAX_TENANT_KEYS {
+            problems.push(format!(
+                "key_hash: tenant already has {MAX_TENANT_KEYS} keys"
+            ));
+        }
+        invalid_unless_empty(problems)?;
+        t.api_key_hashes.push(key_hash.to_string());
+        Ok(())
+    }
+}
+
+fn not_found(what: String) -> CommandResult {
+    CommandResult::NotFound { what }
+}
+
+fn invalid_unless_empty(problems: Vec<String>) -> Result<(), CommandResult> {
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(CommandResult::Invalid { problems })
+    }
+}
+
+fn check_name(field: &str, name: &str, problems: &mut Vec<String>) {
+    if name.is_empty() {
+        problems.push(format!("{field}: empty"));
+    } else if name.len() > MAX_NAME_BYTES {
+        problems.push(format!("{field}: longer than {MAX_NAME_BYTES} bytes"));
+    } else if name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        problems.push(format!(
+            "{field} {name:?}: contains whitespace or control characters"
+        ));
+    }
+}
+
+/// Every problem of a tenant spec that can be seen without the rest of the state.
+pub fn validate_tenant(spec: &TenantSpec) -> Vec<String> {
+    let mut problems = Vec::new();
+    if !STRATEGIES.contains(&spec.strategy.as_str()) {
+        problems.push(format!(
+            "strategy {:?}: not one of {}",
+            spec.strategy,
+            STRATEGIES.join(", ")
+        ));
+    }
+    if spec.block_tokens == 0 {
+        problems.push("block_tokens: must be positive".to_string());
+    }
+    if !(spec.temperature.is_finite() && spec.temperature >= 0.0) {
+        problems.push(format!(
+            "temperature {}: must be a finite non-negative number",
+            spec.temperature
+        ));
+    }
+    if spec.pool.is_empty() {
+        problems.push("pool: empty".to_string());
+    }
+    if spec.api_key_hashes.len() > MAX_TENANT_KEYS {
+        problems.push(format!(
+            "api_key_hashes: {} keys, at most {MAX_TENANT_KEYS}",
+            spec.api_key_hashes.len()
+        ));
+    }
+    let mut seen = BTreeSet::new();
+    for (i, h) in spec.api_key_hashes.iter().enumerate() {
+        if !is_key_hash(h) {
+            problems.push(format!("api_key_hashes[{i}]: not 64 lowercase hex digits"));
+        } else if !seen.insert(h) {
+            problems.push(format!("api_key_hashes[{i}]: listed twice"));
+        }
+    }
+    if spec.cache_salt.is_empty() {
+        problems.push("cache_salt: empty".to_string());
+    } else if spec.cache_salt.len() > MAX_VALUE_BYTES {
+        problems.push(format!("cache_salt: longer than {MAX_VALUE_BYTES} bytes"));
+    }
+    if let Some(rps) = spec.rate_limit_rps {
+        if !(rps.is_finite() && rps > 0.0) {
+            problems.push(format!(
+                "rate_limit_rps {rps}: must be a finite positive number"
+            ));
+        }
+    }
+    problems
+}
+
+/// Whether `s` is a blake3 digest in lowercase hex.
+pub fn is_key_hash(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Checks that `url` is `http://host:port` with an explicit port and nothing after it.
+pub fn check_instance_url(url: &str) -> Result<(), String> {
+    if url.len() > MAX_VALUE_BYTES {
+        return Err(format!("longer than {MAX_VALUE_BYTES} bytes"));
+    }
+    let Some(rest) = url.strip_prefix("http://") else {
+        return Err("must start with http://".into());
+    };
+    if rest.contains(['/', '?', '#', '@']) {
+        return Err("give http://host:port without path, query or user".into());
+    }
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let Some((h, p)) = v6.split_once("]:") else {
+            return Err("IPv6 host must be [addr]:port".into());
+        };
+        if h.is_empty()
+            || !h
+                .chars()
+                .all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.')
+        {
+            return Err("bad IPv6 address".into());
+        }
+        (h, p)
+    } else {
+        let Some((h, p)) = rest.rsplit_once(':') else {
+            return Err("no port".into());
+        };
+        if h.is_empty()
+            || !h
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_')
+        {
+            return Err("bad host".into());
+        }
+        (h, p)
+    };
+    let _ = host;
+    match port.parse::<u16>() {
+        Ok(0) => Err("port 0".into()),
+        Ok(_) if !port.starts_with('0') => Ok(()),
+        _ => Err(format!("bad port {port:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H1: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+    const H2: &str = "2222222222222222222222222222222222222222222222222222222222222222";
+
+    fn put_pool(model: &str, urls: &[&str]) -> Command {
+        Command::V1(CommandV1::PutPool {
+            model: model.into(),
+            spec: PoolSpec {
+                instances: urls.iter().map(|s| s.to_string()).collect(),
+            },
+            expected_version: None,
+        })
+    }
+
+    fn tenant(f: impl FnOnce(&mut TenantSpec)) -> TenantSpec {
+        let mut t = TenantSpec::with_defaults("acme", "m");
+        f(&mut t);
+        t
+    }
+
+    fn put_tenant(id: &str, spec: TenantSpec) -> Command {
+        Command::V1(CommandV1::PutTenant {
+            id: id.into(),
+            spec,
+            expected_version: None,
+        })
+    }
+
+    /// A state with pool "m" (two instances, version 1) and tenant "acme" (key H1, version 2).
+    fn base() -> ConfigState {
+        let mut s = ConfigState::default();
+        assert_eq!(
+            s.apply(1, &put_pool("m", &["http://a:1", "http://b:2"])),
+            CommandResult::Applied { version: 1 }
+        );
+        let spec = tenant(|t| t.api_key_hashes = vec![H1.into()]);
+        assert_eq!(
+            s.apply(2, &put_tenant("acme", spec)),
+            CommandResult::Applied { version: 2 }
+        );
+        s
+    }
+
+    /// Applies `cmd` at index 10 to [`base`] and checks the result; a refused command must
+    /// leave the state unchanged.
+    fn check(cmd: Command, expected: CommandResult) -> ConfigState {
+        let mut s = base();
+        let before = s.clone();
+        let got = s.apply(10, &cmd);
+        assert_eq!(got, expected, "command {cmd:?}");
+        if !matches!(expected, CommandResult::Applied { .. }) {
+            assert_eq!(s, before, "a refused command changed the state");
+        }
+        s
+    }
+
+    fn invalid(problems: &[&str]) -> CommandResult {
+        CommandResult::Invalid {
+            problems: problems.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn tenant_validation_names_every_bad_field() {
+        check(
+            put_tenant(
+                "bad",
+                tenant(|t| {
+                    t.strategy = "fastest".into();
+                    t.block_tokens = 0;
+                    t.temperature = f64::NAN;
+                    t.pool = "nope".into();
+                    t.api_key_hashes = vec!["xyz".into()];
+                    t.cache_salt = String::new();
+                    t.rate_limit_rps = Some(0.0);
+                }),
+            ),
+            invalid(&[
+                "strategy \"fastest\": not one of round-robin, least-loaded, prefix-aware, kv-aware",
+                "block_tokens: must be positive",
+                "temperature NaN: must be a finite non-negative number",
+                "api_key_hashes[0]: not 64 lowercase hex digits",
+                "cache_salt: empty",
+                "rate_limit_rps 0: must be a finite positive number",
+                "pool: no pool serves model \"nope\"",
+            ]),
+        );
+        check(
+            put_tenant("", tenant(|t| t.temperature = -1.0)),
+            invalid(&[
+                "id: empty",
+                "temperature -1: must be a finite non-negative number",
+            ]),
+        );
+        check(
+            put_tenant("a b", tenant(|t| t.pool = String::new())),
+            invalid(&[
+                "id \"a b\": contains whitespace or control characters",
+                "pool: empty",
+            ]),
+        );
+        check(
+            put_tenant("other", tenant(|t| t.api_key_hashes = vec![H1.into(), H2.into(), H2.into()])),
+            invalid(&[
+                "api_key_hashes[2]: listed twice",
+                "api_key_hashes: \"1111111111111111111111111111111111111111111111111111111111111111\" already belongs to tenant \"acme\"",
+            ]),
+        );
+    }
+
+    #[test]
+    fn tenant_put_and_replace() {
+        for strategy in STRATEGIES {
+            let s = check(
+                put_tenant("t2", tenant(|t| t.strategy = strategy.into())),
+                CommandResult::Applied { version: 10 },
+            );
+            assert_eq!(s.tenants["t2"].strategy, strategy);
+            assert_eq!(s.version, 10);
+        }
+        // Replacing a tenant may keep its own keys.
+        let s = check(
+            put_tenant(
+                "acme",
+                tenant(|t| {
+                    t.api_key_hashes = vec![H1.into()];
+                    t.rate_limit_rps = Some(5.0);
+                }),
+            ),
+            CommandResult::Applied { version: 10 },
+        );
+        assert_eq!(s.tenants["acme"].rate_limit_rps, Some(5.0));
+    }
+
+    #[test]
+    fn compare_and_set() {
+        let cas = |v| {
+            Command::V1(CommandV1::DeleteTenant {
+                id: "acme".into(),
+                expected_version: Some(v),
+            })
+        };
+        check(cas(1), CommandResult::Conflict { current_version: 2 });
+        check(cas(3), CommandResult::Conflict { current_version: 2 });
+        let s = check(cas(2), CommandResult::Applied { version: 10 });
+        assert!(s.tenants.is_empty());
+        // A conflict wins over not-found and invalid: the client's view is stale.
+        check(
+            Command::V1(CommandV1::AddInstance {
+                model: "nope".into(),
+                url: "bad".into(),
+                expected_version: Some(0),
+            }),
+            CommandResult::Conflict { current_version: 2 },
+        );
+    }
+
+    #[test]
+    fn refused_commands_keep_the_version() {
+        let mut s = base();
+        assert!(matches!(
+            s.apply(7, &put_pool("", &[])),
+            CommandResult::Invalid { .. }
+        ));
+        assert_eq!(s.version, 2);
+        assert_eq!(
+            s.apply(
+                8,
+                &Command::V1(CommandV1::DeleteTenant {
+                    id: "x".into(),
+                    expected_version: None
+                })
+            ),
+            CommandResult::NotFound {
+                what: "tenant \"x\"".into()
+            }
+        );
+        assert_eq!(s.version, 2);
+    }
+
+    #[test]
+    fn pools() {
+        check(
+            put_pool(
+                "m2",
+                &[
+                    "https://a:1",
+                    "http://a",
+                    "http://a:1/v1",
+                    "http://:1",
+                    "http://a:0",
+                    "http://a:99999",
+                    "http://[::1]:8000",
+                    "http://[::1]:8000",
+                ],
+            ),
+            invalid(&[
+                "instances[0] \"https://a:1\": must start with http://",
+                "instances[1] \"http://a\": no port",
+                "instances[2] \"http://a:1/v1\": give http://host:port without path, query or user",
+                "instances[3] \"http://:1\": bad host",
+                "instances[4] \"http://a:0\": port 0",
+                "instances[5] \"http://a:99999\": bad port \"99999\"",
+                "instances[7] \"http://[::1]:8000\": listed twice",
+            ]),
+        );
+        let s = check(put_pool("m2", &[]), CommandResult::Applied { version: 10 });
+        assert!(s.pools["m2"].instances.is_empty());
+        check(
+            Command::V1(CommandV1::DeletePool {
+                model: "m".into(),
+                expected_version: None,
+            }),
+            invalid(&["model: pool \"m\" is used by tenants acme"]),
+        );
+        check(
+            Command::V1(CommandV1::DeletePool {
+                model: "zz".into(),
+                expected_version: None,
+            }),
+            CommandResult::NotFound {
+                what: "pool \"zz\"".into(),
+            },
+        );
+    }
+
+    #[test]
+    fn instances() {
+        let add = |model: &str, url: &str| {
+            Command::V1(CommandV1::AddInstance {
+                model: model.into(),
+                url: url.into(),
+                expected_version: None,
+            })
+        };
+        let remove = |model: &str, url: &str| {
+            Command::V1(CommandV1::RemoveInstance {
+                model: model.into(),
+                url: url.into(),
+                expected_version: None,
+            })
+        };
+        let s = check(
+            add("m", "http://c:3"),
+            CommandResult::Applied { version: 10 },
+        );
+        assert_eq!(
+            s.pools["m"].instances,
+            ["http://a:1", "http://b:2", "http://c:3"]
+        );
+        check(
+            add("m", "http://a:1"),
+            invalid(&["url \"http://a:1\": already in pool \"m\""]),
+        );
+        check(
+            add("m", "ftp://x"),
+            invalid(&["url \"ftp://x\": must start with http://"]),
+        );
+        check(
+            add("q", "http://c:3"),
+            CommandResult::NotFound {
+                what: "pool \"q\"".into(),
+            },
+        );
+        let s = check(
+            remove("m", "http://a:1"),
+            CommandResult::Applied { version: 10 },
+        );
+        assert_eq!(s.pools["m"].instances, ["http://b:2"]);
+        check(
+            remove("m", "http://z:1"),
+            CommandResult::NotFound {
+                what: "instance \"http://z:1\" in pool \"m\"".into(),
+            },
+        );
+    }
+
+    #[test]
+    fn api_keys() {
+        let add = |tenant: &str, h: &str| {
+            Command::V1(CommandV1::AddApiKey {
+                tenant: tenant.into(),
+                key_hash: h.into(),
+                expected_version: None,
+            })
+        };
+        let remove = |tenant: &str, h: &str| {
+            Command::V1(CommandV1::RemoveApiKey {
+                tenant: tenant.into(),
+                key_hash: h.into(),
+                expected_version: None,
+            })
+        };
+        let s = check(add("acme", H2), CommandResult::Applied { version: 10 });
+        assert_eq!(s.tenant_of_key(H2), Some("acme"));
+        check(
+            add("acme", H1),
+            invalid(&["key_hash: the tenant already has this key"]),
+        );
+        check(
+            add("acme", &"AB".repeat(32)),
+            invalid(&["key_hash: not 64 lowercase hex digits"]),
+        );
+        check(
+            add("nobody", H2),
+            CommandResult::NotFound {
+                what: "tenant \"nobody\"".into(),
+            },
+        );
+        let s = check(remove("acme", H1), CommandResult::Applied { version: 10 });
+        assert!(s.tenants["acme"].api_key_hashes.is_empty());
+        check(
+            remove("acme", H2),
+            CommandResult::NotFound {
+                what: "api key hash of tenant \"acme\"".into(),
+            },
+        );
+        // Another tenant cannot take acme's key.
+        let mut s = base();
+        s.apply(11, &put_tenant("b", tenant(|_| {})));
+        assert_eq!(
+            s.apply(12, &add("b", H1)),
+            invalid(&["key_hash: already belongs to tenant \"acme\""])
+        );
+    }
+
+    #[test]
+    fn commands_round_trip_through_json_and_postcard() {
+        let cmds = [
+            put_pool("m", &["http://a:1"]),
+            put_tenant("acme", tenant(|t| t.rate_limit_rps = Some(2.5))),
+        ];
+        for cmd in cmds {
+            let json = serde_json::to_string(&cmd).unwrap_or_default();
+            assert_eq!(
+                serde_json::from_str::<Command>(&json).ok(),
+                Some(cmd.clone())
+            );
+            let bin = postcard::to_allocvec(&cmd).unwrap_or_default();
+            assert_eq!(postcard::from_bytes::<Command>(&bin).ok(), Some(cmd));
+        }
+        let s = base();
+        let json = serde_json::to_vec(&s).unwrap_or_default();
+        assert_eq!(serde_json::from_slice::<ConfigState>(&json).ok(), Some(s));
+    }
+}

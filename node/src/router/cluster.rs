@@ -1,0 +1,105 @@
+//! Connects a router to its peers through gossip (`warmpath_membership::gossip`):
+//! publishes this router's routing decisions and load, applies the others'.
+//!
+//! Three loops share one task: every `tick` the outbox of new decisions is published as
+//! one batch (so a decision waits at most one tick before it leaves), every `load_every`
+//! the router's own per-instance load is published, and every `tick` the peers' new
+//! batches and latest loads are applied. Routing never waits on any of this: a router
+//! cut off from its peers keeps routing on its own view.
+
+use super::proxy::App;
+use super::state::{now_ms, SharedDecision};
+use std::sync::Arc;
+use std::time::Duration;
+use warmpath_membership::decisions::Decision;
+use warmpath_membership::gossip::{Cursor, Gossip};
+
+/// Runs the cluster loops until the task is aborted.
+pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every: Duration) {
+    app.core
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .enable_sharing();
+    let mut cursor = Cursor::default();
+    let mut ticker = tokio::time::interval(tick);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_load = tokio::time::Instant::now() - load_every;
+    loop {
+        ticker.tick().await;
+        let ((outbox, since_ms), loads) = {
+            let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            (core.take_outbox(), core.own_loads())
+        };
+        if !outbox.is_empty() {
+            let count = outbox.len();
+            let decisions: Vec<Decision> = outbox
+                .into_iter()
+                .map(|d| Decision {
+                    instance: d.instance,
+                    keys: d.keys,
+                })
+                .collect();
+            gossip.publish_decisions(since_ms, decisions).await;
+            metrics::counter!("warmpath_cluster_decisions_sent_total").increment(count as u64);
+        }
+        if last_load.elapsed() >= load_every {
+            last_load = tokio::time::Instant::now();
+            gossip.publish_load(&loads).await;
+        }
+        let update = gossip.poll(&mut cursor).await;
+        let now = now_ms();
+        let mut shared = Vec::new();
+        for (_origin, _seq, batch) in &update.batches {
+            let warmpath_membership::decisions::BatchWire::V1 {
+                made_at_ms,
+                decisions,
+            } = batch;
+            metrics::histogram!("warmpath_cluster_dissemination_lag_seconds")
+                .record(now.saturating_sub(*made_at_ms) as f64 / 1e3);
+            shared.extend(decisions.iter().map(|d| SharedDecision {
+                instance: d.instance,
+                keys: d.keys.clone(),
+            }));
+        }
+        {
+            let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            if !shared.is_empty() {
+                let unknown = core.apply_shared(&shared);
+                metrics::counter!("warmpath_cluster_decisions_applied_total")
+                    .increment((shared.len() - unknown) as u64);
+                metrics::counter!("warmpath_cluster_decisions_unknown_instance_total")
+                    .increment(unknown as u64);
+            }
+            core.set_peer_loads(update.loads);
+        }
+        // Peers, bytes and decode errors are the gossip layer's own metrics.
+        if !update.lagging.is_empty() {
+            metrics::counter!("warmpath_cluster_digest_mismatches_total")
+                .increment(update.lagging.len() as u64);
+        }
+    }
+}
+
+/// Starts gossip for this router (port 0 picks a free UDP port). Returns the gossip
+/// handle and the address peers reach it at.
+pub async fn start_gossip(
+    settings: &super::config::ClusterSettings,
+    http_url: &str,
+    decision_ttl: Duration,
+) -> anyhow::Result<(Arc<Gossip>, std::net::SocketAddr)> {
+    use anyhow::Context;
+    let config = warmpath_membership::gossip::GossipConfig {
+        node_id: settings.node_id.clone(),
+        cluster_id: "warmpath".into(),
+        listen: settings.gossip_listen,
+        advertise: settings.gossip_listen,
+        seeds: settings.seeds.clone(),
+        gossip_interval: settings.gossip_interval,
+        http_url: http_url.to_string(),
+        decision_ttl,
+        secret: settings.secret.clone(),
+    };
+    let gossip = Gossip::start(config).await.context("cannot start gossip")?;
+    let addr = gossip.advertise_addr();
+    Ok((Arc::new(gossip), addr))
+}

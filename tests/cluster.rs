@@ -1,0 +1,278 @@
+//! Router replicas active-active: real `warmpath router` processes gossiping on loopback,
+//! in front of real engine-sims.
+
+use crate::Proc;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// A router replica and its gossip address.
+struct Replica {
+    proc: Proc,
+    gossip: String,
+}
+
+fn replica(name: &str, engines: &[&Proc], seeds: &[&str]) -> Replica {
+    let mut args: Vec<String> = [
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--node-id",
+        name,
+        "--gossip-listen",
+        "127.0.0.1:0",
+        "--fault-injection",
+        "--strategy",
+        "prefix-aware",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for e in engines {
+        args.push("--instance".into());
+        args.push(e.url.clone());
+    }
+    for s in seeds {
+        args.push("--seed".into());
+        args.push(s.to_string());
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut proc = Proc::start(&argv);
+    let line = proc.read_line();
+    let gossip = line
+        .split("gossip on ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no gossip line: {line:?}"))
+        .trim()
+        .to_string();
+    Replica { proc, gossip }
+}
+
+fn engine() -> Proc {
+    Proc::start(&["engine-sim", "--listen", "127.0.0.1:0", "--speedup", "1000"])
+}
+
+/// Sends a completion with an explanation; `None` if the router could not be reached.
+async fn explain(c: &HttpClient, router: &str, prompt: &str) -> Option<(u16, Value)> {
+    let body = json!({"model": "sim-llama", "prompt": prompt, "max_tokens": 1}).to_string();
+    let req = hyper::Request::post(format!("{router}/v1/completions"))
+        .header("x-warmpath-explain", "1")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let resp = c.request(req).await.ok()?;
+    let status = resp.status().as_u16();
+    let why = resp
+        .headers()
+        .get("x-warmpath-explain")
+        .and_then(|v| serde_json::from_slice(v.as_bytes()).ok())
+        .unwrap_or(Value::Null);
+    resp.into_body().collect().await.ok()?;
+    Some((status, why))
+}
+
+/// The router's explained choice for `prompt`, without sending it or changing state.
+async fn dry_run(c: &HttpClient, router: &str, prompt: &str) -> Option<(u16, Value)> {
+    let body = json!({"model": "sim-llama", "prompt": prompt, "max_tokens": 1}).to_string();
+    let req = hyper::Request::post(format!("{router}/debug/route"))
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let resp = c.request(req).await.ok()?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    Some((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))
+}
+
+/// Waits until `router` would route `prompt` to `instance` by its longest prefix. Polls
+/// with dry runs, so the polling itself never teaches the router anything.
+async fn wait_for_match(
+    c: &HttpClient,
+    router: &str,
+    prompt: &str,
+    instance: &str,
+    within: Duration,
+) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if let Some((200, why)) = dry_run(c, router, prompt).await {
+            if why["reason"] == "longest-prefix"
+                && why["instance"] == instance
+                && why["matched"]["gpu"].as_u64() > Some(0)
+            {
+                return Some(start.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+fn prompt(seed: u64) -> String {
+    warmpath_index::text::words(seed, 400)
+}
+
+async fn post_simple(c: &HttpClient, url: &str, path: &str) -> u16 {
+    let req = hyper::Request::post(format!("{url}{path}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    c.request(req)
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_routing_decisions() {
+    let (e1, e2) = (engine(), engine());
+    let a = replica("a", &[&e1, &e2], &[]);
+    let b = replica("b", &[&e1, &e2], &[&a.gossip]);
+    let c3 = replica("c", &[&e1, &e2], &[&a.gossip]);
+    let c = client();
+    for seed in 0..5 {
+        let p = prompt(seed);
+        let (status, why) = explain(&c, &a.proc.url, &p).await.unwrap();
+        assert_eq!(status, 200);
+        let owner = why["instance"].as_str().unwrap().to_string();
+        // The other replicas learn the decision and send the prefix to the same instance.
+        for other in [&b, &c3] {
+            let took =
+                wait_for_match(&c, &other.proc.url, &p, &owner, Duration::from_secs(5)).await;
+            assert!(
+                took.is_some(),
+                "replica never learned prompt {seed}'s owner {owner}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_router_loses_no_request_for_a_retrying_client() {
+    let e1 = engine();
+    let mut a = replica("a", &[&e1], &[]);
+    let b = replica("b", &[&e1], &[&a.gossip]);
+    let c = client();
+    let routers = [a.proc.url.clone(), b.proc.url.clone()];
+    let mut ok = 0;
+    let mut retried = 0;
+    for i in 0..40u64 {
+        if i == 20 {
+            a.proc.kill();
+        }
+        // A client behind a plain load balancer: try the next router when one fails.
+        let mut done = false;
+        for attempt in 0..routers.len() {
+            let router = &routers[(i as usize + attempt) % routers.len()];
+            match explain(&c, router, &prompt(1000 + i)).await {
+                Some((200, _)) => {
+                    done = true;
+                    retried += usize::from(attempt > 0);
+                    break;
+                }
+                _ => continue,
+            }
+        }
+        assert!(done, "request {i} was lost");
+        ok += 1;
+    }
+    assert_eq!(ok, 40);
+    assert!(
+        retried > 0,
+        "requests for the dead router were retried on the other"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_router_keeps_serving_and_converges_after_healing() {
+    let (e1, e2) = (engine(), engine());
+    let a = replica("a", &[&e1, &e2], &[]);
+    let b = replica("b", &[&e1, &e2], &[&a.gossip]);
+    let c = client();
+    // Both know each other before the cut.
+    let warm = prompt(1);
+    let (_, why) = explain(&c, &a.proc.url, &warm).await.unwrap();
+    assert!(wait_for_match(
+        &c,
+        &b.proc.url,
+        &warm,
+        why["instance"].as_str().unwrap(),
+        Duration::from_secs(5)
+    )
+    .await
+    .is_some());
+
+    assert_eq!(post_simple(&c, &b.proc.url, "/debug/partition").await, 200);
+    // During the partition: b keeps serving, and decisions made on a do not reach it.
+    let mut owners = Vec::new();
+    for seed in 10..16 {
+        let (status, why) = explain(&c, &a.proc.url, &prompt(seed)).await.unwrap();
+        assert_eq!(status, 200);
+        owners.push((seed, why["instance"].as_str().unwrap().to_string()));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, _) = explain(&c, &b.proc.url, &prompt(99)).await.unwrap();
+    assert_eq!(status, 200, "a partitioned router keeps serving");
+    for (seed, _) in &owners {
+        let (_, why) = dry_run(&c, &b.proc.url, &prompt(*seed)).await.unwrap();
+        assert_eq!(
+            why["reason"], "no-match",
+            "b learned prompt {seed} through the partition: {why}"
+        );
+    }
+
+    assert_eq!(post_simple(&c, &b.proc.url, "/debug/heal").await, 200);
+    for (seed, owner) in owners {
+        let took = wait_for_match(
+            &c,
+            &b.proc.url,
+            &prompt(seed),
+            &owner,
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(
+            took.is_some(),
+            "after healing, b never learned prompt {seed}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_router_catches_up() {
+    let (e1, e2) = (engine(), engine());
+    let a = replica("a", &[&e1, &e2], &[]);
+    let c = client();
+    let mut owners = Vec::new();
+    for seed in 200..220 {
+        let (_, why) = explain(&c, &a.proc.url, &prompt(seed)).await.unwrap();
+        owners.push((seed, why["instance"].as_str().unwrap().to_string()));
+    }
+    // A router started after all those decisions learns them from its peers.
+    let started = Instant::now();
+    let late = replica("late", &[&e1, &e2], &[&a.gossip]);
+    let mut slowest = Duration::ZERO;
+    for (seed, owner) in &owners {
+        let took = wait_for_match(
+            &c,
+            &late.proc.url,
+            &prompt(*seed),
+            owner,
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(took.is_some(), "the new router never learned prompt {seed}");
+        slowest = slowest.max(started.elapsed());
+    }
+    println!(
+        "new router matched all {} earlier prompts {:.0} ms after it started",
+        owners.len(),
+        slowest.as_secs_f64() * 1e3
+    );
+}
