@@ -197,6 +197,9 @@ pub struct Decision {
     pub blocks_considered: u32,
     /// What the chosen instance was found to hold.
     pub matched: InstanceMatch,
+    /// Prompt tokens the chosen instance is expected to compute (the prompt less what it
+    /// holds in any tier): what the load view should count as its pending prefill.
+    pub uncached_tokens: u32,
     /// Every candidate, when an explanation was asked for.
     pub candidates: Option<Vec<Candidate>>,
 }
@@ -281,11 +284,18 @@ pub fn route(
             })
             .collect()
     });
+    let matched = depths(instance);
+    let cached = u64::from(matched.l2) * u64::from(config.block_tokens);
+    let uncached_tokens = u64::from(req.prompt_tokens)
+        .saturating_sub(cached)
+        .max(1)
+        .min(u64::from(req.prompt_tokens)) as u32;
     Ok(Decision {
         instance,
         reason,
         blocks_considered: considered.len() as u32,
-        matched: depths(instance),
+        matched,
+        uncached_tokens,
         candidates: explanation,
     })
 }

@@ -44,6 +44,15 @@ pub struct DemoArgs {
     pub workload: String,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Router replicas, gossiping with each other; the load is spread across them.
+    #[arg(long, default_value_t = 1)]
+    pub routers: u32,
+    /// Replicas do not gossip: each knows only its own decisions and load.
+    #[arg(long)]
+    pub isolated: bool,
+    /// Policies to compare (default: all four).
+    #[arg(long, num_args = 1..)]
+    pub policy: Vec<String>,
     /// Leave a prefix-aware cluster running afterwards and print its URLs.
     #[arg(long)]
     pub keep_running: bool,
@@ -56,6 +65,11 @@ struct Proc {
 }
 
 async fn spawn(args: &[String]) -> Result<Proc> {
+    Ok(spawn_with_lines(args, 1).await?.0)
+}
+
+/// Starts `warmpath args…` and returns it with its first `lines` stdout lines.
+async fn spawn_with_lines(args: &[String], lines_wanted: usize) -> Result<(Proc, Vec<String>)> {
     let exe = std::env::current_exe().context("cannot find this binary")?;
     let mut child = Command::new(exe)
         .args(args)
@@ -67,23 +81,27 @@ async fn spawn(args: &[String]) -> Result<Proc> {
         .with_context(|| format!("cannot start warmpath {}", args.join(" ")))?;
     let stdout = child.stdout.take().context("stdout is piped")?;
     let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
-        .await
-        .context("a child took over 20 s to start")??
-        .with_context(|| format!("warmpath {} exited before listening", args.join(" ")))?;
-    let url = line
+    let mut first = Vec::new();
+    for _ in 0..lines_wanted {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .context("a child took over 20 s to start")??
+            .with_context(|| format!("warmpath {} exited before listening", args.join(" ")))?;
+        first.push(line);
+    }
+    let url = first[0]
         .split("listening on ")
         .nth(1)
-        .with_context(|| format!("unexpected first line {line:?}"))?
+        .with_context(|| format!("unexpected first line {:?}", first[0]))?
         .trim()
         .to_string();
     // Keep draining stdout so the child never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok(Proc { child, url })
+    Ok((Proc { child, url }, first))
 }
 
 struct Cluster {
-    router: Proc,
+    routers: Vec<Proc>,
     engines: Vec<Proc>,
 }
 
@@ -103,19 +121,42 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
             .await?,
         );
     }
-    let mut router_args: Vec<String> = vec![
-        "router".into(),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--strategy".into(),
-        strategy.name().into(),
-    ];
-    for e in &engines {
-        router_args.push("--instance".into());
-        router_args.push(e.url.clone());
+    let mut routers = Vec::new();
+    let mut seed: Option<String> = None;
+    for r in 0..args.routers.max(1) {
+        let mut router_args: Vec<String> = vec![
+            "router".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--strategy".into(),
+            strategy.name().into(),
+        ];
+        for e in &engines {
+            router_args.push("--instance".into());
+            router_args.push(e.url.clone());
+        }
+        let gossip = args.routers > 1 && !args.isolated;
+        if gossip {
+            router_args.extend([
+                "--node-id".into(),
+                format!("router-{}", r + 1),
+                "--gossip-listen".into(),
+                "127.0.0.1:0".into(),
+            ]);
+            if let Some(s) = &seed {
+                router_args.extend(["--seed".into(), s.clone()]);
+            }
+        }
+        let (router, lines) = spawn_with_lines(&router_args, if gossip { 2 } else { 1 }).await?;
+        if gossip && seed.is_none() {
+            seed = lines[1]
+                .split("gossip on ")
+                .nth(1)
+                .map(|s| s.trim().to_string());
+        }
+        routers.push(router);
     }
-    let router = spawn(&router_args).await?;
-    Ok(Cluster { router, engines })
+    Ok(Cluster { routers, engines })
 }
 
 /// p50 and p99 of the router's overhead summary, in µs.
@@ -162,8 +203,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let requests = loadgen::from_workload(&workload, Some(&synthetic), Endpoint::Completions);
     let stats = workload.stats();
     println!(
-        "warmpath demo: {} engine-sims ({} GPU KV tokens each, {}× speed-up) behind one router, on loopback",
-        args.instances, args.gpu_kv_tokens, args.speedup
+        "warmpath demo: {} engine-sims ({} GPU KV tokens each, {}× speed-up) behind {} router(s){}, on loopback",
+        args.instances,
+        args.gpu_kv_tokens,
+        args.speedup,
+        args.routers.max(1),
+        if args.routers > 1 && args.isolated { " that do not gossip" } else if args.routers > 1 { " gossiping with each other" } else { "" }
     );
     println!(
         "workload {}: {} requests over {:.0} s of model time, mean prompt {:.0} tokens, ideal hit rate {:.1}%\n",
@@ -179,14 +224,20 @@ pub fn run(args: DemoArgs) -> Result<()> {
         .build()?;
     runtime.block_on(async {
         let mut rows = Vec::new();
-        for strategy in Strategy::ALL {
+        let strategies: Vec<Strategy> = if args.policy.is_empty() {
+            Strategy::ALL.to_vec()
+        } else {
+            args.policy.iter().map(|p| p.parse::<Strategy>()).collect::<Result<_, _>>()?
+        };
+        for strategy in strategies {
             let cluster = start_cluster(&args, strategy).await?;
-            let mut config = LoadgenConfig::new(vec![cluster.router.url.clone()], "sim-llama");
+            let targets = cluster.routers.iter().map(|r| r.url.clone()).collect();
+            let mut config = LoadgenConfig::new(targets, "sim-llama");
             config.mode = Mode::OpenLoop { time_scale: args.speedup };
             config.timeout = Duration::from_secs(60);
             config.max_duration = Some(Duration::from_secs(60));
             let report = execute(&config, &requests, false).await?;
-            let overhead_us = router_overhead_us(&cluster.router.url).await.unwrap_or((f64::NAN, f64::NAN));
+            let overhead_us = router_overhead_us(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
             println!("  {:<13} done at {:5.1} s: {} ok, {} errors", strategy.name(), started.elapsed().as_secs_f64(), report.ok, report.error_count());
             use std::io::Write;
             let _ = std::io::stdout().flush();
@@ -198,16 +249,18 @@ pub fn run(args: DemoArgs) -> Result<()> {
         if args.keep_running {
             let cluster = start_cluster(&args, Strategy::PrefixAware).await?;
             println!("\ncluster running (prefix-aware); Ctrl-C stops it");
-            println!("  router:  {}  (metrics: {}/metrics)", cluster.router.url, cluster.router.url);
+            for r in &cluster.routers {
+                println!("  router:  {}  (metrics: {}/metrics)", r.url, r.url);
+            }
             for e in &cluster.engines {
                 println!("  engine:  {}  (metrics: {}/metrics)", e.url, e.url);
             }
             println!(
                 "  try: curl -s {}/v1/completions -H 'x-warmpath-explain: 1' -d '{{\"model\":\"sim-llama\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
-                cluster.router.url
+                cluster.routers[0].url
             );
             crate::shutdown_signal().await;
-            let _ = cluster.router.child.id();
+            let _ = cluster.routers[0].child.id();
         }
         Ok::<(), anyhow::Error>(())
     })

@@ -7,6 +7,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+mod admin;
 mod demo;
 mod engine_sim;
 mod loadgen;

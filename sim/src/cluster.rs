@@ -146,6 +146,8 @@ struct Track {
     instance: u32,
     first_token_us: Option<u64>,
     last_token_us: u64,
+    /// Prefill tokens the load views count for it (the policy's uncached estimate).
+    pending: u64,
 }
 
 struct Replica {
@@ -285,14 +287,15 @@ pub fn simulate(
                         }
                     }
                 }
-                let prompt = u64::from(req.prompt_tokens);
-                replicas[r as usize].own_load.start(inst, prompt);
-                global_load.start(inst, prompt);
+                let pending = u64::from(decision.uncached_tokens);
+                replicas[r as usize].own_load.start(inst, pending);
+                global_load.start(inst, pending);
                 tracks[i] = Track {
                     router: r,
                     instance: inst.0,
                     first_token_us: None,
                     last_token_us: now,
+                    pending,
                 };
                 stepped = inst.0;
                 let engine = &mut engines[inst.0 as usize];
@@ -356,7 +359,7 @@ pub fn simulate(
                     t.last_token_us = at_us;
                     output_tokens += 1;
                     ttft.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    let prompt = u64::from(workload.requests[i].prompt_tokens);
+                    let prompt = t.pending;
                     replicas[t.router as usize]
                         .own_load
                         .first_token(InstanceId(t.instance), prompt);
@@ -373,7 +376,7 @@ pub fn simulate(
                     let t = tracks[i];
                     completed += 1;
                     e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    let prompt = u64::from(workload.requests[i].prompt_tokens);
+                    let prompt = t.pending;
                     replicas[t.router as usize].own_load.finish(
                         InstanceId(t.instance),
                         prompt,
@@ -385,7 +388,7 @@ pub fn simulate(
                     let i = id as usize;
                     let t = tracks[i];
                     rejected += 1;
-                    let prompt = u64::from(workload.requests[i].prompt_tokens);
+                    let prompt = t.pending;
                     replicas[t.router as usize].own_load.finish(
                         InstanceId(t.instance),
                         prompt,

@@ -418,7 +418,6 @@ async fn handle(
             &chosen,
             upstream_body.clone(),
             parsed.stream,
-            prompt_tokens,
             deadline,
         )
         .await
@@ -497,9 +496,9 @@ async fn attempt_once(
     chosen: &Chosen,
     body: Bytes,
     stream: bool,
-    prompt_tokens: u32,
     deadline: Instant,
 ) -> Result<Response<Body>, AttemptError> {
+    let prompt_tokens = chosen.pending_tokens();
     let uri = format!("{}{}", chosen.url, endpoint.path());
     let request = Request::post(uri)
         .header(axum::http::header::CONTENT_TYPE, "application/json")

@@ -41,6 +41,13 @@ pub struct Chosen {
     pub decision: Decision,
 }
 
+impl Chosen {
+    /// Prefill tokens the load view counts for this request until its first byte.
+    pub fn pending_tokens(&self) -> u32 {
+        self.decision.uncached_tokens
+    }
+}
+
 /// A routing decision to tell the other routers: `keys` now predicted on the instance
 /// whose stable key (a hash of its URL, the same on every router) is `instance`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -229,8 +236,10 @@ impl RouterState {
                 }
             }
         }
-        self.own_load.start(instance, u64::from(prompt_tokens));
-        self.load.start(instance, u64::from(prompt_tokens));
+        // Pending prefill counts what the instance must compute, not what it holds.
+        let pending = u64::from(decision.uncached_tokens);
+        self.own_load.start(instance, pending);
+        self.load.start(instance, pending);
         Ok(Chosen {
             instance,
             url: self.instances[instance.0 as usize].url.clone(),
@@ -238,7 +247,8 @@ impl RouterState {
         })
     }
 
-    /// The request's first byte of response arrived: its prefill is done.
+    /// The request's first byte of response arrived: its prefill is done. `prompt_tokens`
+    /// is what [`Chosen::pending_tokens`] said when it was routed.
     pub fn first_token(&mut self, instance: InstanceId, prompt_tokens: u32) {
         self.own_load
             .first_token(instance, u64::from(prompt_tokens));
