@@ -37,6 +37,8 @@ enum Command {
     EngineSim(engine_sim::EngineSimArgs),
     /// Send load to an OpenAI-compatible endpoint and measure it.
     Loadgen(loadgen::LoadgenArgs),
+    /// Manage tenants, pools and API keys through a router's admin API.
+    Admin(admin::AdminArgs),
 }
 
 /// Resolves on SIGINT or SIGTERM: the start of a graceful shutdown.
@@ -59,10 +61,10 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down: draining open requests");
 }
 
-/// Logs to stderr; `WARMPATH_LOG` sets the filter (default `info`).
+/// Logs to stderr; `WARMPATH_LOG` sets the filter (default `info,openraft=warn`).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("WARMPATH_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,openraft=warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -78,6 +80,7 @@ fn main() -> ExitCode {
         Command::Router(args) => router::run(args),
         Command::EngineSim(args) => engine_sim::run(args),
         Command::Loadgen(args) => loadgen::run(args),
+        Command::Admin(args) => admin::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,10 +5,6 @@
 //! - [`openapi`]: the hand-written OpenAPI 3.0 document the API serves.
 //! - [`cli`]: the command-line client, printing aligned tables or raw JSON.
 
-// Until main.rs wires `warmpath admin` to `cli::run` and the router serves `api::routes`,
-// nothing outside the tests calls into this module. Remove this line once it is wired.
-#![allow(dead_code, unused_imports)]
-
 pub mod api;
 pub mod cli;
 pub mod openapi;

@@ -72,6 +72,13 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
             }
             core.set_peer_loads(update.loads);
         }
+        app.peers
+            .store(update.peers.len(), std::sync::atomic::Ordering::Relaxed);
+        *app.peer_list.lock().unwrap_or_else(|e| e.into_inner()) = update
+            .peers
+            .iter()
+            .map(|p| serde_json::json!({"node_id": p.node_id, "http": p.http_url, "gossip": p.gossip_addr.to_string()}))
+            .collect();
         // Peers, bytes and decode errors are the gossip layer's own metrics.
         if !update.lagging.is_empty() {
             metrics::counter!("warmpath_cluster_digest_mismatches_total")

@@ -43,6 +43,39 @@ pub struct FileConfig {
     /// Router replicas: gossip with peers (absent: this router runs alone).
     #[serde(default)]
     pub cluster: Option<ClusterSection>,
+    /// Tenant configuration in Raft, and the admin API (absent: tenants and pools come
+    /// from this file and cannot change without a restart).
+    #[serde(default)]
+    pub raft: Option<RaftSection>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct RaftSection {
+    /// This router's Raft node id; stable across restarts.
+    pub node_id: u64,
+    /// Where the Raft log, vote and snapshots live.
+    pub data_dir: String,
+    /// Address of the admin API (and of the Raft RPCs between routers).
+    pub admin_listen: String,
+    /// File holding the admin API's bearer token.
+    pub admin_token_file: String,
+    /// The voters (3 or 5), node id → admin base URL; a router not listed joins as a learner.
+    pub voters: BTreeMap<String, String>,
+    /// File holding a token routers send each other on Raft RPCs (recommended).
+    #[serde(default)]
+    pub peer_token_file: Option<String>,
+}
+
+/// Validated Raft settings.
+#[derive(Debug, Clone)]
+pub struct RaftSettings {
+    pub node_id: u64,
+    pub data_dir: std::path::PathBuf,
+    pub admin_listen: SocketAddr,
+    pub admin_token: String,
+    pub voters: BTreeMap<u64, String>,
+    pub peer_token: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -165,6 +198,9 @@ pub struct TenantSection {
     /// value derived from the tenant id.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// Requests per second across all routers; absent: unlimited.
+    #[serde(default)]
+    pub rate_limit_rps: Option<f64>,
 }
 
 fn default_strategy() -> String {
@@ -188,6 +224,8 @@ pub struct Tenant {
     pub block_tokens: u32,
     pub temperature: f64,
     pub cache_salt: String,
+    /// Requests per second across all routers; `None`: unlimited.
+    pub rate_limit_rps: Option<f64>,
 }
 
 /// A validated pool.
@@ -218,6 +256,7 @@ pub struct RouterConfig {
     pub pools: Vec<Pool>,
     pub tenants: Vec<Tenant>,
     pub cluster: Option<ClusterSettings>,
+    pub raft: Option<RaftSettings>,
 }
 
 /// blake3 of an API key, as stored.
@@ -330,6 +369,11 @@ impl FileConfig {
             if t.block_tokens == 0 {
                 problems.push(format!("{at}.block_tokens must be positive"));
             }
+            if t.rate_limit_rps
+                .is_some_and(|r| !(r.is_finite() && r > 0.0))
+            {
+                problems.push(format!("{at}.rate_limit_rps must be a positive number"));
+            }
             if !(t.temperature.is_finite() && t.temperature >= 0.0) {
                 problems.push(format!("{at}.temperature must be a non-negative number"));
             }
@@ -368,6 +412,7 @@ impl FileConfig {
                     block_tokens: t.block_tokens.max(1),
                     temperature: t.temperature,
                     cache_salt,
+                    rate_limit_rps: t.rate_limit_rps,
                 });
             }
         }
@@ -383,6 +428,7 @@ impl FileConfig {
                     concurrency_threshold: default_threshold(),
                     block_tokens: default_block_tokens(),
                     temperature: 0.0,
+                    rate_limit_rps: None,
                     cache_salt: blake3::hash(format!("warmpath cache salt v1\0{d}").as_bytes())
                         .to_hex()[..16]
                         .to_string(),
@@ -433,6 +479,57 @@ impl FileConfig {
                 _ => None,
             }
         });
+        let raft = self.raft.as_ref().and_then(|r| {
+            let read_token =
+                |what: &str, path: &str, problems: &mut Vec<String>| match std::fs::read_to_string(
+                    path,
+                ) {
+                    Ok(t) if !t.trim().is_empty() => Some(t.trim().to_string()),
+                    Ok(_) => {
+                        problems.push(format!("raft.{what} {path:?} is empty"));
+                        None
+                    }
+                    Err(e) => {
+                        problems.push(format!("raft.{what} {path:?}: {e}"));
+                        None
+                    }
+                };
+            let admin_token = read_token("admin_token_file", &r.admin_token_file, &mut problems);
+            let peer_token = match &r.peer_token_file {
+                Some(p) => Some(read_token("peer_token_file", p, &mut problems)?),
+                None => None,
+            };
+            let admin_listen = match r.admin_listen.parse::<SocketAddr>() {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    problems.push(format!("raft.admin_listen {:?}: {e}", r.admin_listen));
+                    None
+                }
+            };
+            let mut voters = BTreeMap::new();
+            for (id, url) in &r.voters {
+                match (id.parse::<u64>(), normalise_url(url)) {
+                    (Ok(id), Ok(url)) => {
+                        voters.insert(id, url);
+                    }
+                    (Err(_), _) => {
+                        problems.push(format!("raft.voters: node id {id:?} is not a number"))
+                    }
+                    (_, Err(e)) => problems.push(format!("raft.voters.{id} {url:?}: {e}")),
+                }
+            }
+            if voters.is_empty() {
+                problems.push("raft.voters is empty: list the 3 or 5 voters".into());
+            }
+            Some(RaftSettings {
+                node_id: r.node_id,
+                data_dir: r.data_dir.clone().into(),
+                admin_listen: admin_listen?,
+                admin_token: admin_token?,
+                voters,
+                peer_token,
+            })
+        });
         if !problems.is_empty() {
             bail!(
                 "{} problem(s):\n  - {}",
@@ -459,6 +556,7 @@ impl FileConfig {
             pools,
             tenants,
             cluster,
+            raft,
         })
     }
 }

@@ -7,7 +7,9 @@
 pub mod cluster;
 pub mod config;
 pub mod proxy;
+pub mod ratelimit;
 pub mod state;
+pub mod tenancy;
 
 use anyhow::{Context, Result};
 use axum::extract::State;
@@ -59,6 +61,21 @@ pub struct RouterArgs {
     /// File with the cluster secret that authenticates gossip.
     #[arg(long)]
     pub gossip_secret_file: Option<String>,
+    /// Raft node id: turns on tenant configuration in Raft and the admin API.
+    #[arg(long, requires_all = ["raft_dir", "admin_listen", "admin_token_file"])]
+    pub raft_node_id: Option<u64>,
+    /// Directory of this router's Raft log and snapshots.
+    #[arg(long)]
+    pub raft_dir: Option<String>,
+    /// Address of the admin API and of Raft between routers.
+    #[arg(long)]
+    pub admin_listen: Option<String>,
+    /// File holding the admin API's bearer token.
+    #[arg(long)]
+    pub admin_token_file: Option<String>,
+    /// A Raft voter as `ID=http://host:port` (its admin address), repeatable.
+    #[arg(long = "voter")]
+    pub voters: Vec<String>,
     /// Serve `POST /debug/partition` and `/debug/heal` (cut this router's gossip off and
     /// back) and `/debug/route` (an explained dry run, unauthenticated), for fault tests.
     /// Never in production.
@@ -86,6 +103,28 @@ impl RouterArgs {
             });
             section.node_id = node_id.clone();
             section.gossip_listen = listen.clone();
+        }
+        if let (Some(id), Some(dir), Some(admin), Some(token)) = (
+            self.raft_node_id,
+            &self.raft_dir,
+            &self.admin_listen,
+            &self.admin_token_file,
+        ) {
+            let mut voters = std::collections::BTreeMap::new();
+            for v in &self.voters {
+                let (vid, url) = v
+                    .split_once('=')
+                    .with_context(|| format!("--voter {v:?}: expected ID=URL"))?;
+                voters.insert(vid.to_string(), url.to_string());
+            }
+            file.raft = Some(config::RaftSection {
+                node_id: id,
+                data_dir: dir.clone(),
+                admin_listen: admin.clone(),
+                admin_token_file: token.clone(),
+                voters,
+                peer_token_file: None,
+            });
         }
         if let Some(section) = &mut file.cluster {
             section.seeds.extend(self.seeds.iter().cloned());
@@ -115,6 +154,7 @@ impl RouterArgs {
                     block_tokens: 64,
                     temperature: 0.0,
                     cache_salt: None,
+                    rate_limit_rps: None,
                 });
             }
             let t = file
@@ -313,15 +353,13 @@ async fn health_loop(app: Arc<App>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let urls: Vec<String> = app
+        let urls: Vec<(InstanceId, String)> = app
             .core
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .instances()
-            .iter()
-            .map(|i| i.url.clone())
-            .collect();
-        let checks = urls.iter().enumerate().map(|(i, url)| {
+            .active_instances();
+        let checks = urls.iter().map(|(id, url)| {
+            let i = id.0 as usize;
             let app = app.clone();
             let url = format!("{url}/health");
             async move {
@@ -398,6 +436,44 @@ pub fn run(args: RouterArgs) -> Result<()> {
                 Duration::from_millis(100),
             )));
         }
+        let mut raft_tasks = Vec::new();
+        let mut raft_node = None;
+        if let Some(settings) = app.config.raft.clone() {
+            let admin_listener = tokio::net::TcpListener::bind(settings.admin_listen)
+                .await
+                .with_context(|| format!("cannot listen on {} (admin)", settings.admin_listen))?;
+            let admin_addr = admin_listener.local_addr()?;
+            let admin_url = format!("http://{admin_addr}");
+            let raft = tenancy::start(&settings, &admin_url).await?;
+            println!(
+                "warmpath router admin on {admin_url} (raft node {})",
+                settings.node_id
+            );
+            let deps = Arc::new(crate::admin::AdminDeps {
+                raft: raft.clone(),
+                token_hash: tenancy::token_hash(&settings.admin_token),
+                router: Arc::new(tenancy::Info { app: app.clone() }),
+            });
+            let admin_app = crate::admin::routes(deps).merge(raft.router());
+            raft_tasks.push(tokio::spawn(async move {
+                if let Err(error) = axum::serve(admin_listener, admin_app).await {
+                    tracing::error!(%error, "admin server failed");
+                }
+            }));
+            raft_tasks.push(tokio::spawn(tenancy::follow(
+                app.clone(),
+                raft.clone(),
+                app.config.default_tenant.clone(),
+            )));
+            if settings.voters.contains_key(&settings.node_id) {
+                raft_tasks.push(tokio::spawn(tenancy::seed(
+                    raft.clone(),
+                    app.config.tenants.clone(),
+                    app.config.pools.clone(),
+                )));
+            }
+            raft_node = Some(raft);
+        }
         use std::io::Write;
         let _ = std::io::stdout().flush();
         let result = serve(
@@ -409,6 +485,12 @@ pub fn run(args: RouterArgs) -> Result<()> {
         .await;
         if let Some(task) = cluster_task {
             task.abort();
+        }
+        for task in raft_tasks {
+            task.abort();
+        }
+        if let Some(raft) = raft_node {
+            raft.shutdown().await;
         }
         result
     })

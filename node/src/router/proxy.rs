@@ -29,6 +29,8 @@ use warmpath_index::InstanceId;
 
 /// Header that asks for the routing decision to be explained in the response.
 pub const EXPLAIN_HEADER: &str = "x-warmpath-explain";
+/// Response header carrying the configuration version the request was routed under.
+pub const CONFIG_VERSION_HEADER: &str = "x-warmpath-config-version";
 /// Header naming the tenant when no API key does (if allowed).
 pub const TENANT_HEADER: &str = "x-tenant-id";
 
@@ -39,18 +41,66 @@ pub struct App {
     pub config: RouterConfig,
     pub core: Mutex<RouterState>,
     pub client: HttpClient,
-    /// Tenants by id, with their key material derived once.
-    tenants: HashMap<String, TenantEntry>,
-    /// Tenant id by API key hash.
-    by_key: HashMap<[u8; 32], String>,
+    /// The tenant table, swapped whole on every configuration change (Raft), read by
+    /// every request (a read lock held for a clone of an `Arc`).
+    tenants: std::sync::RwLock<Arc<TenantTable>>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Gossip with the other replicas, once started (absent when running alone).
     pub gossip: std::sync::OnceLock<Arc<warmpath_membership::gossip::Gossip>>,
+    /// Live peer routers, from gossip: rate limits are shared among them.
+    pub peers: std::sync::atomic::AtomicUsize,
+    /// The live peers as the admin API shows them, refreshed by the gossip loop.
+    pub peer_list: Mutex<Vec<serde_json::Value>>,
 }
 
-struct TenantEntry {
-    tenant: Tenant,
+pub struct TenantEntry {
+    pub tenant: Tenant,
     key: TenantKey,
+    /// Admission for the tenant's rate limit on this router.
+    limiter: Option<Mutex<super::ratelimit::TokenBucket>>,
+}
+
+/// Tenants by id and by API key, with their key material derived once, and the
+/// configuration version they come from.
+pub struct TenantTable {
+    by_id: HashMap<String, Arc<TenantEntry>>,
+    by_key: HashMap<[u8; 32], String>,
+    default_tenant: Option<String>,
+    pub version: u64,
+}
+
+impl TenantTable {
+    pub fn new(tenants: &[Tenant], default_tenant: Option<String>, version: u64) -> Self {
+        let mut by_id = HashMap::new();
+        let mut by_key = HashMap::new();
+        for t in tenants {
+            for h in &t.api_key_hashes {
+                by_key.insert(*h, t.id.clone());
+            }
+            let limiter = t
+                .rate_limit_rps
+                .map(|rps| Mutex::new(super::ratelimit::TokenBucket::new(rps)));
+            by_id.insert(
+                t.id.clone(),
+                Arc::new(TenantEntry {
+                    key: TenantKey::derive(&t.id, &t.cache_salt),
+                    tenant: t.clone(),
+                    limiter,
+                }),
+            );
+        }
+        let default_tenant = default_tenant.filter(|d| by_id.contains_key(d));
+        TenantTable {
+            by_id,
+            by_key,
+            default_tenant,
+            version,
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<&Arc<TenantEntry>> {
+        self.by_id.get(id)
+    }
 }
 
 impl std::fmt::Debug for App {
@@ -73,28 +123,16 @@ impl App {
         let client = Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
-        let mut tenants = HashMap::new();
-        let mut by_key = HashMap::new();
-        for t in &config.tenants {
-            for h in &t.api_key_hashes {
-                by_key.insert(*h, t.id.clone());
-            }
-            tenants.insert(
-                t.id.clone(),
-                TenantEntry {
-                    key: TenantKey::derive(&t.id, &t.cache_salt),
-                    tenant: t.clone(),
-                },
-            );
-        }
+        let tenants = TenantTable::new(&config.tenants, config.default_tenant.clone(), 0);
         App {
             config,
             core: Mutex::new(core),
             client,
-            tenants,
-            by_key,
+            tenants: std::sync::RwLock::new(Arc::new(tenants)),
             metrics,
             gossip: std::sync::OnceLock::new(),
+            peers: std::sync::atomic::AtomicUsize::new(0),
+            peer_list: Mutex::new(Vec::new()),
         }
     }
 
@@ -104,7 +142,21 @@ impl App {
         self.core.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn identify(&self, headers: &HeaderMap) -> Result<&TenantEntry, ProxyError> {
+    /// The current tenant table.
+    pub fn tenants(&self) -> Arc<TenantTable> {
+        self.tenants
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Swaps in a new tenant table (a configuration change).
+    pub fn set_tenants(&self, table: TenantTable) {
+        *self.tenants.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+    }
+
+    fn identify(&self, headers: &HeaderMap) -> Result<Arc<TenantEntry>, ProxyError> {
+        let table = self.tenants();
         if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
             let auth = auth.to_str().map_err(|_| {
                 ProxyError::Unauthorized("the Authorization header is not text".into())
@@ -112,23 +164,32 @@ impl App {
             let key = auth.strip_prefix("Bearer ").ok_or_else(|| {
                 ProxyError::Unauthorized("Authorization must be `Bearer <api key>`".into())
             })?;
-            let id = self
+            let id = table
                 .by_key
                 .get(&hash_api_key(key.trim()))
                 .ok_or_else(|| ProxyError::Unauthorized("unknown API key".into()))?;
-            return Ok(&self.tenants[id]);
+            return table
+                .by_id
+                .get(id)
+                .cloned()
+                .ok_or_else(|| ProxyError::Unauthorized("unknown API key".into()));
         }
         if self.config.allow_tenant_header {
             if let Some(id) = headers.get(TENANT_HEADER) {
                 let id = id.to_str().unwrap_or_default();
-                return self
-                    .tenants
+                return table
+                    .by_id
                     .get(id)
+                    .cloned()
                     .ok_or_else(|| ProxyError::Unauthorized(format!("unknown tenant {id:?}")));
             }
         }
-        match &self.config.default_tenant {
-            Some(id) => Ok(&self.tenants[id]),
+        match table
+            .default_tenant
+            .as_ref()
+            .and_then(|id| table.by_id.get(id))
+        {
+            Some(entry) => Ok(entry.clone()),
             None => Err(ProxyError::Unauthorized(
                 "no API key: send `Authorization: Bearer <api key>`".into(),
             )),
@@ -167,6 +228,13 @@ pub enum ProxyError {
     /// The body is over the limit.
     #[error("request body over {0} bytes")]
     TooLarge(usize),
+    /// The tenant is over its rate limit.
+    #[error("rate limit of {rps} requests/s exceeded for tenant {tenant:?}; retry after {retry_after_s} s")]
+    RateLimited {
+        tenant: String,
+        rps: f64,
+        retry_after_s: u64,
+    },
     /// No instance can take the request now.
     #[error("no healthy instance for model {model:?}; retry shortly")]
     NoHealthyInstance { model: String, retry_after_s: u64 },
@@ -179,12 +247,13 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
-    fn status(&self) -> StatusCode {
+    pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ProxyError::UnknownModel(_) => StatusCode::NOT_FOUND,
             ProxyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::NoHealthyInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -195,6 +264,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) | ProxyError::TooLarge(_) => "invalid_request_error",
             ProxyError::Unauthorized(_) => "authentication_error",
+            ProxyError::RateLimited { .. } => "rate_limit_error",
             ProxyError::UnknownModel(_) => "not_found_error",
             ProxyError::NoHealthyInstance { .. }
             | ProxyError::Upstream { .. }
@@ -213,7 +283,9 @@ impl IntoResponse for ProxyError {
             .header(axum::http::header::CONTENT_TYPE, "application/json")
             .body(Body::from(body))
             .unwrap_or_default();
-        if let ProxyError::NoHealthyInstance { retry_after_s, .. } = self {
+        if let ProxyError::RateLimited { retry_after_s, .. }
+        | ProxyError::NoHealthyInstance { retry_after_s, .. } = self
+        {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 HeaderValue::from(retry_after_s),
@@ -222,6 +294,38 @@ impl IntoResponse for ProxyError {
         metrics::counter!("warmpath_router_errors_total", "status" => status.as_u16().to_string())
             .increment(1);
         resp
+    }
+}
+
+/// The explained dry-run decision for `tenant` (by id) and an OpenAI request body.
+pub fn explain_for(app: &App, tenant: &str, body: &[u8]) -> Result<serde_json::Value, ProxyError> {
+    let table = app.tenants();
+    let entry = table
+        .get(tenant)
+        .ok_or_else(|| ProxyError::BadRequest(format!("unknown tenant {tenant:?}")))?;
+    let endpoint = if body.windows(10).any(|w| w == b"\"messages\"") {
+        Endpoint::Chat
+    } else {
+        Endpoint::Completions
+    };
+    let parsed = parse(endpoint, body)?;
+    let tokens = tokenize(&parsed.prompt);
+    let keys = token_block_keys(&entry.key, &tokens, entry.tenant.block_tokens as usize);
+    let chosen = app
+        .core()
+        .dry_run(&entry.tenant, &parsed.model, &keys, tokens.len() as u32);
+    match chosen {
+        Ok(c) => {
+            let mut v = explanation(app, &c);
+            v["config_version"] = serde_json::json!(table.version);
+            v["strategy"] = serde_json::json!(entry.tenant.strategy.name());
+            Ok(v)
+        }
+        Err(NoRoute::UnknownModel) => Err(ProxyError::UnknownModel(parsed.model)),
+        Err(NoRoute::NoHealthyInstance) => Err(ProxyError::NoHealthyInstance {
+            model: parsed.model,
+            retry_after_s: app.config.retry_after_s,
+        }),
     }
 }
 
@@ -357,6 +461,20 @@ async fn handle(
     let started = Instant::now();
     let (parts, body) = req.into_parts();
     let tenant = app.identify(&parts.headers)?;
+    if let (Some(limiter), Some(rps)) = (&tenant.limiter, tenant.tenant.rate_limit_rps) {
+        let peers = app.peers.load(std::sync::atomic::Ordering::Relaxed);
+        let mut bucket = limiter.lock().unwrap_or_else(|e| e.into_inner());
+        bucket.set_share(1.0 / (peers + 1) as f64);
+        if let Err(wait) = bucket.admit(Instant::now()) {
+            metrics::counter!("warmpath_router_rate_limited_total", "tenant" => tenant.tenant.id.clone()).increment(1);
+            return Err(ProxyError::RateLimited {
+                tenant: tenant.tenant.id.clone(),
+                rps,
+                retry_after_s: wait.as_secs_f64().ceil().max(1.0) as u64,
+            });
+        }
+    }
+    let config_version = app.tenants().version;
     let limit = app.config.max_body_bytes;
     let body = Limited::new(body, limit).collect().await.map_err(|e| {
         if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -424,6 +542,8 @@ async fn handle(
         {
             Ok(mut resp) => {
                 app.core().attempt_succeeded(chosen.instance);
+                resp.headers_mut()
+                    .insert(CONFIG_VERSION_HEADER, HeaderValue::from(config_version));
                 if explain {
                     if let Ok(v) = HeaderValue::from_str(
                         &serde_json::to_string(&explanation(&app, &chosen)).unwrap_or_default(),

@@ -85,21 +85,7 @@ pub struct RouterState {
 
 impl RouterState {
     pub fn new(config: &RouterConfig, profile: ModelProfile) -> Self {
-        let mut instances = Vec::new();
-        let mut pools: HashMap<String, Vec<InstanceId>> = HashMap::new();
-        for pool in &config.pools {
-            for url in &pool.instances {
-                let id = InstanceId(instances.len() as u32);
-                instances.push(InstanceInfo {
-                    url: url.clone(),
-                    healthy: true,
-                    failures: 0,
-                    ejected_until: None,
-                });
-                pools.entry(pool.model.clone()).or_default().push(id);
-            }
-        }
-        RouterState {
+        let mut state = RouterState {
             index: PrefixIndex::new(IndexConfig {
                 capacity_blocks: config.index_capacity_blocks,
                 predicted_ttl_us: config.predicted_ttl.as_micros() as u64,
@@ -107,23 +93,59 @@ impl RouterState {
             own_load: LoadView::new(),
             peer_loads: HashMap::new(),
             load: LoadView::new(),
-            instance_keys: instances.iter().map(|i| instance_key(&i.url)).collect(),
-            by_instance_key: instances
-                .iter()
-                .enumerate()
-                .map(|(n, i)| (instance_key(&i.url), InstanceId(n as u32)))
-                .collect(),
+            instance_keys: Vec::new(),
+            by_instance_key: HashMap::new(),
             outbox: None,
             outbox_since_ms: None,
             policies: HashMap::new(),
-            instances,
-            pools,
+            instances: Vec::new(),
+            pools: HashMap::new(),
             profile,
             started: Instant::now(),
             eject_base: config.eject_base,
             eject_max: config.eject_max,
             candidates: Vec::new(),
+        };
+        state.set_pools(&config.pools);
+        state
+    }
+
+    /// Replaces the pools (a config change): new instances get new ids (ids are never
+    /// reused), instances no longer in any pool leave the pools and the index.
+    pub fn set_pools(&mut self, pools: &[super::config::Pool]) {
+        let mut next: HashMap<String, Vec<InstanceId>> = HashMap::new();
+        for pool in pools {
+            for url in &pool.instances {
+                let key = instance_key(url);
+                let id = match self.by_instance_key.get(&key) {
+                    Some(&id) => id,
+                    None => {
+                        let id = InstanceId(self.instances.len() as u32);
+                        self.instances.push(InstanceInfo {
+                            url: url.clone(),
+                            healthy: true,
+                            failures: 0,
+                            ejected_until: None,
+                        });
+                        self.instance_keys.push(key);
+                        self.by_instance_key.insert(key, id);
+                        id
+                    }
+                };
+                let members = next.entry(pool.model.clone()).or_default();
+                if !members.contains(&id) {
+                    members.push(id);
+                }
+            }
         }
+        let kept: std::collections::HashSet<InstanceId> =
+            next.values().flatten().copied().collect();
+        for old in self.pools.values().flatten() {
+            if !kept.contains(old) {
+                self.index.remove_instance(*old);
+            }
+        }
+        self.pools = next;
     }
 
     fn now_us(&self) -> u64 {
@@ -366,6 +388,16 @@ impl RouterState {
                 i.healthy && i.ejected_until.is_none_or(|t| t <= now) && !tried.contains(id)
             })
         })
+    }
+
+    /// Ids and URLs of the instances in some pool now.
+    pub fn active_instances(&self) -> Vec<(InstanceId, String)> {
+        let mut ids: Vec<InstanceId> = self.pools.values().flatten().copied().collect();
+        ids.sort();
+        ids.dedup();
+        ids.into_iter()
+            .map(|id| (id, self.instances[id.0 as usize].url.clone()))
+            .collect()
     }
 
     pub fn instances(&self) -> &[InstanceInfo] {

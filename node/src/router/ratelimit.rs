@@ -1,0 +1,97 @@
+//! Per-tenant rate limits, enforced by every router on its share of the tenant's rate.
+//!
+//! A token bucket per tenant per router: it refills at `rate × share` tokens per second
+//! and holds at most one second of that, where `share` is this router's fraction of the
+//! live routers (1/N, from gossip). A load balancer spreading a tenant's requests evenly
+//! makes the cluster admit about `rate` per second in all; a skewed one admits less than
+//! `rate` (never more), which errs on the side of protecting the fleet. The answer to a
+//! request over the limit is 429 with `Retry-After`.
+//!
+//! Pure: time is passed in.
+
+use std::time::{Duration, Instant};
+
+/// A token bucket.
+#[derive(Debug)]
+pub struct TokenBucket {
+    /// The tenant's cluster-wide rate, requests per second.
+    rate: f64,
+    /// This router's share of it, in (0, 1].
+    share: f64,
+    tokens: f64,
+    last: Option<Instant>,
+}
+
+impl TokenBucket {
+    pub fn new(rate_per_s: f64) -> Self {
+        TokenBucket {
+            rate: rate_per_s.max(0.0),
+            share: 1.0,
+            tokens: rate_per_s.max(1.0),
+            last: None,
+        }
+    }
+
+    /// Sets this router's share of the rate (1 / live routers).
+    pub fn set_share(&mut self, share: f64) {
+        self.share = share.clamp(1e-6, 1.0);
+    }
+
+    fn per_s(&self) -> f64 {
+        self.rate * self.share
+    }
+
+    /// Takes one token at `now`, or says how long until one is available.
+    pub fn admit(&mut self, now: Instant) -> Result<(), Duration> {
+        let per_s = self.per_s();
+        let burst = per_s.max(1.0);
+        if let Some(last) = self.last {
+            self.tokens = (self.tokens + now.saturating_duration_since(last).as_secs_f64() * per_s)
+                .min(burst);
+        } else {
+            self.tokens = self.tokens.min(burst);
+        }
+        self.last = Some(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            return Ok(());
+        }
+        if per_s <= 0.0 {
+            return Err(Duration::from_secs(60));
+        }
+        Err(Duration::from_secs_f64((1.0 - self.tokens) / per_s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_cases() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut b = TokenBucket::new(2.0);
+        // A burst of up to one second's worth, then a wait.
+        assert!(b.admit(at(0)).is_ok());
+        assert!(b.admit(at(0)).is_ok());
+        let wait = b.admit(at(0)).unwrap_err();
+        assert!((wait.as_secs_f64() - 0.5).abs() < 1e-9, "{wait:?}");
+        assert!(b.admit(at(500)).is_ok());
+        // Half the share: half the rate.
+        let mut half = TokenBucket::new(4.0);
+        half.set_share(0.5);
+        assert!(half.admit(at(0)).is_ok());
+        assert!(half.admit(at(0)).is_ok());
+        assert!(half.admit(at(0)).is_err());
+        assert!(half.admit(at(499)).is_err());
+        assert!(half.admit(at(500)).is_ok());
+        // A zero rate admits nothing.
+        let mut none = TokenBucket::new(0.0);
+        assert!(
+            none.admit(at(0)).is_ok(),
+            "the first token of the minimum burst"
+        );
+        assert!(none.admit(at(10_000)).is_err());
+    }
+}

@@ -1,0 +1,225 @@
+//! Tenant configuration in Raft, as the router uses it: starting the Raft node, seeding an
+//! empty cluster from the config file, following every applied change (tenant table and
+//! pools swapped in place, no restart), and the router facts the admin API serves.
+
+use super::config::{hash_api_key, Pool, RaftSettings, Tenant};
+use super::proxy::{App, TenantTable};
+use anyhow::{Context, Result};
+use std::sync::Arc;
+use std::time::Duration;
+use warmpath_index::policy::Strategy;
+use warmpath_membership::raft::state::{
+    Command, CommandResult, CommandV1, ConfigState, PoolSpec, TenantSpec,
+};
+use warmpath_membership::raft::{NodeConfig, RaftNode};
+
+/// Starts this router's Raft node.
+pub async fn start(settings: &RaftSettings, admin_url: &str) -> Result<Arc<RaftNode>> {
+    let mut config = NodeConfig::new(
+        settings.node_id,
+        admin_url,
+        settings.data_dir.clone(),
+        settings.voters.clone(),
+    );
+    config.auth_token = settings.peer_token.clone();
+    let node = RaftNode::start(config)
+        .await
+        .context("cannot start the Raft node")?;
+    Ok(Arc::new(node))
+}
+
+/// The router's tenants and pools for a Raft configuration state.
+pub fn from_state(state: &ConfigState) -> (Vec<Tenant>, Vec<Pool>) {
+    let pools = state
+        .pools
+        .iter()
+        .map(|(model, p)| Pool {
+            model: model.clone(),
+            instances: p.instances.clone(),
+        })
+        .collect();
+    let tenants = state
+        .tenants
+        .iter()
+        .filter_map(|(id, t)| {
+            // The state machine validated the spec; a strategy this build does not know is
+            // skipped rather than guessed.
+            let strategy = t.strategy.parse::<Strategy>().ok()?;
+            Some(Tenant {
+                id: id.clone(),
+                api_key_hashes: t
+                    .api_key_hashes
+                    .iter()
+                    .filter_map(|h| parse_hex32(h))
+                    .collect(),
+                strategy,
+                prefix_length: t.prefix_length,
+                concurrency_threshold: t.concurrency_threshold,
+                block_tokens: t.block_tokens.max(1),
+                temperature: t.temperature,
+                cache_salt: t.cache_salt.clone(),
+                rate_limit_rps: t.rate_limit_rps,
+            })
+        })
+        .collect();
+    (tenants, pools)
+}
+
+fn parse_hex32(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
+        out[i] = u8::from_str_radix(std::str::from_utf8(chunk).ok()?, 16).ok()?;
+    }
+    Some(out)
+}
+
+fn to_hex(bytes: &[u8; 32]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Applies every configuration change to the running router until the task is aborted.
+pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<String>) {
+    let mut rx = raft.subscribe();
+    loop {
+        let state = rx.borrow_and_update().clone();
+        let (tenants, pools) = from_state(&state);
+        app.core
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_pools(&pools);
+        app.set_tenants(TenantTable::new(
+            &tenants,
+            default_tenant.clone(),
+            state.version,
+        ));
+        metrics::gauge!("warmpath_config_version").set(state.version as f64);
+        tracing::info!(
+            config_version = state.version,
+            tenants = tenants.len(),
+            pools = pools.len(),
+            "configuration applied"
+        );
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Seeds an empty cluster with the config file's pools and tenants (tenants serve the
+/// first pool). Every voter may try: the first write is a compare-and-set on version 0,
+/// so only one seeding wins and the others stop at their first conflict.
+pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<Tenant>, pools: Vec<Pool>) {
+    if tenants.is_empty() && pools.is_empty() {
+        return;
+    }
+    let first_pool = pools.first().map(|p| p.model.clone()).unwrap_or_default();
+    let mut commands = Vec::new();
+    for p in &pools {
+        commands.push(CommandV1::PutPool {
+            model: p.model.clone(),
+            spec: PoolSpec {
+                instances: p.instances.clone(),
+            },
+            expected_version: None,
+        });
+    }
+    for t in &tenants {
+        let spec = TenantSpec {
+            strategy: t.strategy.name().to_string(),
+            prefix_length: t.prefix_length,
+            concurrency_threshold: t.concurrency_threshold,
+            block_tokens: t.block_tokens,
+            temperature: t.temperature,
+            pool: first_pool.clone(),
+            api_key_hashes: t.api_key_hashes.iter().map(to_hex).collect(),
+            cache_salt: t.cache_salt.clone(),
+            rate_limit_rps: t.rate_limit_rps,
+        };
+        commands.push(CommandV1::PutTenant {
+            id: t.id.clone(),
+            spec,
+            expected_version: None,
+        });
+    }
+    if let Some(
+        CommandV1::PutPool {
+            expected_version, ..
+        }
+        | CommandV1::PutTenant {
+            expected_version, ..
+        },
+    ) = commands.first_mut()
+    {
+        *expected_version = Some(0);
+    }
+    // Wait for a leader and an empty state (or someone else's seeding).
+    for _ in 0..600 {
+        if raft.local_state().version > 0 {
+            return;
+        }
+        if raft.status().leader.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for cmd in commands {
+        match raft.write(Command::V1(cmd)).await {
+            Ok(CommandResult::Applied { .. }) => {}
+            Ok(CommandResult::Conflict { .. }) => return, // another voter seeded first
+            Ok(other) => {
+                tracing::warn!(
+                    ?other,
+                    "seeding from the config file: a command was refused"
+                );
+            }
+            Err(error) => {
+                tracing::warn!(%error, "seeding from the config file failed; the cluster stays as it is");
+                return;
+            }
+        }
+    }
+    tracing::info!("seeded the tenant configuration from the config file");
+}
+
+/// The router facts the admin API serves.
+pub struct Info {
+    pub app: Arc<App>,
+}
+
+impl crate::admin::RouterInfo for Info {
+    fn index_stats(&self) -> serde_json::Value {
+        let stats = self
+            .app
+            .core
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .index_stats();
+        serde_json::to_value(stats).unwrap_or_default()
+    }
+
+    fn explain(&self, tenant: &str, body: &[u8]) -> Result<serde_json::Value, (u16, String)> {
+        super::proxy::explain_for(&self.app, tenant, body)
+            .map_err(|e| (e.status().as_u16(), e.to_string()))
+    }
+
+    fn cluster(&self) -> serde_json::Value {
+        let peers = self
+            .app
+            .peer_list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        serde_json::json!({
+            "node_id": self.app.config.cluster.as_ref().map(|c| c.node_id.clone()),
+            "peers": peers,
+        })
+    }
+}
+
+/// blake3 of the admin token, as the admin API compares it.
+pub fn token_hash(token: &str) -> [u8; 32] {
+    hash_api_key(token)
+}
