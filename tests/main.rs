@@ -5,6 +5,7 @@
 //! the `warmpath` package so that Cargo hands it the binary's path.
 
 mod cluster;
+mod raft;
 mod router;
 mod simulate;
 
