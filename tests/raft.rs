@@ -261,7 +261,9 @@ async fn wait_seeded(c: &HttpClient, routers: &[&Router]) {
                     Some(&explain_body("default")),
                 )
                 .await?;
-                (reply.status == 200).then_some(())
+                // Version 0 is the config file's own table, before Raft's arrives.
+                let from_raft = reply.body["decision"]["config_version"].as_u64() > Some(0);
+                (reply.status == 200 && from_raft).then_some(())
             },
         )
         .await;
@@ -271,10 +273,32 @@ async fn wait_seeded(c: &HttpClient, routers: &[&Router]) {
 /// The leader's node id as `router` sees it.
 async fn leader_of(c: &HttpClient, router: &Router) -> u64 {
     let base = &router.admin;
-    until(Duration::from_secs(15), "a raft leader", move || async move {
-        let reply = admin(c, base, Method::GET, "/cluster", None).await?;
-        reply.body["raft"]["leader"].as_u64()
-    })
+    until(
+        Duration::from_secs(15),
+        "a raft leader",
+        move || async move {
+            let reply = admin(c, base, Method::GET, "/cluster", None).await?;
+            reply.body["raft"]["leader"].as_u64()
+        },
+    )
+    .await
+}
+
+/// The index in `routers` of the one that reports itself the Raft leader.
+async fn leader_index(c: &HttpClient, routers: &[Router]) -> usize {
+    until(
+        Duration::from_secs(15),
+        "a router reporting itself the raft leader",
+        move || async move {
+            for (i, r) in routers.iter().enumerate() {
+                let reply = admin(c, &r.admin, Method::GET, "/cluster", None).await;
+                if reply.is_some_and(|r| r.body["raft"]["role"] == "Leader") {
+                    return Some(i);
+                }
+            }
+            None
+        },
+    )
     .await
 }
 
@@ -325,7 +349,11 @@ async fn three_voters_and_two_learners_share_the_configuration() {
     )
     .await
     .expect("the learner answers");
-    assert_eq!(reply.status, 201, "write through a learner: {:?}", reply.body);
+    assert_eq!(
+        reply.status, 201,
+        "write through a learner: {:?}",
+        reply.body
+    );
     let version = reply.body["version"].as_u64().expect("version");
 
     let mut seen = Vec::new();
@@ -363,5 +391,604 @@ async fn three_voters_and_two_learners_share_the_configuration() {
     println!(
         "tenant written through a learner visible on all 5 routers at version {version} after {:.0} ms",
         took.as_secs_f64() * 1e3
+    );
+}
+
+/// The strategy `router` reports for the `default` tenant, and the config version.
+async fn explained_strategy(c: &HttpClient, router: &Router) -> Option<(String, u64)> {
+    let reply = admin(
+        c,
+        &router.admin,
+        Method::POST,
+        "/route/explain",
+        Some(&explain_body("default")),
+    )
+    .await?;
+    if reply.status != 200 {
+        return None;
+    }
+    let d = &reply.body["decision"];
+    Some((
+        d["strategy"].as_str()?.to_string(),
+        d["config_version"].as_u64()?,
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_change_alters_routing_on_every_router_within_a_second() {
+    let s = Setup::new("raft-routing-change", 3);
+    let voters = s.start_voters();
+    let learner = s.start_learner(4);
+    let all: Vec<&Router> = voters.iter().chain([&learner]).collect();
+    let c = &client();
+    wait_seeded(c, &all).await;
+    for r in &all {
+        let (strategy, _) = explained_strategy(c, r).await.expect("explain answers");
+        assert_eq!(
+            strategy, "prefix-aware",
+            "router {} before the change",
+            r.id
+        );
+    }
+
+    let started = Instant::now();
+    let reply = admin(
+        c,
+        &voters[1].admin,
+        Method::PUT,
+        "/tenants/default",
+        Some(&tenant_body("round-robin")),
+    )
+    .await
+    .expect("the router answers");
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    let acked = started.elapsed();
+    let version = reply.body["version"].as_u64().expect("version");
+
+    let waits = all.iter().map(|r| async move {
+        loop {
+            if let Some((strategy, v)) = explained_strategy(c, r).await {
+                if strategy == "round-robin" {
+                    assert_eq!(v, version, "router {} explains with a later config", r.id);
+                    return (r.id, started.elapsed());
+                }
+            }
+            if started.elapsed() > Duration::from_secs(5) {
+                panic!("router {} still routes the old way after 5 s", r.id);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    let took = futures_util::future::join_all(waits).await;
+    let slowest = took.iter().map(|(_, t)| *t).max().unwrap_or_default();
+    let each: Vec<String> = took
+        .iter()
+        .map(|(id, t)| format!("{id}: {:.0} ms", t.as_secs_f64() * 1e3))
+        .collect();
+    println!(
+        "strategy change acknowledged after {:.0} ms; every router routes with it after {:.0} ms ({})",
+        acked.as_secs_f64() * 1e3,
+        slowest.as_secs_f64() * 1e3,
+        each.join(", ")
+    );
+    assert!(
+        slowest < Duration::from_secs(1),
+        "routing changed everywhere only after {slowest:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_killed_during_writes_loses_no_acknowledged_write() {
+    let s = Setup::new("raft-leader-kill", 3);
+    let mut voters = s.start_voters();
+    let c = &client();
+    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+    let li = leader_index(c, &voters).await;
+    let leader = voters[li].id;
+    let fi = (li + 1) % voters.len();
+    let target = voters[fi].admin.clone();
+
+    let mut acked = Vec::new();
+    let mut unavailable = Vec::new(); // 503: not submitted
+    let mut unknown = Vec::new(); // 504: may have been applied
+    let mut killed_at = None;
+    let mut first_after_kill = None;
+    for i in 0..40 {
+        if i == 10 {
+            voters[li].proc.kill();
+            killed_at = Some(Instant::now());
+        }
+        let id = format!("t{i}");
+        let reply = admin(
+            c,
+            &target,
+            Method::PUT,
+            &format!("/tenants/{id}"),
+            Some(&tenant_body("least-loaded")),
+        )
+        .await
+        .unwrap_or_else(|| panic!("write {id}: the follower did not answer"));
+        match reply.status {
+            200..=299 => {
+                if let (Some(k), None) = (killed_at, first_after_kill) {
+                    first_after_kill = Some(k.elapsed());
+                }
+                acked.push(id);
+            }
+            503 => {
+                assert!(
+                    reply.message().contains("retry") && reply.retry_after().is_some(),
+                    "write {id}: 503 without a retry hint: {:?} {:?}",
+                    reply.headers,
+                    reply.body
+                );
+                unavailable.push(id);
+            }
+            504 => {
+                assert!(
+                    reply.message().contains("MAY have been applied"),
+                    "write {id}: 504 without saying it may have been applied: {:?}",
+                    reply.body
+                );
+                unknown.push(id);
+            }
+            other => panic!("write {id}: unexpected {other}: {:?}", reply.body),
+        }
+    }
+
+    let (present, version) = linearizable_tenants(c, &voters[fi]).await;
+    let lost: Vec<&String> = acked.iter().filter(|t| !present.contains(*t)).collect();
+    assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
+    let applied_anyway: Vec<&String> = unavailable
+        .iter()
+        .filter(|t| present.contains(*t))
+        .collect();
+    assert!(
+        applied_anyway.is_empty(),
+        "writes answered 503 (\"not submitted\") were applied: {applied_anyway:?}"
+    );
+    let unknown_applied = unknown.iter().filter(|t| present.contains(*t)).count();
+    let first = first_after_kill.expect("the survivors accept writes after the kill");
+    println!(
+        "leader {leader} killed after 10 of 40 writes: {} acknowledged (all present at version {version}), \
+         {} answered 503 retry, {} answered 504 may-have-been-applied ({unknown_applied} of those applied); \
+         first acknowledged write {:.0} ms after the kill",
+        acked.len(),
+        unavailable.len(),
+        unknown.len(),
+        first.as_secs_f64() * 1e3
+    );
+    assert!(
+        acked.len() >= 30,
+        "too few writes acknowledged: {}",
+        acked.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_survives_restarting_every_voter() {
+    let s = Setup::new("raft-restart", 3);
+    let mut voters = s.start_voters();
+    let c = &client();
+    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+    let mut version = 0;
+    let written: Vec<String> = (0..5).map(|i| format!("kept{i}")).collect();
+    for (i, id) in written.iter().enumerate() {
+        let reply = admin(
+            c,
+            &voters[i % 3].admin,
+            Method::PUT,
+            &format!("/tenants/{id}"),
+            Some(&tenant_body("round-robin")),
+        )
+        .await
+        .expect("a voter answers");
+        assert_eq!(reply.status, 201, "write {id}: {:?}", reply.body);
+        version = reply.body["version"].as_u64().expect("version");
+    }
+
+    for v in &mut voters {
+        v.proc.kill();
+    }
+    let restarted_at = Instant::now();
+    let voters = s.start_voters();
+    for v in &voters {
+        let (ids, v_version) = linearizable_tenants(c, v).await;
+        for id in &written {
+            assert!(
+                ids.contains(id),
+                "router {} lost tenant {id}: {ids:?}",
+                v.id
+            );
+        }
+        assert!(ids.contains("default"), "router {}: {ids:?}", v.id);
+        assert_eq!(v_version, version, "router {} config version", v.id);
+    }
+    println!(
+        "all 3 voters restarted: the {} tenants are back (version {version}) {:.0} ms after the restart began",
+        written.len(),
+        restarted_at.elapsed().as_secs_f64() * 1e3
+    );
+    // They route with it again too.
+    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+}
+
+/// One minority check: kill two of three voters, leaving the leader (`keep_leader`) or a
+/// follower; the survivor refuses writes and linearizable reads and still serves local
+/// reads. Returns what it answered, for the report.
+async fn minority_case(test: &str, keep_leader: bool) -> String {
+    let s = Setup::new(test, 3);
+    let mut voters = s.start_voters();
+    let c = &client();
+    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+    let reply = admin(
+        c,
+        &voters[0].admin,
+        Method::PUT,
+        "/tenants/before",
+        Some(&tenant_body("round-robin")),
+    )
+    .await
+    .expect("a voter answers");
+    assert_eq!(reply.status, 201, "{:?}", reply.body);
+    let version = reply.body["version"].as_u64().expect("version");
+    let leader = leader_index(c, &voters).await;
+    let keep = if keep_leader {
+        leader
+    } else {
+        (leader + 1) % voters.len()
+    };
+    // The survivor has applied the write before the others go.
+    let base = &voters[keep].admin;
+    until(
+        Duration::from_secs(10),
+        "the survivor applying the write",
+        move || async move {
+            let r = admin(
+                c,
+                base,
+                Method::GET,
+                "/tenants/before?consistency=local",
+                None,
+            )
+            .await?;
+            (r.status == 200).then_some(())
+        },
+    )
+    .await;
+    for (i, v) in voters.iter_mut().enumerate() {
+        if i != keep {
+            v.proc.kill();
+        }
+    }
+    let survivor = &voters[keep];
+    let base = &survivor.admin;
+    let started = Instant::now();
+
+    let write = |path: &'static str, body: Value| async move {
+        let r = admin(c, base, Method::PUT, path, Some(&body))
+            .await
+            .expect("the survivor answers");
+        match r.status {
+            503 => assert!(
+                r.retry_after().is_some() && r.message().contains("retry"),
+                "{path}: 503 without a retry hint: {:?}",
+                r.body
+            ),
+            504 => assert!(
+                r.message().contains("MAY have been applied"),
+                "{path}: 504 without saying it may have been applied: {:?}",
+                r.body
+            ),
+            other => panic!(
+                "{path}: a minority answered a write with {other}: {:?}",
+                r.body
+            ),
+        }
+        r.status
+    };
+    let read = |path: &'static str| async move {
+        let r = admin(c, base, Method::GET, path, None)
+            .await
+            .expect("the survivor answers");
+        assert_ne!(
+            r.status, 200,
+            "{path}: a stale linearizable read: {:?}",
+            r.body
+        );
+        assert_eq!(r.status, 503, "{path}: {:?}", r.body);
+        assert!(r.retry_after().is_some(), "{path}: no Retry-After");
+        r.status
+    };
+    let (w1, w2, r1, r2) = tokio::join!(
+        write("/tenants/after", tenant_body("least-loaded")),
+        write("/pools/other", json!({"instances": ["http://127.0.0.1:9"]})),
+        read("/tenants"),
+        read("/tenants/before"),
+    );
+    let local = admin(c, base, Method::GET, "/tenants?consistency=local", None)
+        .await
+        .expect("the survivor answers");
+    assert_eq!(local.status, 200, "{:?}", local.body);
+    assert!(
+        local.body["tenants"]["before"].is_object(),
+        "{:?}",
+        local.body
+    );
+    assert_eq!(local.body["version"].as_u64(), Some(version));
+    format!(
+        "survivor was {}: writes {w1}/{w2}, linearizable reads {r1}/{r2}, local read 200, in {:.1} s",
+        if keep_leader { "leader" } else { "follower" },
+        started.elapsed().as_secs_f64()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minority_rejects_writes_and_linearizable_reads() {
+    let (a, b) = tokio::join!(
+        minority_case("raft-minority-leader", true),
+        minority_case("raft-minority-follower", false)
+    );
+    println!("minority: {a}; {b}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_admin_requests() {
+    let s = Setup::new("raft-bad-admin", 1);
+    let voters = s.start_voters();
+    let r = &voters[0];
+    let c = &client();
+    wait_seeded(c, &[r]).await;
+    let url = format!("{}/admin/v1/tenants", r.admin);
+    let within = Duration::from_secs(10);
+
+    let none = send(c, Method::GET, &url, None, &[], within)
+        .await
+        .expect("answer");
+    assert_eq!(none.status, 401, "{:?}", none.body);
+    assert_eq!(none.body["error"]["type"], "authentication_error");
+    assert!(none.headers.contains_key("www-authenticate"));
+    let wrong = send(
+        c,
+        Method::GET,
+        &url,
+        None,
+        &[("authorization", "Bearer not-the-token")],
+        within,
+    )
+    .await
+    .expect("answer");
+    assert_eq!(wrong.status, 401, "{:?}", wrong.body);
+    assert!(
+        wrong.message().contains("wrong admin token"),
+        "{:?}",
+        wrong.body
+    );
+    // Writes are refused the same way, and change nothing.
+    let unauth_write = send(
+        c,
+        Method::PUT,
+        &format!("{url}/sneaky"),
+        Some(&tenant_body("round-robin")),
+        &[],
+        within,
+    )
+    .await
+    .expect("answer");
+    assert_eq!(unauth_write.status, 401);
+
+    let bad = admin(
+        c,
+        &r.admin,
+        Method::PUT,
+        "/tenants/bad",
+        Some(&json!({"strategy": "fastest", "block_tokens": 0, "pool": "nope"})),
+    )
+    .await
+    .expect("answer");
+    assert_eq!(bad.status, 400, "{:?}", bad.body);
+    let problems: Vec<&str> = bad.body["problems"]
+        .as_array()
+        .expect("a problems array")
+        .iter()
+        .map(|p| p.as_str().expect("a problem is text"))
+        .collect();
+    assert_eq!(problems.len(), 3, "{problems:?}");
+    for (field, needle) in [
+        ("strategy", "fastest"),
+        ("block_tokens", "positive"),
+        ("pool", "nope"),
+    ] {
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with(field) && p.contains(needle)),
+            "no problem about {field}: {problems:?}"
+        );
+    }
+
+    let list = admin(c, &r.admin, Method::GET, "/tenants", None)
+        .await
+        .expect("answer");
+    assert_eq!(list.status, 200);
+    assert!(
+        list.body["tenants"].get("bad").is_none() && list.body["tenants"].get("sneaky").is_none()
+    );
+    let v0 = list.body["version"].as_u64().expect("version");
+    assert_eq!(
+        list.headers.get("etag").and_then(|e| e.to_str().ok()),
+        Some(format!("\"{v0}\"").as_str())
+    );
+    let auth = format!("Bearer {TOKEN}");
+    let if_match = format!("\"{v0}\"");
+    let cas = |strategy: &'static str| {
+        let (url, auth, if_match) = (url.clone(), auth.clone(), if_match.clone());
+        async move {
+            send(
+                c,
+                Method::PUT,
+                &format!("{url}/cas"),
+                Some(&tenant_body(strategy)),
+                &[("authorization", &auth), ("if-match", &if_match)],
+                within,
+            )
+            .await
+            .expect("answer")
+        }
+    };
+    let first = cas("round-robin").await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let v1 = first.body["version"].as_u64().expect("version");
+    let stale = cas("least-loaded").await;
+    assert_eq!(stale.status, 409, "{:?}", stale.body);
+    assert_eq!(stale.body["current_version"].as_u64(), Some(v1));
+    assert_eq!(stale.body["error"]["code"], "version_conflict");
+    let now = admin(c, &r.admin, Method::GET, "/tenants/cas", None)
+        .await
+        .expect("answer");
+    assert_eq!(
+        now.body["tenant"]["strategy"], "round-robin",
+        "the stale write changed nothing"
+    );
+}
+
+/// Creates tenant `id` with a 2 rps rate limit and API key `key` on `r`, and waits until
+/// the router routes for it.
+async fn create_limited_tenant(c: &HttpClient, r: &Router, id: &str, key: &str) {
+    let reply = admin(
+        c,
+        &r.admin,
+        Method::PUT,
+        &format!("/tenants/{id}"),
+        Some(&json!({"pool": POOL, "rate_limit_rps": 2.0, "api_keys": [key]})),
+    )
+    .await
+    .expect("answer");
+    assert_eq!(reply.status, 201, "{:?}", reply.body);
+    wait_routable(c, r, id).await;
+}
+
+/// Waits until `r` routes for tenant `id` (its explain knows it; explain takes no tokens).
+async fn wait_routable(c: &HttpClient, r: &Router, id: &str) {
+    let (base, body) = (&r.admin, &explain_body(id));
+    until(
+        Duration::from_secs(10),
+        "the router applying the tenant",
+        move || async move {
+            let r = admin(c, base, Method::POST, "/route/explain", Some(body)).await?;
+            (r.status == 200).then_some(())
+        },
+    )
+    .await;
+}
+
+/// One completion with API key `key`.
+async fn completion(c: &HttpClient, r: &Router, key: &str) -> Reply {
+    let auth = format!("Bearer {key}");
+    let body = json!({"model": POOL, "prompt": "rate me", "max_tokens": 1});
+    send(
+        c,
+        Method::POST,
+        &format!("{}/v1/completions", r.proc.url),
+        Some(&body),
+        &[("authorization", &auth)],
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("the router answers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_answer_429_with_retry_after() {
+    let s = Setup::new("raft-rate-limit", 1);
+    let voters = s.start_voters();
+    let r = &voters[0];
+    let c = &client();
+    wait_seeded(c, &[r]).await;
+    let key = "sk-it-limited-1";
+    create_limited_tenant(c, r, "limited", key).await;
+
+    let started = Instant::now();
+    let mut statuses = Vec::new();
+    let mut limited = Vec::new();
+    for _ in 0..6 {
+        let reply = completion(c, r, key).await;
+        statuses.push(reply.status);
+        if reply.status == 429 {
+            limited.push(reply);
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let ok = statuses.iter().filter(|s| **s == 200).count();
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 429),
+        "{statuses:?}"
+    );
+    assert_eq!(statuses[0], 200, "{statuses:?}");
+    // A burst of one second's worth (2), plus what refilled meanwhile.
+    let allowed = 2 + (elapsed * 2.0).ceil() as usize;
+    assert!(
+        ok <= allowed,
+        "{ok} admitted in {elapsed:.2} s at 2 rps: {statuses:?}"
+    );
+    assert!(
+        !limited.is_empty(),
+        "no 429 in a burst of 6 at 2 rps: {statuses:?}"
+    );
+    for reply in &limited {
+        let retry = reply.retry_after().expect("Retry-After on 429");
+        assert!((1..=2).contains(&retry), "Retry-After {retry}");
+        assert_eq!(
+            reply.body["error"]["type"], "rate_limit_error",
+            "{:?}",
+            reply.body
+        );
+        assert!(reply.message().contains("rate limit"), "{:?}", reply.body);
+    }
+    println!(
+        "burst of 6 at 2 rps in {:.0} ms: {statuses:?}",
+        elapsed * 1e3
+    );
+}
+
+/// A configuration change (even to another tenant) must not refill a tenant's rate-limit
+/// bucket: the router carries buckets over when it swaps in the new tenant table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_change_does_not_refill_rate_limits() {
+    let s = Setup::new("raft-rate-limit-refill", 1);
+    let voters = s.start_voters();
+    let r = &voters[0];
+    let c = &client();
+    wait_seeded(c, &[r]).await;
+    let key = "sk-it-limited-2";
+    create_limited_tenant(c, r, "limited", key).await;
+    let started = Instant::now();
+    let mut statuses = Vec::new();
+    for round in 0..4 {
+        if round > 0 {
+            // An unrelated change.
+            let other = format!("other{round}");
+            let reply = admin(
+                c,
+                &r.admin,
+                Method::PUT,
+                &format!("/tenants/{other}"),
+                Some(&tenant_body("round-robin")),
+            )
+            .await
+            .expect("answer");
+            assert_eq!(reply.status, 201, "{:?}", reply.body);
+            wait_routable(c, r, &other).await;
+        }
+        for _ in 0..3 {
+            statuses.push(completion(c, r, key).await.status);
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let ok = statuses.iter().filter(|s| **s == 200).count();
+    let allowed = 2 + (elapsed * 2.0).ceil() as usize;
+    assert!(
+        ok <= allowed,
+        "{ok} admitted in {elapsed:.2} s at 2 rps: {statuses:?}"
     );
 }

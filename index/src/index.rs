@@ -36,6 +36,21 @@ fn hash_key(key: BlockKey) -> u64 {
     x ^ (x >> 29)
 }
 
+/// Every `SHARE_EVERY`-th key of a decision is shared with peer routers, and its last.
+pub const SHARE_EVERY: usize = 4;
+
+/// The keys of `keys[known..]` a router tells its peers about: every [`SHARE_EVERY`]-th
+/// one and the last. A key names its whole prefix and [`PrefixIndex::match_into`] credits
+/// a predicted key for all of it, so peers match a shared prefix to within
+/// `SHARE_EVERY − 1` blocks while gossip carries a quarter of the keys.
+pub fn sparse_keys(keys: &[BlockKey], known: usize) -> Vec<BlockKey> {
+    let last = keys.len().saturating_sub(1);
+    (known..keys.len())
+        .filter(|&d| d % SHARE_EVERY == SHARE_EVERY - 1 || d == last)
+        .map(|d| keys[d])
+        .collect()
+}
+
 /// Settings of one index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexConfig {
@@ -200,13 +215,11 @@ impl MatchResult {
 /// Reusable buffers for matching without allocating on the request path.
 #[derive(Clone, Debug, Default)]
 pub struct MatchScratch {
-    /// Position in `alive` of each instance's candidate, by instance id; `NONE` if absent.
+    /// Position in `result.instances` of each instance's candidate, by instance id;
+    /// `NONE` if absent.
     slot_of: Vec<u32>,
-    alive: Vec<u8>,
-    /// Positions of candidates whose run is still going.
-    live: Vec<u32>,
-    /// Slots of the query's keys found in the index, in order.
-    path: Vec<u32>,
+    /// `(depth, slot)` of the query's keys found in the index, in depth order.
+    path: Vec<(u32, u32)>,
     pub result: MatchResult,
 }
 
@@ -433,42 +446,41 @@ impl PrefixIndex {
     }
 
     /// Per-instance matched depths of `keys` at `now`, into `scratch.result`.
+    ///
+    /// Observed blocks count only as a contiguous run from the first block. A predicted
+    /// block counts for its whole prefix: the instance was sent a prompt with that prefix,
+    /// and a key names its whole prefix. So predictions may be sparse (peers share only
+    /// some keys of each decision) and still match: the walk goes on past missing keys.
     pub fn match_into(&self, keys: &[BlockKey], now: u64, scratch: &mut MatchScratch) {
-        const GPU_ALIVE: u8 = 1;
-        const L1_ALIVE: u8 = 2;
-        const L2_ALIVE: u8 = 4;
-        const SEEN: u8 = 0x80;
         let MatchScratch {
             slot_of,
-            alive,
-            live,
             path,
             result,
         } = scratch;
-        live.clear();
         for m in &result.instances {
             slot_of[m.instance.0 as usize] = NONE;
         }
         result.instances.clear();
-        alive.clear();
         result.blocks = keys.len() as u32;
         result.global_l2 = 0;
-        let mut global_alive = true;
         // Resolve the path first: the lookups are independent, so the CPU overlaps their
         // cache misses instead of taking them one walk step at a time.
         path.clear();
-        path.extend(keys.iter().map_while(|&k| self.slot(k)));
+        path.extend(
+            keys.iter()
+                .enumerate()
+                .filter_map(|(d, &k)| self.slot(k).map(|slot| (d as u32, slot))),
+        );
         // Likewise load the overflow holder lists (hot prefixes have many holders) together.
-        let warm = path.iter().fold(0, |acc, &i| {
+        let warm = path.iter().fold(0, |acc, &(_, i)| {
             acc ^ self.nodes[i as usize]
                 .more
                 .first()
                 .map_or(0, |h| h.instance)
         });
         std::hint::black_box(warm);
-        for (depth, &idx) in path.iter().enumerate() {
+        for &(d, idx) in path.iter() {
             let node = &self.nodes[idx as usize];
-            let d = depth as u32;
             for h in node.holders() {
                 let tiers = h.tiers(now);
                 if tiers == 0 {
@@ -479,69 +491,47 @@ impl PrefixIndex {
                     slot_of.resize(inst + 1, NONE);
                 }
                 let pos = match slot_of[inst] {
-                    // A newcomer after the first block continues a run only through L2.
-                    NONE if depth > 0 && !global_alive => continue,
                     NONE => {
                         slot_of[inst] = result.instances.len() as u32;
-                        let m = InstanceMatch {
+                        // A newcomer after the first block continues a run only through L2.
+                        let l2 = if result.global_l2 == d { d } else { 0 };
+                        result.instances.push(InstanceMatch {
                             instance: InstanceId(h.instance),
                             gpu: 0,
                             l1: 0,
-                            l2: d,
-                        };
-                        result.instances.push(m);
-                        live.push(result.instances.len() as u32 - 1);
-                        alive.push(if depth == 0 {
-                            GPU_ALIVE | L1_ALIVE | L2_ALIVE
-                        } else {
-                            L2_ALIVE
+                            l2,
                         });
                         result.instances.len() - 1
                     }
-                    // A run that broke stays broken.
-                    slot if alive[slot as usize] == 0 => continue,
                     slot => slot as usize,
                 };
-                let (m, a) = (&mut result.instances[pos], &mut alive[pos]);
-                if tiers & GPU == 0 {
-                    *a &= !GPU_ALIVE;
+                let m = &mut result.instances[pos];
+                if now < h.predicted_until {
+                    m.gpu = m.gpu.max(d + 1);
+                    m.l1 = m.l1.max(d + 1);
+                    m.l2 = m.l2.max(d + 1);
+                    continue;
                 }
-                if *a & GPU_ALIVE != 0 {
+                if tiers & GPU != 0 && m.gpu == d {
                     m.gpu = d + 1;
                 }
-                if *a & L1_ALIVE != 0 {
+                if m.l1 == d {
                     m.l1 = d + 1;
                 }
-                if *a & L2_ALIVE != 0 {
+                if m.l2 == d {
                     m.l2 = d + 1;
                 }
-                *a |= SEEN;
             }
-            // Only candidates whose run is still going are visited: after a shared system
-            // prompt, hundreds of candidates can drop to a handful.
-            live.retain(|&pos| {
-                let a = &mut alive[pos as usize];
-                if *a & SEEN != 0 {
-                    *a &= !SEEN;
-                } else {
-                    // Not on this instance: only the global L2 store can continue its run.
-                    *a &= !(GPU_ALIVE | L1_ALIVE);
-                    if node.in_l2 && *a & L2_ALIVE != 0 {
-                        result.instances[pos as usize].l2 = d + 1;
-                    } else {
-                        *a &= !L2_ALIVE;
+            if node.in_l2 {
+                // Any instance can load this block from L2: it extends every run at `d`.
+                for m in result.instances.iter_mut() {
+                    if m.l2 == d {
+                        m.l2 = d + 1;
                     }
                 }
-                *a != 0
-            });
-            let any_alive = !live.is_empty();
-            if global_alive && node.in_l2 {
-                result.global_l2 = d + 1;
-            } else {
-                global_alive = false;
-            }
-            if !any_alive && !global_alive {
-                break;
+                if result.global_l2 == d {
+                    result.global_l2 = d + 1;
+                }
             }
         }
     }
@@ -791,6 +781,48 @@ mod tests {
     use Tier::{Gpu, L1 as HostL1, L2 as Remote};
 
     #[test]
+    fn sparse_key_cases() {
+        let ks = keys(&[0, 1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(sparse_keys(&ks, 0), keys(&[3, 7, 8]));
+        assert_eq!(sparse_keys(&ks, 4), keys(&[7, 8]));
+        assert_eq!(sparse_keys(&ks, 9), keys(&[]));
+        assert_eq!(sparse_keys(&keys(&[5]), 0), keys(&[5]));
+    }
+
+    #[test]
+    fn sparse_predictions_match_their_whole_prefix() {
+        // A peer shared only keys 2 and 5 of a six-block decision.
+        check(
+            &[Route(&[2, 5], 0)],
+            &[1, 2, 3, 4, 5, 6],
+            0,
+            &[(0, 5, 5, 5)],
+            0,
+        );
+        // A prompt that shares only the first three blocks still finds key 2.
+        check(&[Route(&[2, 5], 0)], &[1, 2, 3, 9], 0, &[(0, 2, 2, 2)], 0);
+        // Observed blocks stay contiguous: a gap stops them.
+        check(
+            &[
+                Observe(1, 1, None, Gpu, true),
+                Observe(1, 3, None, Gpu, true),
+            ],
+            &[1, 2, 3],
+            0,
+            &[(1, 1, 1, 1)],
+            0,
+        );
+        // A prediction lifts an observed run past it.
+        check(
+            &[Route(&[2], 1), Observe(1, 3, Some(2), Gpu, true)],
+            &[1, 2, 3, 4],
+            0,
+            &[(1, 3, 3, 3)],
+            0,
+        );
+    }
+
+    #[test]
     fn predicted_routes_match_longest_prefix() {
         check(
             &[Route(&[1, 2, 3], 0), Route(&[1, 2, 9], 1)],
@@ -799,7 +831,8 @@ mod tests {
             &[(0, 3, 3, 3), (1, 2, 2, 2)],
             0,
         );
-        check(&[Route(&[1, 2, 3], 0)], &[5, 2, 3], 0, &[], 0);
+        // (Keys name whole prefixes: a prompt with another first block has other keys.)
+        check(&[Route(&[1, 2, 3], 0)], &[5, 6, 7], 0, &[], 0);
         check(&[], &[1], 0, &[], 0);
         check(&[Route(&[1, 2], 0)], &[], 0, &[], 0);
     }

@@ -122,7 +122,8 @@ enum Event {
     /// Another replica's routing decision reaches `router`.
     Decision {
         router: u32,
-        request: usize,
+        /// The (sampled) keys the deciding replica shared.
+        keys: Rc<Vec<BlockKey>>,
         instance: u32,
     },
     /// A batch of agent observations reaches `router`.
@@ -259,7 +260,7 @@ pub fn simulate(
                 .expect("the cluster has instances");
                 let inst = decision.instance;
                 if config.policy.strategy.uses_index() {
-                    replica.index.record_route(&req.keys, inst, now);
+                    let known = replica.index.record_route(&req.keys, inst, now);
                     match config.sharing {
                         Sharing::Isolated => {}
                         Sharing::Perfect => {
@@ -269,7 +270,10 @@ pub fn simulate(
                                 }
                             }
                         }
-                        Sharing::Delayed(d) => {
+                        // As the live routers do: only what peers lack, sampled.
+                        Sharing::Delayed(d) if known < req.keys.len() => {
+                            let keys =
+                                Rc::new(warmpath_index::index::sparse_keys(&req.keys, known));
                             for o in 0..config.routers {
                                 if o != r {
                                     push(
@@ -278,13 +282,14 @@ pub fn simulate(
                                         now + d,
                                         Event::Decision {
                                             router: o,
-                                            request: i,
+                                            keys: keys.clone(),
                                             instance: inst.0,
                                         },
                                     );
                                 }
                             }
                         }
+                        Sharing::Delayed(_) => {}
                     }
                 }
                 let pending = u64::from(decision.uncached_tokens);
@@ -324,13 +329,12 @@ pub fn simulate(
             }
             Event::Decision {
                 router,
-                request,
+                keys,
                 instance,
             } => {
-                let keys = &workload.requests[request].keys;
                 replicas[router as usize]
                     .index
-                    .record_route(keys, InstanceId(instance), now);
+                    .record_route(&keys, InstanceId(instance), now);
             }
             Event::Observed { router, batch } => {
                 let index = &mut replicas[router as usize].index;

@@ -57,7 +57,9 @@ pub struct TenantEntry {
     pub tenant: Tenant,
     key: TenantKey,
     /// Admission for the tenant's rate limit on this router.
-    limiter: Option<Mutex<super::ratelimit::TokenBucket>>,
+    /// Shared with the next table while the tenant's rate is unchanged, so a
+    /// configuration change never refills a bucket.
+    limiter: Option<Arc<Mutex<super::ratelimit::TokenBucket>>>,
 }
 
 /// Tenants by id and by API key, with their key material derived once, and the
@@ -71,15 +73,31 @@ pub struct TenantTable {
 
 impl TenantTable {
     pub fn new(tenants: &[Tenant], default_tenant: Option<String>, version: u64) -> Self {
+        Self::next(None, tenants, default_tenant, version)
+    }
+
+    /// The table after a configuration change, keeping `previous`'s rate-limit buckets of
+    /// tenants whose rate did not change.
+    pub fn next(
+        previous: Option<&TenantTable>,
+        tenants: &[Tenant],
+        default_tenant: Option<String>,
+        version: u64,
+    ) -> Self {
         let mut by_id = HashMap::new();
         let mut by_key = HashMap::new();
         for t in tenants {
             for h in &t.api_key_hashes {
                 by_key.insert(*h, t.id.clone());
             }
-            let limiter = t
-                .rate_limit_rps
-                .map(|rps| Mutex::new(super::ratelimit::TokenBucket::new(rps)));
+            let kept = previous
+                .and_then(|p| p.by_id.get(&t.id))
+                .filter(|e| e.tenant.rate_limit_rps == t.rate_limit_rps)
+                .and_then(|e| e.limiter.clone());
+            let limiter = kept.or_else(|| {
+                t.rate_limit_rps
+                    .map(|rps| Arc::new(Mutex::new(super::ratelimit::TokenBucket::new(rps))))
+            });
             by_id.insert(
                 t.id.clone(),
                 Arc::new(TenantEntry {

@@ -246,14 +246,12 @@ impl RouterState {
             let known = self.index.record_route(keys, instance, now_us);
             if let Some(outbox) = &mut self.outbox {
                 if known < keys.len() {
-                    // What peers lack, plus the key before it to link the chain.
-                    let from = known.saturating_sub(1);
                     if outbox.is_empty() {
                         self.outbox_since_ms = Some(now_ms());
                     }
                     outbox.push(SharedDecision {
                         instance: self.instance_keys[instance.0 as usize],
-                        keys: keys[from..].to_vec(),
+                        keys: sparse_keys(keys, known),
                     });
                 }
             }
@@ -434,6 +432,8 @@ fn seed_of(tenant: &str) -> u64 {
     u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
+pub use warmpath_index::index::sparse_keys;
+
 /// Wall-clock milliseconds since the Unix epoch (decision batches carry it, so receivers
 /// can measure dissemination lag on hosts with synchronised clocks).
 pub fn now_ms() -> u64 {
@@ -481,7 +481,7 @@ mod tests {
             out,
             vec![SharedDecision {
                 instance: instance_key(&chosen.url),
-                keys: keys(&[1, 2, 3])
+                keys: keys(&[3])
             }]
         );
         // The same prefix again, on the same instance: nothing new to share.
@@ -490,10 +490,17 @@ mod tests {
             .unwrap();
         assert_eq!(again.instance, chosen.instance);
         assert!(one.take_outbox().0.is_empty());
-        // A longer prompt shares only the new block and its parent.
-        one.route(&tenant, "m", &keys(&[1, 2, 3, 4]), 260, &[], false)
-            .unwrap();
-        assert_eq!(one.take_outbox().0[0].keys, keys(&[3, 4]));
+        // A longer prompt shares only (a sample of) the new blocks.
+        one.route(
+            &tenant,
+            "m",
+            &keys(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
+            700,
+            &[],
+            false,
+        )
+        .unwrap();
+        assert_eq!(one.take_outbox().0[0].keys, keys(&[4, 8, 10]));
         // The peer applies it and routes the prefix to the same instance.
         assert_eq!(two.apply_shared(&out), 0);
         let there = two

@@ -85,16 +85,27 @@ pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<S
     let mut rx = raft.subscribe();
     loop {
         let state = rx.borrow_and_update().clone();
+        // Until the cluster holds a configuration (version 0: not seeded yet), the config
+        // file's tenants and pools keep serving.
+        if state.version == 0 {
+            if rx.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
         let (tenants, pools) = from_state(&state);
         app.core
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .set_pools(&pools);
-        app.set_tenants(TenantTable::new(
+        // Rate-limit buckets carry over: a configuration change must not refill them.
+        let table = TenantTable::next(
+            Some(&app.tenants()),
             &tenants,
             default_tenant.clone(),
             state.version,
-        ));
+        );
+        app.set_tenants(table);
         metrics::gauge!("warmpath_config_version").set(state.version as f64);
         tracing::info!(
             config_version = state.version,
@@ -165,19 +176,48 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<Tenant>, pools: Vec<Pool>) {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    for cmd in commands {
-        match raft.write(Command::V1(cmd)).await {
-            Ok(CommandResult::Applied { .. }) => {}
-            Ok(CommandResult::Conflict { .. }) => return, // another voter seeded first
-            Ok(other) => {
-                tracing::warn!(
-                    ?other,
-                    "seeding from the config file: a command was refused"
-                );
-            }
-            Err(error) => {
-                tracing::warn!(%error, "seeding from the config file failed; the cluster stays as it is");
-                return;
+    // Puts are idempotent, so a command whose outcome is unknown is simply retried; only a
+    // conflict on the first command, answered to a first try, means another voter seeded.
+    for (n, cmd) in commands.into_iter().enumerate() {
+        let mut tried = 0;
+        loop {
+            tried += 1;
+            match raft.write(Command::V1(cmd.clone())).await {
+                Ok(CommandResult::Applied { .. }) => break,
+                Ok(CommandResult::Conflict { .. }) if n == 0 && tried == 1 => return,
+                Ok(CommandResult::Conflict { .. }) => {
+                    // Our own earlier try applied it: go on without the check.
+                    let mut unchecked = cmd.clone();
+                    if let CommandV1::PutPool {
+                        expected_version, ..
+                    }
+                    | CommandV1::PutTenant {
+                        expected_version, ..
+                    } = &mut unchecked
+                    {
+                        *expected_version = None;
+                    }
+                    if let Err(error) = raft.write(Command::V1(unchecked)).await {
+                        tracing::warn!(%error, "seeding from the config file: retrying");
+                        continue;
+                    }
+                    break;
+                }
+                Ok(other) => {
+                    tracing::warn!(
+                        ?other,
+                        "seeding from the config file: a command was refused"
+                    );
+                    break;
+                }
+                Err(error) if tried < 50 => {
+                    tracing::warn!(%error, "seeding from the config file: retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "seeding from the config file failed; the cluster stays as it is");
+                    return;
+                }
             }
         }
     }
