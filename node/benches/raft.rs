@@ -146,7 +146,7 @@ fn main() {
         };
         let follower = (leader + 1) % 3;
         let body = r#"{"strategy": "prefix-aware", "pool": "sim-llama"}"#;
-        let mut measure = |target: usize, prefix: &'static str| {
+        let measure = |target: usize, prefix: &'static str| {
             let c = c.clone();
             let url = base(target);
             async move {
