@@ -245,6 +245,11 @@ pub struct IndexStats {
     pub capacity_blocks: usize,
     /// (instance, block) pairs currently recorded, observed or predicted.
     pub holders: usize,
+    /// Holders with a prediction from a routing decision (this router's or a peer's) that
+    /// has not been swept yet.
+    pub predicted_holders: usize,
+    /// Holders an agent observed in some tier.
+    pub observed_holders: usize,
     pub l2_blocks: usize,
     pub evictions: u64,
     /// Estimated heap bytes per entry, map slot and holders included.
@@ -546,6 +551,16 @@ impl PrefixIndex {
     pub fn stats(&self) -> IndexStats {
         let entries = self.slots.len();
         let extra_holders: usize = self.nodes.iter().map(|n| n.more.len()).sum();
+        let (mut predicted_holders, mut observed_holders) = (0, 0);
+        for (idx, node) in self.nodes.iter().enumerate() {
+            if self.slot(node.key) != Some(idx as u32) {
+                continue; // a free slot
+            }
+            for h in node.holders() {
+                predicted_holders += usize::from(h.queued);
+                observed_holders += usize::from(h.observed != 0);
+            }
+        }
         let map_bytes = self.slots.capacity() * (std::mem::size_of::<u32>() + 1);
         let node_bytes = self.nodes.capacity() * std::mem::size_of::<Node>();
         let holder_bytes = extra_holders * std::mem::size_of::<Holder>();
@@ -556,6 +571,8 @@ impl PrefixIndex {
             entries,
             capacity_blocks: self.config.capacity_blocks,
             holders: self.holders,
+            predicted_holders,
+            observed_holders,
             l2_blocks: self.l2_blocks,
             evictions: self.evictions,
             bytes_per_entry: total.checked_div(entries).unwrap_or(0),
@@ -951,11 +968,23 @@ mod tests {
         index.record_route(&keys(&[1, 2, 3]), InstanceId(0), 0);
         index.record_route(&keys(&[1, 2]), InstanceId(1), 0);
         index.observe_l2(k(1), None, true);
+        index.observe(InstanceId(1), k(1), None, Tier::L1, true, 0);
         let stats = index.stats();
         assert_eq!((stats.entries, stats.holders, stats.l2_blocks), (3, 5, 1));
+        assert_eq!((stats.predicted_holders, stats.observed_holders), (5, 1));
         assert!(stats.bytes_per_entry > 0);
         index.expire(u64::MAX);
-        assert_eq!((index.stats().entries, index.stats().holders), (1, 0));
+        // The observed holder outlives every prediction.
+        let after = index.stats();
+        assert_eq!(
+            (
+                after.entries,
+                after.holders,
+                after.predicted_holders,
+                after.observed_holders
+            ),
+            (1, 1, 0, 1)
+        );
     }
 
     /// A random operation on a small key space, for the properties below.

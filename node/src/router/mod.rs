@@ -219,6 +219,7 @@ fn describe_metrics() {
         "From request arrival to the upstream send: body read, parse, tokenize, hash, route."
     );
     describe_gauge!("warmpath_index_entries", "Blocks in the prefix index.");
+    describe_gauge!("warmpath_index_holders", "(instance, block) pairs in the index, by source: predicted (routing decisions, own and peers') or observed (agents).");
     describe_gauge!(
         "warmpath_index_bytes_per_entry",
         Unit::Bytes,
@@ -329,6 +330,10 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
         let stats = core.index_stats();
         metrics::gauge!("warmpath_index_entries").set(stats.entries as f64);
         metrics::gauge!("warmpath_index_bytes_per_entry").set(stats.bytes_per_entry as f64);
+        metrics::gauge!("warmpath_index_holders", "source" => "predicted")
+            .set(stats.predicted_holders as f64);
+        metrics::gauge!("warmpath_index_holders", "source" => "observed")
+            .set(stats.observed_holders as f64);
         for (i, inst) in core.instances().iter().enumerate() {
             metrics::gauge!("warmpath_router_instance_healthy", "instance" => inst.url.clone())
                 .set(if inst.healthy { 1.0 } else { 0.0 });
