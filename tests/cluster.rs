@@ -68,7 +68,10 @@ async fn explain(c: &HttpClient, router: &str, prompt: &str) -> Option<(u16, Val
         .header("x-warmpath-explain", "1")
         .body(Full::new(Bytes::from(body)))
         .unwrap();
-    let resp = c.request(req).await.ok()?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), c.request(req))
+        .await
+        .ok()?
+        .ok()?;
     let status = resp.status().as_u16();
     let why = resp
         .headers()
@@ -85,7 +88,10 @@ async fn dry_run(c: &HttpClient, router: &str, prompt: &str) -> Option<(u16, Val
     let req = hyper::Request::post(format!("{router}/debug/route"))
         .body(Full::new(Bytes::from(body)))
         .unwrap();
-    let resp = c.request(req).await.ok()?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), c.request(req))
+        .await
+        .ok()?
+        .ok()?;
     let status = resp.status().as_u16();
     let body = resp.into_body().collect().await.ok()?.to_bytes();
     Some((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))

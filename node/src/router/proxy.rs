@@ -321,6 +321,16 @@ pub fn explain_for(app: &App, tenant: &str, body: &[u8]) -> Result<serde_json::V
     let entry = table
         .get(tenant)
         .ok_or_else(|| ProxyError::BadRequest(format!("unknown tenant {tenant:?}")))?;
+    explain_with(app, entry, table.version, body)
+}
+
+/// The explained decision for `entry`'s request `body`, changing no state.
+fn explain_with(
+    app: &App,
+    entry: &TenantEntry,
+    version: u64,
+    body: &[u8],
+) -> Result<serde_json::Value, ProxyError> {
     let endpoint = if body.windows(10).any(|w| w == b"\"messages\"") {
         Endpoint::Chat
     } else {
@@ -329,13 +339,14 @@ pub fn explain_for(app: &App, tenant: &str, body: &[u8]) -> Result<serde_json::V
     let parsed = parse(endpoint, body)?;
     let tokens = tokenize(&parsed.prompt);
     let keys = token_block_keys(&entry.key, &tokens, entry.tenant.block_tokens as usize);
+    // Bound first: the lock guard must be gone before `explanation` takes it again.
     let chosen = app
         .core()
         .dry_run(&entry.tenant, &parsed.model, &keys, tokens.len() as u32);
     match chosen {
         Ok(c) => {
             let mut v = explanation(app, &c);
-            v["config_version"] = serde_json::json!(table.version);
+            v["config_version"] = serde_json::json!(version);
             v["strategy"] = serde_json::json!(entry.tenant.strategy.name());
             Ok(v)
         }
@@ -355,30 +366,14 @@ pub async fn dry_run(
 ) -> Result<Response<Body>, ProxyError> {
     let (parts, body) = req.into_parts();
     let tenant = app.identify(&parts.headers)?;
-    let body = Limited::new(body, app.config.max_body_bytes)
+    let limit = app.config.max_body_bytes;
+    let body = Limited::new(body, limit)
         .collect()
         .await
-        .map_err(|_| ProxyError::TooLarge(app.config.max_body_bytes))?
+        .map_err(|_| ProxyError::TooLarge(limit))?
         .to_bytes();
-    let endpoint = if body.windows(10).any(|w| w == b"\"messages\"") {
-        Endpoint::Chat
-    } else {
-        Endpoint::Completions
-    };
-    let parsed = parse(endpoint, &body)?;
-    let tokens = tokenize(&parsed.prompt);
-    let keys = token_block_keys(&tenant.key, &tokens, tenant.tenant.block_tokens as usize);
-    let chosen = app
-        .core()
-        .dry_run(&tenant.tenant, &parsed.model, &keys, tokens.len() as u32);
-    match chosen {
-        Ok(c) => Ok(axum::Json(explanation(&app, &c)).into_response()),
-        Err(NoRoute::UnknownModel) => Err(ProxyError::UnknownModel(parsed.model)),
-        Err(NoRoute::NoHealthyInstance) => Err(ProxyError::NoHealthyInstance {
-            model: parsed.model,
-            retry_after_s: app.config.retry_after_s,
-        }),
-    }
+    let version = app.tenants().version;
+    Ok(axum::Json(explain_with(&app, &tenant, version, &body)?).into_response())
 }
 
 pub async fn completions(
