@@ -176,32 +176,47 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<Tenant>, pools: Vec<Pool>) {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Puts are idempotent, so a command whose outcome is unknown is simply retried; only a
-    // conflict on the first command, answered to a first try, means another voter seeded.
+    // The first command is a compare-and-set on version 0: if it conflicts, the cluster
+    // already holds a configuration (another voter's seeding, or our own earlier try whose
+    // answer was lost), and only items still missing from it are put, so a seeding never
+    // overwrites what an operator changed since. Errors are retried: puts are idempotent.
+    let mut seeded_here = true;
     for (n, cmd) in commands.into_iter().enumerate() {
+        let mut cmd = cmd;
         let mut tried = 0;
         loop {
             tried += 1;
+            if !seeded_here {
+                let state = raft.local_state();
+                let present = match &cmd {
+                    CommandV1::PutPool { model, .. } => state.pools.contains_key(model),
+                    CommandV1::PutTenant { id, .. } => state.tenants.contains_key(id),
+                    _ => true,
+                };
+                if present {
+                    break;
+                }
+            }
             match raft.write(Command::V1(cmd.clone())).await {
                 Ok(CommandResult::Applied { .. }) => break,
-                Ok(CommandResult::Conflict { .. }) if n == 0 && tried == 1 => return,
-                Ok(CommandResult::Conflict { .. }) => {
-                    // Our own earlier try applied it: go on without the check.
-                    let mut unchecked = cmd.clone();
+                Ok(CommandResult::Conflict { current_version }) if n == 0 => {
+                    seeded_here = false;
+                    // Let this node apply what the conflict reported, then re-check.
+                    for _ in 0..100 {
+                        if raft.local_state().version >= current_version {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
                     if let CommandV1::PutPool {
                         expected_version, ..
                     }
                     | CommandV1::PutTenant {
                         expected_version, ..
-                    } = &mut unchecked
+                    } = &mut cmd
                     {
                         *expected_version = None;
                     }
-                    if let Err(error) = raft.write(Command::V1(unchecked)).await {
-                        tracing::warn!(%error, "seeding from the config file: retrying");
-                        continue;
-                    }
-                    break;
                 }
                 Ok(other) => {
                     tracing::warn!(
@@ -221,7 +236,9 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<Tenant>, pools: Vec<Pool>) {
             }
         }
     }
-    tracing::info!("seeded the tenant configuration from the config file");
+    if seeded_here {
+        tracing::info!("seeded the tenant configuration from the config file");
+    }
 }
 
 /// The router facts the admin API serves.
