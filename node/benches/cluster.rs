@@ -7,8 +7,10 @@
 //! summary), the gossip bytes each router sent and received per second, and the share
 //! of requests whose prefix a replica found placed by another replica.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+mod common;
+
+use common::{start, Proc};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use warmpath_sim::live::loadgen::{self, Endpoint, LoadgenConfig, Mode};
 use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, SyntheticParams};
@@ -16,49 +18,6 @@ use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, Sy
 const ROUTERS: usize = 8;
 const RATE: f64 = 1000.0;
 const SECONDS: f64 = 10.0;
-
-struct Proc {
-    child: Child,
-    url: String,
-    _out: BufReader<ChildStdout>,
-    extra: Vec<String>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(args: &[String], lines: usize) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
-        .args(args)
-        .env("WARMPATH_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("warmpath starts");
-    let mut out = BufReader::new(child.stdout.take().expect("piped"));
-    let mut first = Vec::new();
-    for _ in 0..lines {
-        let mut line = String::new();
-        out.read_line(&mut line).expect("a line");
-        first.push(line);
-    }
-    let url = first[0]
-        .split("listening on ")
-        .nth(1)
-        .expect("listening line")
-        .trim()
-        .to_string();
-    Proc {
-        child,
-        url,
-        _out: out,
-        extra: first,
-    }
-}
 
 fn scrape(url: &str) -> String {
     let out = Command::new("curl")
@@ -114,7 +73,7 @@ fn main() {
         }
         let p = start(&args, 2);
         if r == 0 {
-            seed = p.extra[1]
+            seed = p.lines[1]
                 .split("gossip on ")
                 .nth(1)
                 .expect("gossip line")

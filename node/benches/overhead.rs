@@ -14,62 +14,13 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use common::{cpu_seconds, percentile, start};
 use std::time::{Duration, Instant};
 
 const PAIRS: usize = 3000;
 const WARMUP: usize = 200;
-
-struct Proc {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `warmpath args…` and waits for its "listening on URL" line.
-fn start(args: &[&str]) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
-        .args(args)
-        .env("WARMPATH_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("warmpath starts");
-    let stdout = child.stdout.take().expect("piped");
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("a first line");
-    let url = line
-        .split("listening on ")
-        .nth(1)
-        .expect("listening line")
-        .trim()
-        .to_string();
-    Proc { child, url }
-}
-
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name: utime and stime are the 12th and 13th.
-    let rest = stat.rsplit(')').next().unwrap_or_default();
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-    ticks / 100.0
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
 
 async fn send(client: &Client<HttpConnector, Full<Bytes>>, url: &str, body: &Bytes) -> Duration {
     let req = hyper::Request::post(format!("{url}/v1/completions"))
@@ -84,22 +35,28 @@ async fn send(client: &Client<HttpConnector, Full<Bytes>>, url: &str, body: &Byt
 }
 
 fn main() {
-    let engine = start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
-        "1000000",
-    ]);
-    let router = start(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--instance",
-        &engine.url,
-        "--strategy",
-        "prefix-aware",
-    ]);
+    let engine = start(
+        &[
+            "engine-sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--speedup",
+            "1000000",
+        ],
+        1,
+    );
+    let router = start(
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--instance",
+            &engine.url,
+            "--strategy",
+            "prefix-aware",
+        ],
+        1,
+    );
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -11,46 +11,12 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+mod common;
+
+use common::{free_port, percentile, start, Proc};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "bench-admin-token-0123456789";
-
-struct Proc {
-    child: Child,
-    _out: BufReader<ChildStdout>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(args: &[String], lines: usize) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
-        .args(args)
-        .env("WARMPATH_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("warmpath starts");
-    let mut out = BufReader::new(child.stdout.take().expect("piped"));
-    for _ in 0..lines {
-        let mut line = String::new();
-        out.read_line(&mut line).expect("a line");
-    }
-    Proc { child, _out: out }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -82,10 +48,6 @@ async fn call(
         status,
         serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     ))
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
 }
 
 fn main() {

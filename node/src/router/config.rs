@@ -264,7 +264,8 @@ pub fn hash_api_key(key: &str) -> [u8; 32] {
     *blake3::hash(key.as_bytes()).as_bytes()
 }
 
-fn parse_hex32(s: &str) -> Option<[u8; 32]> {
+/// 64 hex digits as 32 bytes (an API key hash as stored).
+pub fn parse_hex32(s: &str) -> Option<[u8; 32]> {
     if s.len() != 64 {
         return None;
     }

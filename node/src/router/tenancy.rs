@@ -2,7 +2,7 @@
 //! empty cluster from the config file, following every applied change (tenant table and
 //! pools swapped in place, no restart), and the router facts the admin API serves.
 
-use super::config::{hash_api_key, Pool, RaftSettings, Tenant};
+use super::config::{hash_api_key, parse_hex32, Pool, RaftSettings, Tenant};
 use super::proxy::{App, TenantTable};
 use anyhow::{Context, Result};
 use std::sync::Arc;
@@ -63,17 +63,6 @@ pub fn from_state(state: &ConfigState) -> (Vec<Tenant>, Vec<Pool>) {
         })
         .collect();
     (tenants, pools)
-}
-
-fn parse_hex32(s: &str) -> Option<[u8; 32]> {
-    if s.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
-        out[i] = u8::from_str_radix(std::str::from_utf8(chunk).ok()?, 16).ok()?;
-    }
-    Some(out)
 }
 
 fn to_hex(bytes: &[u8; 32]) -> String {

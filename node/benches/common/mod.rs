@@ -1,0 +1,78 @@
+//! What the process-level benchmarks share: starting `warmpath` processes on loopback and
+//! reading percentiles.
+
+#![allow(dead_code)] // each benchmark uses its own subset
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+
+/// A running `warmpath` process, killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    /// Base URL from its "listening on" line.
+    pub url: String,
+    /// The first lines it printed (the address lines).
+    pub lines: Vec<String>,
+    _out: BufReader<ChildStdout>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `warmpath args…` with quiet logs and waits for its first `lines` stdout lines.
+pub fn start<S: AsRef<str>>(args: &[S], lines: usize) -> Proc {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
+        .args(&args)
+        .env("WARMPATH_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("warmpath starts");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout is piped"));
+    let mut first = Vec::new();
+    for _ in 0..lines.max(1) {
+        let mut line = String::new();
+        out.read_line(&mut line).expect("a line on stdout");
+        first.push(line);
+    }
+    let url = first[0]
+        .split("listening on ")
+        .nth(1)
+        .expect("a listening line")
+        .trim()
+        .to_string();
+    Proc {
+        child,
+        url,
+        lines: first,
+        _out: out,
+    }
+}
+
+/// A free TCP port on loopback (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// The `q` quantile of sorted samples, by nearest rank.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// CPU seconds (user + system) process `pid` has used, from `/proc` (Linux).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name: utime and stime are the 12th and 13th, in clock ticks.
+    let rest = stat.rsplit(')').next().unwrap_or_default();
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
