@@ -40,6 +40,10 @@ use store::{NodeId, Store, TypeConfig};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+/// A leader that has heard from no quorum for this long refuses writes at once (twice the
+/// longest election timeout: by then the others have elected a new leader).
+const STALE_QUORUM_MS: u64 = 2_000;
+
 /// How a node joins and runs in the tenant-config cluster.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -121,6 +125,15 @@ pub enum WriteError {
     NoLeader {
         /// How long this node waited for one.
         waited: Duration,
+    },
+    /// This node leads but has heard from no quorum for a while (it is cut off): the
+    /// write was not submitted.
+    #[error(
+        "this leader has not heard from a quorum for {since_ms} ms; the write was not submitted"
+    )]
+    NoQuorum {
+        /// Milliseconds since a quorum last acknowledged this leader.
+        since_ms: u64,
     },
     /// The node the write was forwarded to is not the leader and named no other.
     #[error("not the leader; leader: {}", leader_url.as_deref().unwrap_or("unknown"))]
@@ -406,7 +419,15 @@ impl RaftNode {
             };
             let remaining = deadline.saturating_duration_since(Instant::now());
             let reply = match &target {
-                Target::Local => leader_write(&self.raft, cmd.clone(), remaining).await,
+                Target::Local => {
+                    // openraft 0.9 keeps a cut-off leader leading: refuse at once rather
+                    // than let the write wait out its timeout with an unknown outcome.
+                    let since = self.raft.metrics().borrow().millis_since_quorum_ack;
+                    if let Some(since_ms) = since.filter(|&ms| ms > STALE_QUORUM_MS) {
+                        return Err(WriteError::NoQuorum { since_ms });
+                    }
+                    leader_write(&self.raft, cmd.clone(), remaining).await
+                }
                 Target::Remote(url) => {
                     match self
                         .client

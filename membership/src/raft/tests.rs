@@ -404,6 +404,15 @@ async fn isolated_minority_rejects_writes_and_linearizable_reads() {
     assert!(matches!(r, Err(ReadError::NoQuorum(_))), "{r:?}");
     let r = c.node(leader).write(pool("m2", None)).await;
     assert!(matches!(r, Err(WriteError::Timeout(_))), "{r:?}");
+    // Having heard from no quorum for longer than an election takes, it refuses at once.
+    let asked = std::time::Instant::now();
+    let r = c.node(leader).write(pool("m3", None)).await;
+    assert!(matches!(r, Err(WriteError::NoQuorum { .. })), "{r:?}");
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(1),
+        "{:?}",
+        asked.elapsed()
+    );
     println!(
         "isolated leader: read -> {:?}",
         c.node(leader).read_linearizable().await

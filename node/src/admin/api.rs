@@ -272,6 +272,7 @@ fn write_error(e: WriteError) -> AdminError {
         },
         WriteError::NotLeader { leader_url: None }
         | WriteError::NoLeader { .. }
+        | WriteError::NoQuorum { .. }
         | WriteError::LeaderUnreachable { .. } => AdminError::Unavailable(e.to_string()),
         WriteError::Timeout(_) | WriteError::Unknown(_) => {
             AdminError::OutcomeUnknown(e.to_string())
