@@ -26,6 +26,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 use warmpath_index::policy::Strategy;
+use warmpath_membership::raft::state::TenantSpec;
 
 /// The only config file version this build reads.
 pub const CONFIG_VERSION: u32 = 1;
@@ -213,6 +214,24 @@ fn default_block_tokens() -> u32 {
     64
 }
 
+impl TenantSection {
+    /// A tenant with every setting at its default.
+    pub fn with_defaults(id: &str) -> Self {
+        TenantSection {
+            id: id.to_string(),
+            api_keys: Vec::new(),
+            api_key_hashes: Vec::new(),
+            strategy: default_strategy(),
+            prefix_length: 0,
+            concurrency_threshold: default_threshold(),
+            block_tokens: default_block_tokens(),
+            temperature: 0.0,
+            cache_salt: None,
+            rate_limit_rps: None,
+        }
+    }
+}
+
 /// A validated tenant.
 #[derive(Debug, Clone)]
 pub struct Tenant {
@@ -349,10 +368,16 @@ impl FileConfig {
                 instances,
             });
         }
+        // The default tenant exists implicitly, with default settings, unless listed.
+        let default_tenant = (!r.default_tenant.is_empty()).then(|| r.default_tenant.clone());
+        let implicit = default_tenant
+            .as_ref()
+            .filter(|d| !self.tenants.iter().any(|t| &t.id == *d))
+            .map(|d| TenantSection::with_defaults(d));
         let mut ids = HashSet::new();
         let mut keys: BTreeMap<[u8; 32], String> = BTreeMap::new();
         let mut tenants = Vec::new();
-        for (i, t) in self.tenants.iter().enumerate() {
+        for (i, t) in self.tenants.iter().chain(implicit.iter()).enumerate() {
             let at = format!("tenants[{i}] ({:?})", t.id);
             if t.id.is_empty() {
                 problems.push(format!("tenants[{i}].id is empty"));
@@ -399,10 +424,10 @@ impl FileConfig {
                     }
                 }
             }
-            let cache_salt = t.cache_salt.clone().unwrap_or_else(|| {
-                blake3::hash(format!("warmpath cache salt v1\0{}", t.id).as_bytes()).to_hex()[..16]
-                    .to_string()
-            });
+            let cache_salt = t
+                .cache_salt
+                .clone()
+                .unwrap_or_else(|| TenantSpec::default_cache_salt(&t.id));
             if let Some(strategy) = strategy {
                 tenants.push(Tenant {
                     id: t.id.clone(),
@@ -414,25 +439,6 @@ impl FileConfig {
                     temperature: t.temperature,
                     cache_salt,
                     rate_limit_rps: t.rate_limit_rps,
-                });
-            }
-        }
-        let default_tenant = (!r.default_tenant.is_empty()).then(|| r.default_tenant.clone());
-        if let Some(d) = &default_tenant {
-            if !ids.contains(d) {
-                // The default tenant exists implicitly, with default settings.
-                tenants.push(Tenant {
-                    id: d.clone(),
-                    api_key_hashes: Vec::new(),
-                    strategy: Strategy::PrefixAware,
-                    prefix_length: 0,
-                    concurrency_threshold: default_threshold(),
-                    block_tokens: default_block_tokens(),
-                    temperature: 0.0,
-                    rate_limit_rps: None,
-                    cache_salt: blake3::hash(format!("warmpath cache salt v1\0{d}").as_bytes())
-                        .to_hex()[..16]
-                        .to_string(),
                 });
             }
         }

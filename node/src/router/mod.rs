@@ -144,18 +144,7 @@ impl RouterArgs {
         {
             let id = file.router.default_tenant.clone();
             if !file.tenants.iter().any(|t| t.id == id) {
-                file.tenants.push(TenantSection {
-                    id: id.clone(),
-                    api_keys: Vec::new(),
-                    api_key_hashes: Vec::new(),
-                    strategy: "prefix-aware".into(),
-                    prefix_length: 0,
-                    concurrency_threshold: 32,
-                    block_tokens: 64,
-                    temperature: 0.0,
-                    cache_salt: None,
-                    rate_limit_rps: None,
-                });
+                file.tenants.push(TenantSection::with_defaults(&id));
             }
             let t = file
                 .tenants
