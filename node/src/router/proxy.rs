@@ -60,15 +60,16 @@ pub struct TenantEntry {
     /// Shared with the next table while the tenant's rate is unchanged, so a
     /// configuration change never refills a bucket.
     limiter: Option<Arc<Mutex<super::ratelimit::TokenBucket>>>,
+    /// The configuration version of the table holding this entry (responses carry it).
+    config_version: u64,
 }
 
-/// Tenants by id and by API key, with their key material derived once, and the
-/// configuration version they come from.
+/// Tenants by id and by API key, with their key material derived once; each entry carries
+/// the configuration version it comes from.
 pub struct TenantTable {
     by_id: HashMap<String, Arc<TenantEntry>>,
     by_key: HashMap<[u8; 32], String>,
     default_tenant: Option<String>,
-    pub version: u64,
 }
 
 impl TenantTable {
@@ -104,6 +105,7 @@ impl TenantTable {
                     key: TenantKey::derive(&t.id, &t.cache_salt),
                     tenant: t.clone(),
                     limiter,
+                    config_version: version,
                 }),
             );
         }
@@ -112,7 +114,6 @@ impl TenantTable {
             by_id,
             by_key,
             default_tenant,
-            version,
         }
     }
 
@@ -321,14 +322,13 @@ pub fn explain_for(app: &App, tenant: &str, body: &[u8]) -> Result<serde_json::V
     let entry = table
         .get(tenant)
         .ok_or_else(|| ProxyError::BadRequest(format!("unknown tenant {tenant:?}")))?;
-    explain_with(app, entry, table.version, body)
+    explain_with(app, entry, body)
 }
 
 /// The explained decision for `entry`'s request `body`, changing no state.
 fn explain_with(
     app: &App,
     entry: &TenantEntry,
-    version: u64,
     body: &[u8],
 ) -> Result<serde_json::Value, ProxyError> {
     let endpoint = if body.windows(10).any(|w| w == b"\"messages\"") {
@@ -346,7 +346,7 @@ fn explain_with(
     match chosen {
         Ok(c) => {
             let mut v = explanation(app, &c);
-            v["config_version"] = serde_json::json!(version);
+            v["config_version"] = serde_json::json!(entry.config_version);
             v["strategy"] = serde_json::json!(entry.tenant.strategy.name());
             Ok(v)
         }
@@ -372,8 +372,7 @@ pub async fn dry_run(
         .await
         .map_err(|_| ProxyError::TooLarge(limit))?
         .to_bytes();
-    let version = app.tenants().version;
-    Ok(axum::Json(explain_with(&app, &tenant, version, &body)?).into_response())
+    Ok(axum::Json(explain_with(&app, &tenant, &body)?).into_response())
 }
 
 pub async fn completions(
@@ -487,7 +486,7 @@ async fn handle(
             });
         }
     }
-    let config_version = app.tenants().version;
+    let config_version = tenant.config_version;
     let limit = app.config.max_body_bytes;
     let body = Limited::new(body, limit).collect().await.map_err(|e| {
         if e.downcast_ref::<http_body_util::LengthLimitError>()

@@ -211,10 +211,15 @@ impl RouterState {
             temperature: tenant.temperature,
             block_tokens: tenant.block_tokens,
         };
+        // Look up before inserting: `entry` would allocate the tenant id on every request.
+        if !self.policies.contains_key(&tenant.id) {
+            self.policies
+                .insert(tenant.id.clone(), PolicyState::new(seed_of(&tenant.id)));
+        }
         let policy = self
             .policies
-            .entry(tenant.id.clone())
-            .or_insert_with(|| PolicyState::new(seed_of(&tenant.id)));
+            .get_mut(&tenant.id)
+            .expect("inserted just above");
         let view = View {
             index: &self.index,
             load: &self.load,
