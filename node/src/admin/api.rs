@@ -400,6 +400,11 @@ fn params(uri: &Uri, allowed: &[&str]) -> Result<Params, AdminError> {
 }
 
 /// The compare-and-set version of a write: `If-Match` or `?expected_version`.
+/// The compare-and-set precondition of a write with no other query parameter.
+fn precondition(uri: &Uri, headers: &HeaderMap) -> Result<Option<u64>, AdminError> {
+    expected_version(headers, &params(uri, &["expected_version"])?)
+}
+
 fn expected_version(headers: &HeaderMap, p: &Params) -> Result<Option<u64>, AdminError> {
     let parse = |what: &str, s: &str| {
         s.parse::<u64>().map_err(|_| {
@@ -635,8 +640,7 @@ async fn put_tenant(
     body: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let id = path(id)?;
-    let p = params(&uri, &["expected_version"])?;
-    let expected = expected_version(&headers, &p)?;
+    let expected = precondition(&uri, &headers)?;
     let spec = parse_body::<TenantInput>(body, "tenant")?.into_spec(&id)?;
     // Created or replaced, as far as this node had seen before the write.
     let created = !d.raft.local_state().tenants.contains_key(&id);
@@ -660,8 +664,7 @@ async fn delete_tenant(
     headers: HeaderMap,
 ) -> ApiResult {
     let id = path(id)?;
-    let p = params(&uri, &["expected_version"])?;
-    let expected_version = expected_version(&headers, &p)?;
+    let expected_version = precondition(&uri, &headers)?;
     let version = write(
         &d,
         "tenant",
@@ -682,8 +685,7 @@ async fn add_key(
     body: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let tenant = path(id)?;
-    let p = params(&uri, &["expected_version"])?;
-    let expected_version = expected_version(&headers, &p)?;
+    let expected_version = precondition(&uri, &headers)?;
     let input: KeyInput = parse_body(body, "api key")?;
     check_plain_key(&input.key).map_err(|why| AdminError::Invalid {
         what: "api key",
@@ -710,8 +712,7 @@ async fn remove_key(
     headers: HeaderMap,
 ) -> ApiResult {
     let (tenant, hash) = path(ids)?;
-    let p = params(&uri, &["expected_version"])?;
-    let expected_version = expected_version(&headers, &p)?;
+    let expected_version = precondition(&uri, &headers)?;
     let key_hash = hash.to_ascii_lowercase();
     if !is_key_hash(&key_hash) {
         return Err(AdminError::BadRequest(
@@ -763,8 +764,7 @@ async fn put_pool(
     body: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let model = path(model)?;
-    let p = params(&uri, &["expected_version"])?;
-    let expected_version = expected_version(&headers, &p)?;
+    let expected_version = precondition(&uri, &headers)?;
     let spec: PoolSpec = parse_body(body, "pool")?;
     let created = !d.raft.local_state().pools.contains_key(&model);
     let version = write(
@@ -787,8 +787,7 @@ async fn delete_pool(
     headers: HeaderMap,
 ) -> ApiResult {
     let model = path(model)?;
-    let p = params(&uri, &["expected_version"])?;
-    let expected_version = expected_version(&headers, &p)?;
+    let expected_version = precondition(&uri, &headers)?;
     let version = write(
         &d,
         "pool",
@@ -809,8 +808,7 @@ async fn add_instance(
     body: Result<Bytes, BytesRejection>,
 ) -> ApiResult {
     let model = path(model)?;
-    let p = params(&uri, &["expected_version"])?;
-    let expected_version = expected_version(&headers, &p)?;
+    let expected_version = precondition(&uri, &headers)?;
     let input: InstanceInput = parse_body(body, "instance")?;
     let version = write(
         &d,
