@@ -6,7 +6,6 @@
 //! [`WorkloadError`]; [`Workload::stats`] gives the figures a report prints about a
 //! workload, among them the ideal prefix-hit ratio (an infinite cache, no routing loss).
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 
 use warmpath_index::keys::BlockKey;
@@ -63,23 +62,16 @@ pub struct WorkloadStats {
 impl Workload {
     /// Counts, means and the ideal prefix-hit ratio of this workload.
     pub fn stats(&self) -> WorkloadStats {
-        let mut seen: HashSet<(u32, BlockKey)> = HashSet::new();
+        // Keys are per tenant, so tenants never match each other's blocks.
+        let (matched, unique) = crate::bounds::ideal_matches(self);
+        let hits: u64 = matched.iter().map(|&m| u64::from(m)).sum();
         let mut blocks = 0u64;
-        let mut hits = 0u64;
         let mut prompt_sum = 0u64;
         let mut output_sum = 0u64;
         for r in &self.requests {
             blocks += r.keys.len() as u64;
             prompt_sum += u64::from(r.prompt_tokens);
             output_sum += u64::from(r.output_tokens);
-            // Keys name whole prefixes, so the longest seen prefix is the run of leading
-            // keys already in the set.
-            hits += r
-                .keys
-                .iter()
-                .take_while(|k| seen.contains(&(r.tenant, **k)))
-                .count() as u64;
-            seen.extend(r.keys.iter().map(|k| (r.tenant, *k)));
         }
         let n = self.requests.len();
         let mean = |sum: u64| if n == 0 { 0.0 } else { sum as f64 / n as f64 };
@@ -94,7 +86,7 @@ impl Workload {
             mean_prompt_tokens: mean(prompt_sum),
             mean_output_tokens: mean(output_sum),
             blocks,
-            unique_blocks: seen.len() as u64,
+            unique_blocks: unique as u64,
             ideal_hit_ratio: if blocks == 0 {
                 0.0
             } else {
