@@ -1,6 +1,6 @@
 //! The cost model that kv-aware routing and the engine simulator share.
 //!
-//! A [`ModelProfile`] is data (JSON files under `sim/profiles/`), not code: prefill time of a
+//! A [`ModelProfile`] is data (JSON files under `index/profiles/`), not code: prefill time of a
 //! forward pass as a quadratic in the uncached tokens it computes, decode step time as a
 //! quadratic in KV-cache usage, the KV bytes one token occupies, and the bandwidth of each
 //! tier from which a cached block can be loaded instead of recomputed. The defaults are

@@ -5,6 +5,8 @@
 //! - [`load`]: the load view (in-flight requests and pending prefill per instance).
 //! - [`policy`]: the routing policies and their explanations.
 //! - [`cost`]: the model profile that kv-aware routing and the simulator share.
+//! - [`profiles`]: the built-in model profiles, JSON data under `profiles/`.
+//! - [`router`]: the router core, the whole decision path of one router replica.
 //! - [`rng`]: the seeded generator behind every random choice.
 //! - [`openai`]: the parts of the OpenAI wire format warmpath reads and writes.
 //! - [`text`]: the built-in tokenizer and chat rendering shared by router and engine-sim.
@@ -19,7 +21,9 @@ pub mod keys;
 pub mod load;
 pub mod openai;
 pub mod policy;
+pub mod profiles;
 pub mod rng;
+pub mod router;
 pub mod text;
 
 /// A dense instance number, assigned by whoever owns the instance list (router, simulator).

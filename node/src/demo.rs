@@ -39,7 +39,7 @@ pub struct DemoArgs {
     /// GPU KV-cache capacity of each engine-sim, tokens.
     #[arg(long, default_value_t = 120_000)]
     pub gpu_kv_tokens: u64,
-    /// Synthetic workload: chat, bots, rag or code.
+    /// Synthetic workload: chat, bots, rag, code or conversation.
     #[arg(long, default_value = "bots")]
     pub workload: String,
     #[arg(long, default_value_t = 42)]

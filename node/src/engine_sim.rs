@@ -55,7 +55,7 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
             l1_blocks: args.l1_kv_tokens / u64::from(args.block_tokens),
             ..EngineConfig::default()
         },
-        profile: warmpath_sim::profiles::builtin(&args.profile)?,
+        profile: warmpath_index::profiles::builtin(&args.profile)?,
         speedup: args.speedup,
         default_max_tokens: args.default_max_tokens,
         ..EngineSimConfig::default()

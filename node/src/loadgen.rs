@@ -22,7 +22,7 @@ pub struct LoadgenArgs {
     /// Mooncake-format JSONL trace to replay (hash ids become deterministic text).
     #[arg(long, conflicts_with = "workload")]
     pub trace: Option<PathBuf>,
-    /// Synthetic workload: chat, bots, rag or code.
+    /// Synthetic workload: chat, bots, rag, code or conversation.
     #[arg(long, default_value = "bots")]
     pub workload: String,
     /// Requests to send (synthetic: generated; trace: the first N).

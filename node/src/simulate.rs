@@ -11,10 +11,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use warmpath_index::index::IndexConfig;
 use warmpath_index::policy::{PolicyConfig, Strategy};
+use warmpath_index::profiles;
 use warmpath_sim::bounds::{ideal_hit_rate, pooled_hit_rate};
 use warmpath_sim::cluster::{simulate, ClusterConfig, Progress, RunReport, Sharing};
 use warmpath_sim::engine::EngineConfig;
-use warmpath_sim::profiles;
 use warmpath_sim::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
 use warmpath_sim::workload::{mooncake, ReadOptions, Workload, WorkloadStats};
 
@@ -35,7 +35,7 @@ pub struct SimulateArgs {
         required_unless_present = "workload"
     )]
     pub trace: Option<PathBuf>,
-    /// Synthetic workload: chat, bots, rag or code.
+    /// Synthetic workload: chat, bots, rag, code or conversation.
     #[arg(long)]
     pub workload: Option<String>,
     /// Inference instances (one per host).

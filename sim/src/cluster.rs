@@ -1,8 +1,8 @@
 //! The discrete-event cluster simulator: router replicas, engines, agents' residency
 //! feed, on a virtual clock.
 //!
-//! A load balancer spreads requests across `routers` replicas at random. Each replica
-//! owns a [`PrefixIndex`] view and calls the production policy ([`route`]) with it; the
+//! A load balancer spreads requests across `routers` replicas at random. Each replica is
+//! a [`RouterCore`], the live router's own decision path, called on the virtual clock; the
 //! chosen engine (an [`Engine`], one per instance, one instance per host) runs the
 //! request. What a replica learns of other replicas' decisions depends on [`Sharing`];
 //! what it learns of real cache contents comes from the agents' feed (engine block
@@ -22,11 +22,11 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::rc::Rc;
 use warmpath_index::cost::{ModelProfile, Tier};
-use warmpath_index::index::{IndexConfig, PrefixIndex};
+use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::BlockKey;
-use warmpath_index::load::LoadView;
-use warmpath_index::policy::{route, PolicyConfig, PolicyState, RouteRequest, View};
+use warmpath_index::policy::{PolicyConfig, RouteRequest};
 use warmpath_index::rng::Rng;
+use warmpath_index::router::{CoreConfig, InstanceSpec, PoolSpec, RouterCore, SharedDecision};
 use warmpath_index::InstanceId;
 
 /// How router replicas learn each other's routing decisions.
@@ -119,12 +119,11 @@ pub struct Progress {
 enum Event {
     Arrival(usize),
     StepEnd(u32),
-    /// Another replica's routing decision reaches `router`.
-    Decision {
+    /// Another replica's routing decisions reach `router`.
+    Decisions {
         router: u32,
-        /// The (sampled) keys the deciding replica shared.
-        keys: Rc<Vec<BlockKey>>,
-        instance: u32,
+        /// What the deciding replica shared (sampled keys, as the live routers share).
+        batch: Rc<Vec<SharedDecision>>,
     },
     /// A batch of agent observations reaches `router`.
     Observed {
@@ -148,14 +147,11 @@ struct Track {
     first_token_us: Option<u64>,
     last_token_us: u64,
     /// Prefill tokens the load views count for it (the policy's uncached estimate).
-    pending: u64,
+    pending: u32,
 }
 
-struct Replica {
-    index: PrefixIndex,
-    own_load: LoadView,
-    policy: PolicyState,
-}
+/// The model name the simulated pool serves.
+const MODEL: &str = "sim";
 
 /// Runs `workload` on a cluster and reports the figures. `progress` is called now and
 /// then with the completed count.
@@ -167,13 +163,34 @@ pub fn simulate(
     validate(config, workload)?;
     let mut rng = Rng::new(config.seed);
     let mut lb_rng = rng.fork(1);
-    let mut replicas: Vec<Replica> = (0..config.routers)
-        .map(|r| Replica {
-            index: PrefixIndex::new(config.index),
-            own_load: LoadView::new(),
-            policy: PolicyState::new(config.seed ^ (u64::from(r) + 1).wrapping_mul(0x9e37_79b9)),
+    let pool = [PoolSpec {
+        model: MODEL.to_string(),
+        instances: (0..config.instances)
+            .map(|i| InstanceSpec {
+                name: format!("instance-{i}"),
+                key: u64::from(i),
+            })
+            .collect(),
+    }];
+    let mut replicas: Vec<RouterCore> = (0..config.routers)
+        .map(|r| {
+            let mut core = RouterCore::new(
+                CoreConfig {
+                    index: config.index,
+                    seed: config.seed ^ (u64::from(r) + 1).wrapping_mul(0x9e37_79b9),
+                    ..CoreConfig::default()
+                },
+                config.profile.clone(),
+            );
+            core.set_pools(&pool);
+            if matches!(config.sharing, Sharing::Delayed(_)) {
+                core.enable_sharing();
+            }
+            core
         })
         .collect();
+    let router_names: Vec<String> = (0..config.routers).map(|r| format!("router-{r}")).collect();
+    let mut tenant_names: HashMap<u32, String> = HashMap::new();
     let mut engines: Vec<Engine> = (0..config.instances)
         .map(|_| Engine::new(config.engine.clone(), config.profile.clone()))
         .collect();
@@ -185,9 +202,7 @@ pub fn simulate(
             parent_of.insert(w[1], w[0]);
         }
     }
-    let candidates: Vec<InstanceId> = (0..config.instances).map(InstanceId).collect();
     let shared_load = !matches!(config.sharing, Sharing::Isolated);
-    let mut global_load = LoadView::new();
 
     let mut queue: BinaryHeap<Reverse<(u64, u64, usize)>> = BinaryHeap::new();
     let mut events: Vec<Option<Event>> = Vec::new();
@@ -230,71 +245,67 @@ pub fn simulate(
             Event::Arrival(i) => {
                 let req = &workload.requests[i];
                 let r = lb_rng.below(u64::from(config.routers)) as u32;
-                let replica = &mut replicas[r as usize];
-                replica.index.expire(now);
-                let load_view;
-                let load = if shared_load {
-                    &global_load
-                } else {
-                    load_view = replica.own_load.clone();
-                    &load_view
-                };
-                let view = View {
-                    index: &replica.index,
-                    load,
-                    profile: &config.profile,
-                    now,
-                };
+                if shared_load && config.routers > 1 {
+                    // Every replica routes on the exact cluster-wide load.
+                    let peers = (0..config.routers)
+                        .filter(|&o| o != r)
+                        .map(|o| {
+                            (
+                                router_names[o as usize].clone(),
+                                replicas[o as usize].own_loads(),
+                            )
+                        })
+                        .collect();
+                    replicas[r as usize].set_peer_loads(peers);
+                }
+                let tenant = tenant_names
+                    .entry(req.tenant)
+                    .or_insert_with(|| format!("tenant-{}", req.tenant));
                 let rr = RouteRequest {
                     keys: &req.keys,
                     prompt_tokens: req.prompt_tokens,
                 };
-                let decision = route(
-                    &config.policy,
-                    &rr,
-                    &candidates,
-                    &view,
-                    &mut replica.policy,
-                    false,
-                )
-                .expect("the cluster has instances");
+                let decision = replicas[r as usize]
+                    .route(tenant, &config.policy, MODEL, &rr, &[], false, now)
+                    .expect("the simulated pool is never empty or down");
                 let inst = decision.instance;
                 if config.policy.strategy.uses_index() {
-                    let known = replica.index.record_route(&req.keys, inst, now);
                     match config.sharing {
                         Sharing::Isolated => {}
                         Sharing::Perfect => {
+                            let whole = [SharedDecision {
+                                instance: u64::from(inst.0),
+                                keys: req.keys.clone(),
+                            }];
                             for (o, other) in replicas.iter_mut().enumerate() {
                                 if o as u32 != r {
-                                    other.index.record_route(&req.keys, inst, now);
+                                    other.apply_shared(&whole, now);
                                 }
                             }
                         }
-                        // As the live routers do: only what peers lack, sampled.
-                        Sharing::Delayed(d) if known < req.keys.len() => {
-                            let keys =
-                                Rc::new(warmpath_index::index::sparse_keys(&req.keys, known));
-                            for o in 0..config.routers {
-                                if o != r {
-                                    push(
-                                        &mut queue,
-                                        &mut events,
-                                        now + d,
-                                        Event::Decision {
-                                            router: o,
-                                            keys: keys.clone(),
-                                            instance: inst.0,
-                                        },
-                                    );
+                        // As the live routers do: what the core queued for its peers.
+                        Sharing::Delayed(d) => {
+                            let (batch, _) = replicas[r as usize].take_outbox();
+                            if !batch.is_empty() {
+                                let batch = Rc::new(batch);
+                                for o in 0..config.routers {
+                                    if o != r {
+                                        push(
+                                            &mut queue,
+                                            &mut events,
+                                            now + d,
+                                            Event::Decisions {
+                                                router: o,
+                                                batch: batch.clone(),
+                                            },
+                                        );
+                                    }
                                 }
                             }
                         }
-                        Sharing::Delayed(_) => {}
                     }
                 }
-                let pending = u64::from(decision.uncached_tokens);
-                replicas[r as usize].own_load.start(inst, pending);
-                global_load.start(inst, pending);
+                let pending = decision.uncached_tokens;
                 tracks[i] = Track {
                     router: r,
                     instance: inst.0,
@@ -327,20 +338,14 @@ pub fn simulate(
                     push(&mut queue, &mut events, end, Event::StepEnd(inst));
                 }
             }
-            Event::Decision {
-                router,
-                keys,
-                instance,
-            } => {
-                replicas[router as usize]
-                    .index
-                    .record_route(&keys, InstanceId(instance), now);
+            Event::Decisions { router, batch } => {
+                replicas[router as usize].apply_shared(&batch, now);
             }
             Event::Observed { router, batch } => {
-                let index = &mut replicas[router as usize].index;
+                let replica = &mut replicas[router as usize];
                 for o in batch.iter() {
                     let parent = parent_of.get(&o.key).copied();
-                    index.observe(
+                    replica.observe(
                         InstanceId(o.instance),
                         o.key,
                         parent,
@@ -363,11 +368,7 @@ pub fn simulate(
                     t.last_token_us = at_us;
                     output_tokens += 1;
                     ttft.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    let prompt = t.pending;
-                    replicas[t.router as usize]
-                        .own_load
-                        .first_token(InstanceId(t.instance), prompt);
-                    global_load.first_token(InstanceId(t.instance), prompt);
+                    replicas[t.router as usize].first_token(InstanceId(t.instance), t.pending);
                 }
                 EngineEvent::Token { id, at_us } => {
                     let t = &mut tracks[id as usize];
@@ -380,25 +381,13 @@ pub fn simulate(
                     let t = tracks[i];
                     completed += 1;
                     e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    let prompt = t.pending;
-                    replicas[t.router as usize].own_load.finish(
-                        InstanceId(t.instance),
-                        prompt,
-                        true,
-                    );
-                    global_load.finish(InstanceId(t.instance), prompt, true);
+                    replicas[t.router as usize].finish(InstanceId(t.instance), t.pending, true);
                 }
                 EngineEvent::Rejected { id, .. } => {
                     let i = id as usize;
                     let t = tracks[i];
                     rejected += 1;
-                    let prompt = t.pending;
-                    replicas[t.router as usize].own_load.finish(
-                        InstanceId(t.instance),
-                        prompt,
-                        false,
-                    );
-                    global_load.finish(InstanceId(t.instance), prompt, false);
+                    replicas[t.router as usize].finish(InstanceId(t.instance), t.pending, false);
                 }
                 EngineEvent::Stored { key, tier } | EngineEvent::Removed { key, tier }
                     if config.agent_feed_delay_us.is_some() =>

@@ -3,7 +3,6 @@ pub mod bounds;
 pub mod cluster;
 pub mod engine;
 pub mod live;
-pub mod profiles;
 pub mod stats;
 pub mod tiers;
 pub mod workload;

@@ -340,11 +340,11 @@ impl FileConfig {
                 problems.push(format!("router.{name} must be positive"));
             }
         }
-        if warmpath_sim::profiles::builtin(&r.profile).is_err() {
+        if warmpath_index::profiles::builtin(&r.profile).is_err() {
             problems.push(format!(
                 "router.profile {:?} is not a builtin profile ({})",
                 r.profile,
-                warmpath_sim::profiles::builtin_names().join(", ")
+                warmpath_index::profiles::builtin_names().join(", ")
             ));
         }
         let mut models = HashSet::new();

@@ -226,7 +226,7 @@ fn describe_metrics() {
 
 /// The gateway's routes.
 pub fn app(config: RouterConfig) -> Result<Arc<App>> {
-    let profile = warmpath_sim::profiles::builtin(&config.profile)?;
+    let profile = warmpath_index::profiles::builtin(&config.profile)?;
     let core = state::RouterState::new(&config, profile);
     Ok(Arc::new(App::new(config, core, metrics_handle())))
 }
@@ -324,11 +324,11 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
         metrics::gauge!("warmpath_index_holders", "source" => "observed")
             .set(stats.observed_holders as f64);
         for (i, inst) in core.instances().iter().enumerate() {
-            metrics::gauge!("warmpath_router_instance_healthy", "instance" => inst.url.clone())
+            metrics::gauge!("warmpath_router_instance_healthy", "instance" => inst.name.clone())
                 .set(if inst.healthy { 1.0 } else { 0.0 });
-            metrics::gauge!("warmpath_router_instance_cluster_in_flight", "instance" => inst.url.clone())
+            metrics::gauge!("warmpath_router_instance_cluster_in_flight", "instance" => inst.name.clone())
                 .set(f64::from(core.cluster_in_flight(InstanceId(i as u32))));
-            metrics::gauge!("warmpath_router_instance_in_flight", "instance" => inst.url.clone())
+            metrics::gauge!("warmpath_router_instance_in_flight", "instance" => inst.name.clone())
                 .set(f64::from(core.in_flight(InstanceId(i as u32))));
         }
     }
@@ -372,7 +372,7 @@ async fn health_loop(app: Arc<App>) {
             let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
             let was = core.instances()[i].healthy;
             if was != ok {
-                tracing::info!(instance = %core.instances()[i].url, healthy = ok, "instance health changed");
+                tracing::info!(instance = %core.instances()[i].name, healthy = ok, "instance health changed");
             }
             core.set_healthy(InstanceId(i as u32), ok);
         }

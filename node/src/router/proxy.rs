@@ -597,7 +597,7 @@ fn explanation(app: &App, chosen: &Chosen) -> serde_json::Value {
     let url = |i: InstanceId| {
         core.instances()
             .get(i.0 as usize)
-            .map(|x| x.url.clone())
+            .map(|x| x.name.clone())
             .unwrap_or_default()
     };
     serde_json::json!({

@@ -10,6 +10,11 @@
 //! - [`SyntheticKind::Code`]: code completion. A repository's large shared context, the
 //!   head of the file being edited, then the edits made since the session began, which grow
 //!   from one completion to the next.
+//! - [`SyntheticKind::Conversation`]: an assistant product. One system prompt opens every
+//!   request of every user; sessions run many turns, each prompt the previous one plus the
+//!   answer and a new message, after a think time; sessions start in bursts (a calm rate
+//!   and a burst rate that alternate). A prefix-aware router that trusts the longest match
+//!   alone sends every new session to whoever holds the system prompt.
 //!
 //! A prompt is a list of [`Segment`]s, each a seed and a length: the token ids are drawn
 //! from the seed, so the same content is the same segment wherever it appears, and
@@ -30,8 +35,9 @@
 //! | bots | ~200 s | ~4,900 | 100% | ~0.93 |
 //! | rag  | ~205 s | ~4,400 | 100% | ~0.74 |
 //! | code | ~260 s | ~9,000 | 100% | ~0.97 |
+//! | conversation | ~215 s | ~4,600 | 100% | ~0.90 |
 //!
-//! Chat and code take longer than `requests / rate_per_s`: their request rate reaches
+//! Chat, code and conversation take longer than `requests / rate_per_s`: their request rate reaches
 //! `rate_per_s` only once the sessions begun at the start have reached their later turns.
 
 use std::collections::HashMap;
@@ -119,27 +125,31 @@ pub enum SyntheticKind {
     Rag,
     /// Code completion over repositories with large shared contexts.
     Code,
+    /// Long sessions behind one shared system prompt, starting in bursts.
+    Conversation,
 }
 
 impl SyntheticKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [SyntheticKind; 4] = [
+    pub const ALL: [SyntheticKind; 5] = [
         SyntheticKind::Chat,
         SyntheticKind::Bots,
         SyntheticKind::Rag,
         SyntheticKind::Code,
+        SyntheticKind::Conversation,
     ];
 
     /// The valid names, as an error message lists them.
-    pub const NAMES: &'static str = "chat, bots, rag, code";
+    pub const NAMES: &'static str = "chat, bots, rag, code, conversation";
 
-    /// The kind's name: `chat`, `bots`, `rag` or `code`.
+    /// The kind's name: `chat`, `bots`, `rag`, `code` or `conversation`.
     pub fn name(self) -> &'static str {
         match self {
             SyntheticKind::Chat => "chat",
             SyntheticKind::Bots => "bots",
             SyntheticKind::Rag => "rag",
             SyntheticKind::Code => "code",
+            SyntheticKind::Conversation => "conversation",
         }
     }
 }
@@ -305,6 +315,48 @@ impl Default for CodeParams {
     }
 }
 
+/// Parameters of [`SyntheticKind::Conversation`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConversationParams {
+    /// Length of the one system prompt every request starts with.
+    pub system_prompt_tokens: TokenRange,
+    /// Mean turns per session (geometric, at least 1).
+    pub mean_turns: f64,
+    /// Most turns of one session.
+    pub max_turns: u32,
+    /// Length of each user message.
+    pub user_tokens: TokenRange,
+    /// Length of each answer (the request's output, appended to the next turn's prompt).
+    pub answer_tokens: TokenRange,
+    /// Mean think time between a turn and the next, in seconds (exponential).
+    pub mean_think_s: f64,
+    /// Session starts during a burst come this many times faster than in calm periods.
+    pub burst_factor: f64,
+    /// Share of the time spent in bursts, in `(0, 1)`.
+    pub burst_share: f64,
+    /// Mean length of a burst, in seconds (exponential; calm periods last accordingly).
+    pub mean_burst_s: f64,
+    /// A session ends before its prompt would exceed this many tokens.
+    pub max_prompt_tokens: u32,
+}
+
+impl Default for ConversationParams {
+    fn default() -> Self {
+        ConversationParams {
+            system_prompt_tokens: TokenRange::new(1500, 2500),
+            mean_turns: 8.0,
+            max_turns: 40,
+            user_tokens: TokenRange::new(20, 400),
+            answer_tokens: TokenRange::new(50, 500),
+            mean_think_s: 6.0,
+            burst_factor: 4.0,
+            burst_share: 0.25,
+            mean_burst_s: 10.0,
+            max_prompt_tokens: 16_384,
+        }
+    }
+}
+
 /// Parameters of every synthetic workload; each pattern reads its own section.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyntheticParams {
@@ -325,6 +377,8 @@ pub struct SyntheticParams {
     pub rag: RagParams,
     /// [`SyntheticKind::Code`] parameters.
     pub code: CodeParams,
+    /// [`SyntheticKind::Conversation`] parameters.
+    pub conversation: ConversationParams,
 }
 
 impl Default for SyntheticParams {
@@ -338,6 +392,7 @@ impl Default for SyntheticParams {
             bots: BotsParams::default(),
             rag: RagParams::default(),
             code: CodeParams::default(),
+            conversation: ConversationParams::default(),
         }
     }
 }
@@ -363,6 +418,7 @@ impl SyntheticParams {
             ("code.repositories", self.code.repositories),
             ("code.files_per_repo", self.code.files_per_repo),
             ("code.max_completions", self.code.max_completions),
+            ("conversation.max_turns", self.conversation.max_turns),
         ];
         for (name, n) in counts {
             if n == 0 {
@@ -378,6 +434,8 @@ impl SyntheticParams {
         let means = [
             ("chat.mean_turns", self.chat.mean_turns),
             ("code.mean_completions", self.code.mean_completions),
+            ("conversation.mean_turns", self.conversation.mean_turns),
+            ("conversation.burst_factor", self.conversation.burst_factor),
         ];
         for (name, m) in means {
             if !(m.is_finite() && m >= 1.0) {
@@ -390,6 +448,8 @@ impl SyntheticParams {
             ("bots.zipf_s", self.bots.zipf_s),
             ("rag.zipf_s", self.rag.zipf_s),
             ("code.zipf_s", self.code.zipf_s),
+            ("conversation.mean_think_s", self.conversation.mean_think_s),
+            ("conversation.mean_burst_s", self.conversation.mean_burst_s),
         ];
         for (name, x) in non_negative {
             if !(x.is_finite() && x >= 0.0) {
@@ -410,11 +470,26 @@ impl SyntheticParams {
             ("code.file_head_tokens", self.code.file_head_tokens),
             ("code.edit_tokens", self.code.edit_tokens),
             ("code.output_tokens", self.code.output_tokens),
+            (
+                "conversation.system_prompt_tokens",
+                self.conversation.system_prompt_tokens,
+            ),
+            ("conversation.user_tokens", self.conversation.user_tokens),
+            (
+                "conversation.answer_tokens",
+                self.conversation.answer_tokens,
+            ),
         ];
         for (name, r) in ranges {
             if r.min > r.max {
                 return bad(format!("{name} has min {} above max {}", r.min, r.max));
             }
+        }
+        let share = self.conversation.burst_share;
+        if !(share.is_finite() && share > 0.0 && share < 1.0) {
+            return bad(format!(
+                "conversation.burst_share {share} is not a number between 0 and 1"
+            ));
         }
         Ok(())
     }
@@ -437,6 +512,7 @@ pub fn generate(kind: SyntheticKind, params: &SyntheticParams) -> Vec<SyntheticR
         SyntheticKind::Bots => g.bots(),
         SyntheticKind::Rag => g.rag(),
         SyntheticKind::Code => g.code(),
+        SyntheticKind::Conversation => g.conversation(),
     };
     out.sort_by_key(|r| r.arrival_us);
     out.truncate(params.requests as usize);
@@ -516,6 +592,7 @@ const RAG_PREAMBLE: u64 = 3;
 const RAG_DOCUMENT: u64 = 4;
 const CODE_REPO: u64 = 5;
 const CODE_FILE: u64 = 6;
+const CONVERSATION_SYSTEM: u64 = 7;
 
 /// The SplitMix64 finaliser.
 fn mix64(x: u64) -> u64 {
@@ -792,6 +869,71 @@ impl<'a> Generator<'a> {
         }
         out
     }
+
+    fn conversation(&mut self) -> Vec<SyntheticRequest> {
+        let c = self.p.conversation.clone();
+        let mean_turns = mean_at_least_one(c.mean_turns);
+        let system = self.fixed(CONVERSATION_SYSTEM, 0, 0, c.system_prompt_tokens);
+        // Session starts: a Poisson process whose rate alternates between calm and burst
+        // periods of exponential length, averaging `rate / mean turns`.
+        let share = if c.burst_share.is_finite() && c.burst_share > 0.0 && c.burst_share < 1.0 {
+            c.burst_share
+        } else {
+            0.25
+        };
+        let factor = mean_at_least_one(c.burst_factor);
+        let mean_rate = self.p.rate() / mean_turns;
+        let calm_rate = mean_rate / (share * factor + 1.0 - share);
+        let mean_burst = non_negative(c.mean_burst_s).max(1e-3);
+        let mean_calm = mean_burst * (1.0 - share) / share;
+        let mut bursting = false;
+        let mut period_end = self.time.exp(mean_calm);
+        let mut out = Vec::with_capacity(self.wanted());
+        let mut start = 0.0;
+        while !enough(&out, self.wanted(), start) {
+            let rate = if bursting {
+                calm_rate * factor
+            } else {
+                calm_rate
+            };
+            let next = start + self.time.exp(1.0 / rate);
+            if next > period_end {
+                // Memoryless: restart the wait at the period's end, at the new rate.
+                start = period_end;
+                bursting = !bursting;
+                period_end += self.time.exp(if bursting { mean_burst } else { mean_calm });
+                continue;
+            }
+            start = next;
+            let tenant = self.tenant();
+            let mut segments = vec![system];
+            let mut at = start;
+            for turn in 1..=c.max_turns.max(1) {
+                segments.push(self.unique(c.user_tokens));
+                let output_tokens = c.answer_tokens.draw(&mut self.draws).max(1);
+                out.push(SyntheticRequest {
+                    arrival_us: to_us(at),
+                    tenant,
+                    segments: segments.clone(),
+                    output_tokens,
+                });
+                if turn == c.max_turns || !self.goes_on(mean_turns) {
+                    break;
+                }
+                segments.push(Segment {
+                    seed: self.draws.next_u64(),
+                    tokens: output_tokens,
+                });
+                let next_max = segments.iter().map(|s| u64::from(s.tokens)).sum::<u64>()
+                    + u64::from(c.user_tokens.max);
+                if next_max > u64::from(c.max_prompt_tokens) {
+                    break;
+                }
+                at += self.time.exp(non_negative(c.mean_think_s));
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -850,7 +992,7 @@ mod tests {
             Err(e @ WorkloadError::UnknownSynthetic { .. }) => {
                 assert_eq!(
                     e.to_string(),
-                    "unknown synthetic workload `agents` (valid: chat, bots, rag, code)"
+                    "unknown synthetic workload `agents` (valid: chat, bots, rag, code, conversation)"
                 )
             }
             other => panic!("{other:?}"),
@@ -948,6 +1090,7 @@ mod tests {
             (SyntheticKind::Bots, 4000.0..6500.0, 0.8),
             (SyntheticKind::Rag, 3500.0..6000.0, 0.65),
             (SyntheticKind::Code, 6000.0..11000.0, 0.9),
+            (SyntheticKind::Conversation, 3000.0..9000.0, 0.8),
         ];
         let params = SyntheticParams::default();
         assert!(params.validate().is_ok());
@@ -1025,6 +1168,8 @@ mod tests {
         p.code.files_per_repo = 0;
         p.code.mean_gap_s = -1.0;
         p.code.edit_tokens = TokenRange::new(10, 5);
+        p.conversation.burst_share = 1.5;
+        p.conversation.mean_turns = 0.0;
         assert!(matches!(p.validate(), Err(WorkloadError::BadParams { .. })));
         for kind in SyntheticKind::ALL {
             let w = generate_workload(kind, &p, BLOCK);

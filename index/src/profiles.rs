@@ -1,4 +1,4 @@
-//! Model profiles as data: the JSON files under `sim/profiles/`, embedded at build time.
+//! Model profiles as data: the JSON files under `index/profiles/`, embedded at build time.
 //!
 //! A profile is a [`ModelProfile`] (prefill and decode curves, KV bytes per token, tier
 //! bandwidths) parsed with `serde_json`; the struct rejects unknown fields, and
@@ -23,7 +23,7 @@
 //! JSON has no comments and the struct rejects unknown fields, so these derivations live
 //! here rather than in the files.
 
-use warmpath_index::cost::ModelProfile;
+use crate::cost::ModelProfile;
 
 /// The embedded profiles: (name, JSON text). The name must equal the file's `name` field.
 const BUILTIN: &[(&str, &str)] = &[

@@ -1,0 +1,623 @@
+//! The router core: the whole decision path of one router replica, without I/O.
+//!
+//! [`RouterCore`] owns everything a routing decision reads or changes: the prefix index,
+//! the load view (this router's exact counts plus the peers' last published ones), the
+//! instances with their health and ejection, the pools by model, each tenant's policy
+//! state, and the outbox of decisions to share with peer routers. The live router holds
+//! one behind a mutex and calls it with the wall clock turned into microseconds; every
+//! replica of the simulator is one, called on the virtual clock. Nothing else decides where
+//! a request goes, so a result from `warmpath simulate` is a result about the router.
+//!
+//! A request's life, as the core sees it:
+//!
+//! 1. [`RouterCore::route`]: expire predictions, gather the pool's healthy candidates
+//!    (not ejected, not tried already), run the tenant's policy, record the prediction in
+//!    the index, queue the new keys for peers, and count the request as in flight with its
+//!    uncached tokens as pending prefill.
+//! 2. [`RouterCore::first_token`]: its prefill is done.
+//! 3. [`RouterCore::finish`]: it left the instance (done, failed or abandoned).
+//!
+//! Failures eject an instance with exponential backoff ([`RouterCore::attempt_failed`]);
+//! active health checks mark it up or down ([`RouterCore::set_healthy`]). Peers' decisions
+//! arrive through [`RouterCore::apply_shared`] and their loads through
+//! [`RouterCore::set_peer_loads`]; agents' observations through [`RouterCore::observe`].
+//!
+//! Time is `now`, microseconds on the caller's clock, passed into every call that needs it.
+
+use crate::cost::{ModelProfile, Tier};
+use crate::index::{sparse_keys, IndexConfig, IndexStats, PrefixIndex};
+use crate::keys::BlockKey;
+use crate::load::{InstanceLoad, LoadView};
+use crate::policy::{route, Decision, PolicyConfig, PolicyState, RouteRequest, View};
+use crate::InstanceId;
+use std::collections::{HashMap, HashSet};
+
+/// Settings of one router core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoreConfig {
+    pub index: IndexConfig,
+    /// Ejection after the first consecutive failure; doubles with each further one.
+    pub eject_base_us: u64,
+    /// Longest ejection.
+    pub eject_max_us: u64,
+    /// Mixed into every tenant's tie-breaking seed (simulated replicas differ by it).
+    pub seed: u64,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig {
+            index: IndexConfig::default(),
+            eject_base_us: 1_000_000,
+            eject_max_us: 30_000_000,
+            seed: 0,
+        }
+    }
+}
+
+/// One instance to serve, as a pool lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InstanceSpec {
+    /// What the caller calls it (the live router: its base URL).
+    pub name: String,
+    /// Its stable key, the same on every router (peers name instances by it).
+    pub key: u64,
+}
+
+/// The instances serving one model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolSpec {
+    pub model: String,
+    pub instances: Vec<InstanceSpec>,
+}
+
+/// What the core knows of one instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InstanceState {
+    pub name: String,
+    pub key: u64,
+    /// Result of the last active health check (instances start healthy).
+    pub healthy: bool,
+    /// Consecutive failed attempts (passive checks).
+    pub failures: u32,
+    /// Skipped while `now` is before this, after failures; 0 when not ejected.
+    pub ejected_until: u64,
+}
+
+impl InstanceState {
+    /// Whether the instance may be routed to at `now`.
+    pub fn available(&self, now: u64) -> bool {
+        self.healthy && self.ejected_until <= now
+    }
+}
+
+/// Why no instance could be chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoRoute {
+    /// No pool serves the model.
+    UnknownModel,
+    /// The pool has no healthy instance left to try.
+    NoHealthyInstance,
+}
+
+/// A routing decision to tell the other routers: `keys` are now predicted on the instance
+/// whose stable key is `instance`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedDecision {
+    pub instance: u64,
+    pub keys: Vec<BlockKey>,
+}
+
+/// The decision path of one router replica. See the module docs.
+#[derive(Debug)]
+pub struct RouterCore {
+    index: PrefixIndex,
+    /// This router's own requests, exact.
+    own_load: LoadView,
+    /// The latest load each peer router published, by peer node id.
+    peer_loads: HashMap<String, LoadView>,
+    /// `own_load` plus every peer's: what policies route on.
+    load: LoadView,
+    /// Every instance ever seen, by id (ids are never reused).
+    instances: Vec<InstanceState>,
+    by_key: HashMap<u64, InstanceId>,
+    pools: HashMap<String, Vec<InstanceId>>,
+    /// Decisions not yet handed to the gossip layer; `None` when running alone.
+    outbox: Option<Vec<SharedDecision>>,
+    /// When the oldest decision in the outbox was made.
+    outbox_since: Option<u64>,
+    /// Per-tenant round-robin cursor, tie-breaking generator and match buffers.
+    policies: HashMap<String, PolicyState>,
+    profile: ModelProfile,
+    config: CoreConfig,
+    /// Reused candidate list (no allocation per decision).
+    candidates: Vec<InstanceId>,
+}
+
+impl RouterCore {
+    pub fn new(config: CoreConfig, profile: ModelProfile) -> Self {
+        RouterCore {
+            index: PrefixIndex::new(config.index),
+            own_load: LoadView::new(),
+            peer_loads: HashMap::new(),
+            load: LoadView::new(),
+            instances: Vec::new(),
+            by_key: HashMap::new(),
+            pools: HashMap::new(),
+            outbox: None,
+            outbox_since: None,
+            policies: HashMap::new(),
+            profile,
+            config,
+            candidates: Vec::new(),
+        }
+    }
+
+    /// Replaces the pools (a configuration change). New instances get new ids (ids are
+    /// never reused); instances no longer in any pool leave the pools and the index.
+    pub fn set_pools(&mut self, pools: &[PoolSpec]) {
+        let mut next: HashMap<String, Vec<InstanceId>> = HashMap::new();
+        for pool in pools {
+            for spec in &pool.instances {
+                let id = match self.by_key.get(&spec.key) {
+                    Some(&id) => id,
+                    None => {
+                        let id = InstanceId(self.instances.len() as u32);
+                        self.instances.push(InstanceState {
+                            name: spec.name.clone(),
+                            key: spec.key,
+                            healthy: true,
+                            failures: 0,
+                            ejected_until: 0,
+                        });
+                        self.by_key.insert(spec.key, id);
+                        id
+                    }
+                };
+                let members = next.entry(pool.model.clone()).or_default();
+                if !members.contains(&id) {
+                    members.push(id);
+                }
+            }
+        }
+        let kept: HashSet<InstanceId> = next.values().flatten().copied().collect();
+        for old in self.pools.values().flatten() {
+            if !kept.contains(old) {
+                self.index.remove_instance(*old);
+            }
+        }
+        self.pools = next;
+    }
+
+    /// Chooses an instance for a request of `tenant` (configured by `policy`) to `model`,
+    /// skipping `tried`, and records the decision: the prediction in the index, the keys
+    /// for peers, and the request as in flight.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &mut self,
+        tenant: &str,
+        policy: &PolicyConfig,
+        model: &str,
+        request: &RouteRequest<'_>,
+        tried: &[InstanceId],
+        explain: bool,
+        now: u64,
+    ) -> Result<Decision, NoRoute> {
+        let decision = self.decide(tenant, policy, model, request, tried, explain, false, now)?;
+        let instance = decision.instance;
+        if policy.strategy.uses_index() {
+            let known = self.index.record_route(request.keys, instance, now);
+            if let Some(outbox) = &mut self.outbox {
+                if known < request.keys.len() {
+                    if outbox.is_empty() {
+                        self.outbox_since = Some(now);
+                    }
+                    outbox.push(SharedDecision {
+                        instance: self.instances[instance.0 as usize].key,
+                        keys: sparse_keys(request.keys, known),
+                    });
+                }
+            }
+        }
+        // Pending prefill counts what the instance must compute, not what it holds.
+        let pending = u64::from(decision.uncached_tokens);
+        self.own_load.start(instance, pending);
+        self.load.start(instance, pending);
+        Ok(decision)
+    }
+
+    /// What [`RouterCore::route`] would choose at `now`, explained, changing nothing: no
+    /// prediction, no load, no round-robin turn.
+    pub fn dry_run(
+        &mut self,
+        tenant: &str,
+        policy: &PolicyConfig,
+        model: &str,
+        request: &RouteRequest<'_>,
+        now: u64,
+    ) -> Result<Decision, NoRoute> {
+        self.decide(tenant, policy, model, request, &[], true, true, now)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &mut self,
+        tenant: &str,
+        policy: &PolicyConfig,
+        model: &str,
+        request: &RouteRequest<'_>,
+        tried: &[InstanceId],
+        explain: bool,
+        dry_run: bool,
+        now: u64,
+    ) -> Result<Decision, NoRoute> {
+        let pool = self.pools.get(model).ok_or(NoRoute::UnknownModel)?;
+        self.candidates.clear();
+        for &id in pool {
+            if self.instances[id.0 as usize].available(now) && !tried.contains(&id) {
+                self.candidates.push(id);
+            }
+        }
+        if self.candidates.is_empty() {
+            return Err(NoRoute::NoHealthyInstance);
+        }
+        self.index.expire(now);
+        // Look up before inserting: `entry` would allocate the tenant id on every request.
+        if !self.policies.contains_key(tenant) {
+            self.policies.insert(
+                tenant.to_string(),
+                PolicyState::new(seed_of(tenant) ^ self.config.seed),
+            );
+        }
+        let state = self.policies.get_mut(tenant).expect("inserted just above");
+        let mut scratch_state;
+        let state = if dry_run {
+            scratch_state = state.clone();
+            &mut scratch_state
+        } else {
+            state
+        };
+        let view = View {
+            index: &self.index,
+            load: &self.load,
+            profile: &self.profile,
+            now,
+        };
+        route(policy, request, &self.candidates, &view, state, explain)
+            .map_err(|_| NoRoute::NoHealthyInstance)
+    }
+
+    /// The request's first response byte arrived: its prefill is done. `pending` is the
+    /// decision's `uncached_tokens`.
+    pub fn first_token(&mut self, instance: InstanceId, pending: u32) {
+        self.own_load.first_token(instance, u64::from(pending));
+        self.load.first_token(instance, u64::from(pending));
+    }
+
+    /// The request left the instance; `prefilled` says whether its first token came.
+    pub fn finish(&mut self, instance: InstanceId, pending: u32, prefilled: bool) {
+        self.own_load
+            .finish(instance, u64::from(pending), prefilled);
+        self.load.finish(instance, u64::from(pending), prefilled);
+    }
+
+    /// An attempt failed before its first byte: eject the instance for a while, longer
+    /// for each consecutive failure, and forget what it held (it may have restarted).
+    pub fn attempt_failed(&mut self, instance: InstanceId, now: u64) {
+        let (base, max) = (self.config.eject_base_us, self.config.eject_max_us);
+        let info = &mut self.instances[instance.0 as usize];
+        info.failures = info.failures.saturating_add(1);
+        let backoff = base
+            .saturating_mul(1 << (info.failures - 1).min(16))
+            .min(max);
+        info.ejected_until = now.saturating_add(backoff);
+        self.index.remove_instance(instance);
+    }
+
+    pub fn attempt_succeeded(&mut self, instance: InstanceId) {
+        let info = &mut self.instances[instance.0 as usize];
+        info.failures = 0;
+        info.ejected_until = 0;
+    }
+
+    /// Result of an active health check; an instance going down forgets what it held.
+    pub fn set_healthy(&mut self, instance: InstanceId, healthy: bool) {
+        let info = &mut self.instances[instance.0 as usize];
+        let went_down = info.healthy && !healthy;
+        info.healthy = healthy;
+        if went_down {
+            self.index.remove_instance(instance);
+        }
+    }
+
+    /// Applies an agent's observation of `instance`'s `tier` (see [`PrefixIndex::observe`]).
+    pub fn observe(
+        &mut self,
+        instance: InstanceId,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        tier: Tier,
+        present: bool,
+        now: u64,
+    ) {
+        self.index
+            .observe(instance, key, parent, tier, present, now);
+    }
+
+    /// Starts collecting decisions for the other routers.
+    pub fn enable_sharing(&mut self) {
+        self.outbox.get_or_insert_with(Vec::new);
+    }
+
+    /// Decisions made since the last call, and when the oldest of them was made.
+    pub fn take_outbox(&mut self) -> (Vec<SharedDecision>, Option<u64>) {
+        (
+            self.outbox.as_mut().map(std::mem::take).unwrap_or_default(),
+            self.outbox_since.take(),
+        )
+    }
+
+    /// Applies other routers' decisions at `now`; decisions naming instances this router
+    /// does not know are skipped (their count is returned).
+    pub fn apply_shared(&mut self, decisions: &[SharedDecision], now: u64) -> usize {
+        self.index.expire(now);
+        let mut unknown = 0;
+        for d in decisions {
+            match self.by_key.get(&d.instance) {
+                Some(&id) => {
+                    self.index.record_route(&d.keys, id, now);
+                }
+                None => unknown += 1,
+            }
+        }
+        unknown
+    }
+
+    /// This router's own load, by stable instance key, for publishing.
+    pub fn own_loads(&self) -> Vec<(u64, InstanceLoad)> {
+        self.own_load
+            .iter()
+            .filter_map(|(i, l)| self.instances.get(i.0 as usize).map(|s| (s.key, l)))
+            .collect()
+    }
+
+    /// Replaces the peers' loads (`origin → (instance key, load)`), dropping peers not
+    /// listed (departed), and recomputes the combined view.
+    pub fn set_peer_loads(&mut self, peers: Vec<(String, Vec<(u64, InstanceLoad)>)>) {
+        self.peer_loads.clear();
+        for (origin, entries) in peers {
+            let mut view = LoadView::new();
+            for (key, load) in entries {
+                if let Some(&id) = self.by_key.get(&key) {
+                    view.set(id, load);
+                }
+            }
+            self.peer_loads.insert(origin, view);
+        }
+        let mut combined = self.own_load.clone();
+        for view in self.peer_loads.values() {
+            combined.add(view);
+        }
+        self.load = combined;
+    }
+
+    /// The id of the instance with stable key `key`, if known.
+    pub fn instance_by_key(&self, key: u64) -> Option<InstanceId> {
+        self.by_key.get(&key).copied()
+    }
+
+    /// Every instance ever seen, by id.
+    pub fn instances(&self) -> &[InstanceState] {
+        &self.instances
+    }
+
+    /// Whether `model`'s pool has an instance that is up at `now` and not in `tried`.
+    pub fn has_candidates(&self, model: &str, tried: &[InstanceId], now: u64) -> bool {
+        self.pools.get(model).is_some_and(|pool| {
+            pool.iter()
+                .any(|id| self.instances[id.0 as usize].available(now) && !tried.contains(id))
+        })
+    }
+
+    /// Ids of the instances in some pool now, sorted.
+    pub fn active_instances(&self) -> Vec<InstanceId> {
+        let mut ids: Vec<InstanceId> = self.pools.values().flatten().copied().collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
+    /// Models with at least one instance, sorted.
+    pub fn models(&self) -> Vec<String> {
+        let mut m: Vec<String> = self.pools.keys().cloned().collect();
+        m.sort();
+        m
+    }
+
+    /// Whether any known instance is up at `now`.
+    pub fn any_healthy(&self, now: u64) -> bool {
+        self.instances.iter().any(|i| i.available(now))
+    }
+
+    pub fn index_stats(&self) -> IndexStats {
+        self.index.stats()
+    }
+
+    /// This router's own in-flight requests on `instance`.
+    pub fn in_flight(&self, instance: InstanceId) -> u32 {
+        self.own_load.get(instance).in_flight
+    }
+
+    /// In-flight requests of `instance` across the cluster (own + peers').
+    pub fn cluster_in_flight(&self, instance: InstanceId) -> u32 {
+        self.load.get(instance).in_flight
+    }
+}
+
+/// A tenant's tie-breaking seed: stable across restarts.
+fn seed_of(tenant: &str) -> u64 {
+    let h = blake3::hash(tenant.as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{Reason, Strategy};
+
+    fn pool(model: &str, names: &[&str]) -> PoolSpec {
+        PoolSpec {
+            model: model.into(),
+            instances: names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| InstanceSpec {
+                    name: n.to_string(),
+                    key: 100 + i as u64,
+                })
+                .collect(),
+        }
+    }
+
+    fn core(names: &[&str]) -> RouterCore {
+        let mut c = RouterCore::new(CoreConfig::default(), ModelProfile::dynamo_default());
+        c.set_pools(&[pool("m", names)]);
+        c
+    }
+
+    fn keys(ids: &[u64]) -> Vec<BlockKey> {
+        ids.iter().map(|&i| BlockKey(i)).collect()
+    }
+
+    const PREFIX: PolicyConfig = PolicyConfig {
+        strategy: Strategy::PrefixAware,
+        prefix_blocks: 0,
+        concurrency_threshold: 0,
+        temperature: 0.0,
+        block_tokens: 64,
+    };
+
+    fn send(
+        c: &mut RouterCore,
+        ks: &[u64],
+        tried: &[InstanceId],
+        now: u64,
+    ) -> Result<u32, NoRoute> {
+        let ks = keys(ks);
+        let req = RouteRequest {
+            keys: &ks,
+            prompt_tokens: 64 * ks.len() as u32 + 1,
+        };
+        c.route("t", &PREFIX, "m", &req, tried, false, now)
+            .map(|d| d.instance.0)
+    }
+
+    #[test]
+    fn routes_record_predictions_and_load() {
+        let mut c = core(&["a", "b"]);
+        let first = send(&mut c, &[1, 2, 3], &[], 0).unwrap();
+        assert_eq!(c.in_flight(InstanceId(first)), 1);
+        // The same prefix follows its prediction, even when busier.
+        assert_eq!(send(&mut c, &[1, 2, 3, 4], &[], 1).unwrap(), first);
+        // A tried instance is skipped; with every instance tried there is no route.
+        let other = send(&mut c, &[1, 2, 3], &[InstanceId(first)], 2).unwrap();
+        assert_ne!(other, first);
+        assert_eq!(
+            send(&mut c, &[1], &[InstanceId(0), InstanceId(1)], 3),
+            Err(NoRoute::NoHealthyInstance)
+        );
+        let ks = keys(&[1]);
+        let req = RouteRequest {
+            keys: &ks,
+            prompt_tokens: 65,
+        };
+        assert_eq!(
+            c.route("t", &PREFIX, "other", &req, &[], false, 0),
+            Err(NoRoute::UnknownModel)
+        );
+        c.first_token(InstanceId(first), 1);
+        c.finish(InstanceId(first), 1, true);
+        c.finish(InstanceId(first), 1, false);
+        assert_eq!(c.in_flight(InstanceId(first)), 0);
+    }
+
+    #[test]
+    fn dry_run_changes_nothing() {
+        let mut c = core(&["a", "b"]);
+        let ks = keys(&[7, 8]);
+        let req = RouteRequest {
+            keys: &ks,
+            prompt_tokens: 200,
+        };
+        let d = c.dry_run("t", &PREFIX, "m", &req, 0).unwrap();
+        assert_eq!(d.reason, Reason::NoMatch);
+        assert_eq!(d.candidates.map(|c| c.len()), Some(2));
+        assert_eq!(c.in_flight(d.instance), 0);
+        assert_eq!(c.index_stats().entries, 0);
+    }
+
+    #[test]
+    fn failures_eject_with_backoff_and_forget() {
+        let mut c = core(&["a", "b"]);
+        let a = InstanceId(send(&mut c, &[1, 2], &[], 0).unwrap());
+        let b = InstanceId(1 - a.0);
+        c.attempt_failed(a, 10);
+        // Ejected for the base backoff (1 s), then its predictions are gone.
+        assert_eq!(send(&mut c, &[1, 2], &[], 20).unwrap(), b.0);
+        assert!(!c.has_candidates("m", &[b], 1_000_009));
+        assert!(c.has_candidates("m", &[b], 1_000_010));
+        c.attempt_failed(a, 2_000_000);
+        assert!(!c.has_candidates("m", &[b], 3_999_999));
+        assert!(c.has_candidates("m", &[b], 4_000_000));
+        c.attempt_succeeded(a);
+        assert!(c.has_candidates("m", &[b], 2_000_001));
+        // A health check marks it down, then up.
+        c.set_healthy(a, false);
+        assert!(!c.has_candidates("m", &[b], 5_000_000) && c.any_healthy(5_000_000));
+        c.set_healthy(a, true);
+        assert!(c.has_candidates("m", &[b], 5_000_000));
+    }
+
+    #[test]
+    fn pools_change_in_place() {
+        let mut c = core(&["a", "b"]);
+        send(&mut c, &[1, 2], &[], 0).unwrap();
+        // b stays (same key, same id); a leaves and takes its predictions along; c is new.
+        let mut next = pool("m", &["b", "c"]);
+        next.instances[0].key = 101;
+        next.instances[1].key = 102;
+        c.set_pools(&[next, pool("n", &["a"])]);
+        assert_eq!(c.models(), vec!["m".to_string(), "n".to_string()]);
+        assert_eq!(c.instance_by_key(101), Some(InstanceId(1)));
+        assert_eq!(c.instance_by_key(102), Some(InstanceId(2)));
+        assert_eq!(
+            c.active_instances(),
+            vec![InstanceId(0), InstanceId(1), InstanceId(2)]
+        );
+    }
+
+    #[test]
+    fn decisions_and_loads_are_shared() {
+        let mut one = core(&["a", "b"]);
+        let mut two = core(&["a", "b"]);
+        one.enable_sharing();
+        let first = send(&mut one, &[1, 2, 3, 4, 5], &[], 10).unwrap();
+        let (out, since) = one.take_outbox();
+        assert_eq!(since, Some(10));
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].keys, keys(&[4, 5]));
+        assert_eq!(two.apply_shared(&out, 20), 0);
+        assert_eq!(send(&mut two, &[1, 2, 3, 4, 5, 6], &[], 30).unwrap(), first);
+        let unknown = SharedDecision {
+            instance: 9,
+            keys: keys(&[1]),
+        };
+        assert_eq!(two.apply_shared(&[unknown], 40), 1);
+        // Loads: the peer's published counts add to the own ones, and go when it does.
+        two.set_peer_loads(vec![("one".into(), one.own_loads())]);
+        assert_eq!(two.cluster_in_flight(InstanceId(first)), 2);
+        assert_eq!(two.in_flight(InstanceId(first)), 1);
+        two.set_peer_loads(vec![]);
+        assert_eq!(two.cluster_in_flight(InstanceId(first)), 1);
+    }
+}
