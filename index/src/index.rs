@@ -16,6 +16,20 @@
 //! *leaf* is evicted, so suffixes go before their prefixes. Predicted holdings expire
 //! `predicted_ttl_us` after their last refresh unless an agent confirms them.
 //!
+//! Two per-instance switches act in O(1), without walking the index:
+//!
+//! - [`PrefixIndex::remove_instance`] bumps the instance's *generation*: holders written
+//!   under an older generation are invisible from then on and are dropped lazily, when the
+//!   expiry queue, an eviction or a later write reaches them. An instance failing or
+//!   flapping therefore costs the request path nothing.
+//! - [`PrefixIndex::forget_predictions_before`] sets the instance's *horizon*: predictions
+//!   last refreshed at or before it stop matching. An engine that reports fewer cached
+//!   tokens than predicted has evicted what it was sent then, and (its cache being LRU)
+//!   everything it was sent earlier too.
+//!
+//! Statistics ([`PrefixIndex::stats`], [`PrefixIndex::holders_of`]) are kept as counters,
+//! updated by every write: reading them walks nothing.
+//!
 //! Time is passed in as microseconds; nothing here reads a clock.
 
 use crate::keys::BlockKey;
@@ -73,17 +87,54 @@ impl Default for IndexConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Holder {
     instance: u32,
+    /// The instance's generation when this holder was written; a holder of an older
+    /// generation is invisible (the instance was removed since).
+    gen: u16,
     /// Tier bits an agent reported.
     observed: u8,
-    /// The prediction holds while `now < predicted_until`; 0 when there is none.
-    predicted_until: u64,
     /// Whether the expiry queue holds an entry for this holder.
     queued: bool,
+    /// The prediction holds while `now < predicted_until`; 0 when there is none.
+    predicted_until: u64,
 }
 
-impl Holder {
-    fn tiers(&self, now: u64) -> u8 {
-        self.observed | if now < self.predicted_until { GPU } else { 0 }
+/// Per-instance state of the index: generation, horizon, and counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct InstanceMeta {
+    gen: u16,
+    /// Predictions expiring at or before this are dead: `horizon + predicted_ttl_us`.
+    prediction_floor: u64,
+    /// Live holders, of which predicted (queued) and observed (some tier bit).
+    holders: usize,
+    predicted: usize,
+    observed: usize,
+}
+
+impl InstanceMeta {
+    fn live(&self, h: &Holder) -> bool {
+        h.gen == self.gen
+    }
+
+    /// Whether `h`'s prediction holds at `now`.
+    fn predicts(&self, h: &Holder, now: u64) -> bool {
+        now < h.predicted_until && h.predicted_until > self.prediction_floor
+    }
+
+    /// Tier bits `h` holds at `now` (nothing for a stale holder).
+    fn tiers(&self, h: &Holder, now: u64) -> u8 {
+        if !self.live(h) {
+            return 0;
+        }
+        h.observed | if self.predicts(h, now) { GPU } else { 0 }
+    }
+
+    /// Takes a live holder out of the counters.
+    fn uncount(&mut self, h: &Holder) {
+        if self.live(h) {
+            self.holders -= 1;
+            self.predicted -= usize::from(h.queued);
+            self.observed -= usize::from(h.observed != 0);
+        }
     }
 }
 
@@ -116,55 +167,96 @@ impl Node {
         self.more.iter_mut().find(|h| h.instance == instance)
     }
 
-    /// The holder of `instance`, and whether it was just created.
-    fn holder_or_insert(&mut self, instance: u32) -> (&mut Holder, bool) {
+    /// The live holder of `instance` (a stale one is revived empty), and whether it was
+    /// created or revived. Keeps `meta`'s counters and `extra` (the count of overflow
+    /// holders) up to date.
+    fn holder_or_insert<'a>(
+        &'a mut self,
+        instance: u32,
+        meta: &mut InstanceMeta,
+        extra: &mut usize,
+    ) -> (&'a mut Holder, bool) {
         let fresh = Holder {
             instance,
+            gen: meta.gen,
             observed: 0,
-            predicted_until: 0,
             queued: false,
+            predicted_until: 0,
         };
-        if self.first.is_none() {
-            return (self.first.insert(fresh), true);
-        }
-        if self.first.is_some_and(|h| h.instance == instance) {
-            return (self.first.as_mut().expect("checked just above"), false);
-        }
-        match self.more.iter().position(|h| h.instance == instance) {
-            Some(pos) => (&mut self.more[pos], false),
+        let pos = if self.first.is_some_and(|h| h.instance == instance) {
+            Some(None)
+        } else {
+            self.more
+                .iter()
+                .position(|h| h.instance == instance)
+                .map(Some)
+        };
+        let holder = match pos {
+            Some(at) => {
+                let h = match at {
+                    None => self.first.as_mut().expect("checked just above"),
+                    Some(i) => &mut self.more[i],
+                };
+                if meta.live(h) {
+                    return (h, false);
+                }
+                // Written before the instance was removed: start over, keeping only the
+                // expiry queue's entry (it is still in the queue).
+                *h = Holder {
+                    queued: h.queued,
+                    ..fresh
+                };
+                h
+            }
+            None if self.first.is_none() => self.first.insert(fresh),
             None => {
                 let mut more = std::mem::take(&mut self.more).into_vec();
                 more.push(fresh);
                 self.more = more.into_boxed_slice();
-                (self.more.last_mut().expect("just pushed"), true)
+                *extra += 1;
+                self.more.last_mut().expect("just pushed")
             }
-        }
+        };
+        meta.holders += 1;
+        meta.predicted += usize::from(holder.queued);
+        (holder, true)
     }
 
-    /// Drops the holders that `keep` rejects; returns how many went.
-    fn retain_holders(&mut self, mut keep: impl FnMut(&Holder) -> bool) -> usize {
-        let before = self.more.len() + usize::from(self.first.is_some());
-        if self.more.iter().any(|h| !keep(h)) {
-            let mut more = std::mem::take(&mut self.more).into_vec();
-            more.retain(&mut keep);
-            self.more = more.into_boxed_slice();
-        }
-        if self.first.is_some_and(|h| !keep(&h)) {
-            self.first = if self.more.is_empty() {
+    /// Drops the holders that `keep` rejects, taking live ones out of `metas`' counters
+    /// and overflow ones out of `extra`. Allocates only when a holder goes.
+    fn retain_holders(
+        &mut self,
+        metas: &mut [InstanceMeta],
+        extra: &mut usize,
+        mut keep: impl FnMut(&Holder, &InstanceMeta) -> bool,
+    ) {
+        let mut verdict = |h: &Holder| {
+            let meta = &mut metas[h.instance as usize];
+            let kept = keep(h, meta);
+            if !kept {
+                meta.uncount(h);
+            }
+            kept
+        };
+        let first_kept = self.first.as_ref().is_none_or(&mut verdict);
+        let mut more = std::mem::take(&mut self.more).into_vec();
+        let before = more.len();
+        more.retain(|h| verdict(h));
+        if !first_kept {
+            self.first = if more.is_empty() {
                 None
             } else {
-                let mut more = std::mem::take(&mut self.more).into_vec();
-                let first = more.remove(0);
-                self.more = more.into_boxed_slice();
-                Some(first)
+                Some(more.remove(0))
             };
         }
-        before - (self.more.len() + usize::from(self.first.is_some()))
+        *extra -= before - more.len();
+        // Without removals the boxed slice is rebuilt in place (length equals capacity).
+        self.more = more.into_boxed_slice();
     }
 
-    /// Drops holders that hold nothing at `now` and wait for no expiry.
-    fn prune(&mut self, now: u64) -> usize {
-        self.retain_holders(|h| h.tiers(now) != 0 || h.queued)
+    /// Drops holders that hold nothing at `now` and wait for no expiry, and stale ones.
+    fn prune(&mut self, now: u64, metas: &mut [InstanceMeta], extra: &mut usize) {
+        self.retain_holders(metas, extra, |h, meta| meta.tiers(h, now) != 0 || h.queued);
     }
 
     fn is_empty(&self) -> bool {
@@ -271,7 +363,11 @@ pub struct PrefixIndex {
     /// (expiry, node, key, instance) of predicted holders, in expiry order (the TTL is
     /// fixed, so insertion order is expiry order).
     expiry: VecDeque<(u64, u32, BlockKey, u32)>,
-    holders: usize,
+    /// Generation, horizon and holder counters of each instance, by id (the index-wide
+    /// counts are their sums).
+    metas: Vec<InstanceMeta>,
+    /// Holders kept in the overflow lists (`Node::more`), stale ones included.
+    extra_holders: usize,
     l2_blocks: usize,
     evictions: u64,
 }
@@ -289,10 +385,60 @@ impl PrefixIndex {
             lru_head: NONE,
             lru_tail: NONE,
             expiry: VecDeque::new(),
-            holders: 0,
+            metas: Vec::new(),
+            extra_holders: 0,
             l2_blocks: 0,
             evictions: 0,
         }
+    }
+
+    /// The state of `instance`, created on first use.
+    fn meta_mut(&mut self, instance: u32) -> &mut InstanceMeta {
+        let i = instance as usize;
+        if i >= self.metas.len() {
+            self.metas.resize(i + 1, InstanceMeta::default());
+        }
+        &mut self.metas[i]
+    }
+
+    /// Runs `f` on the holder of `instance` in node `idx` (created, or revived if stale)
+    /// and keeps the instance's counters in step with what `f` changes. Returns `f`'s
+    /// result and whether the holder is new.
+    fn with_holder<R>(
+        &mut self,
+        idx: u32,
+        instance: u32,
+        f: impl FnOnce(&mut Holder, &mut VecDeque<(u64, u32, BlockKey, u32)>) -> R,
+    ) -> (R, bool) {
+        self.meta_mut(instance);
+        let meta = &mut self.metas[instance as usize];
+        let node = &mut self.nodes[idx as usize];
+        let (holder, created) = node.holder_or_insert(instance, meta, &mut self.extra_holders);
+        let (was_queued, was_observed) = (holder.queued, holder.observed != 0);
+        let out = f(holder, &mut self.expiry);
+        let (queued, observed) = (holder.queued, holder.observed != 0);
+        meta.predicted = meta.predicted + usize::from(queued) - usize::from(was_queued);
+        meta.observed = meta.observed + usize::from(observed) - usize::from(was_observed);
+        (out, created)
+    }
+
+    /// Drops holders of node `idx` that hold nothing at `now`, or are stale.
+    fn prune_node(&mut self, idx: u32, now: u64) {
+        self.nodes[idx as usize].prune(now, &mut self.metas, &mut self.extra_holders);
+    }
+
+    /// Live holders of `instance` (blocks it holds or is predicted to hold): how much of
+    /// the cache routing has placed there. O(1).
+    pub fn holders_of(&self, instance: InstanceId) -> usize {
+        self.metas.get(instance.0 as usize).map_or(0, |m| m.holders)
+    }
+
+    /// Makes predictions on `instance` last refreshed at or before `t` stop matching (its
+    /// engine evicted what it was sent then). O(1); the horizon only moves forward.
+    pub fn forget_predictions_before(&mut self, instance: InstanceId, t: u64) {
+        let ttl = self.config.predicted_ttl_us;
+        let meta = self.meta_mut(instance.0);
+        meta.prediction_floor = meta.prediction_floor.max(t.saturating_add(ttl));
     }
 
     pub fn config(&self) -> IndexConfig {
@@ -331,18 +477,21 @@ impl PrefixIndex {
         let mut known = 0;
         let mut still_known = true;
         let mut parent = NONE;
+        let floor = self.meta_mut(instance.0).prediction_floor;
         for &key in keys {
             let idx = self.ensure(key, parent);
-            let (holder, created) = self.nodes[idx as usize].holder_or_insert(instance.0);
-            self.holders += usize::from(created);
-            still_known &=
-                !created && (holder.observed & GPU != 0 || holder.predicted_until > fresh_after);
+            let (was_known, created) = self.with_holder(idx, instance.0, |holder, expiry| {
+                let was_known = holder.observed & GPU != 0
+                    || (holder.predicted_until > fresh_after && holder.predicted_until > floor);
+                holder.predicted_until = until;
+                if !holder.queued {
+                    holder.queued = true;
+                    expiry.push_back((until, idx, key, instance.0));
+                }
+                was_known
+            });
+            still_known &= !created && was_known;
             known += usize::from(still_known);
-            holder.predicted_until = until;
-            if !holder.queued {
-                holder.queued = true;
-                self.expiry.push_back((until, idx, key, instance.0));
-            }
             parent = idx;
         }
         known
@@ -369,18 +518,23 @@ impl PrefixIndex {
         if present {
             let parent_idx = parent.and_then(|p| self.slot(p)).unwrap_or(NONE);
             let idx = self.ensure(key, parent_idx);
-            let (holder, created) = self.nodes[idx as usize].holder_or_insert(instance.0);
-            self.holders += usize::from(created);
-            holder.observed |= bit;
+            self.with_holder(idx, instance.0, |holder, _| holder.observed |= bit);
         } else if let Some(idx) = self.slot(key) {
-            let node = &mut self.nodes[idx as usize];
-            if let Some(holder) = node.holder_mut(instance.0) {
-                holder.observed &= !bit;
-                if bit == GPU {
-                    holder.predicted_until = 0;
+            let meta = self.meta_mut(instance.0);
+            let gen = meta.gen;
+            if let Some(holder) = self.nodes[idx as usize].holder_mut(instance.0) {
+                if holder.gen == gen {
+                    let was_observed = holder.observed != 0;
+                    holder.observed &= !bit;
+                    if bit == GPU {
+                        holder.predicted_until = 0;
+                    }
+                    let now_observed = holder.observed != 0;
+                    self.metas[instance.0 as usize].observed -=
+                        usize::from(was_observed && !now_observed);
                 }
-                self.holders -= node.prune(now);
             }
+            self.prune_node(idx, now);
             self.remove_if_empty(idx);
         }
     }
@@ -405,20 +559,15 @@ impl PrefixIndex {
         }
     }
 
-    /// Forgets everything recorded for `instance` (it left the pool or restarted).
+    /// Forgets everything recorded for `instance` (it left the pool, failed or
+    /// restarted). O(1): its generation moves on, so what it held stops matching at once
+    /// and is dropped lazily (see the module docs).
     pub fn remove_instance(&mut self, instance: InstanceId) {
-        let mut emptied = Vec::new();
-        for (idx, node) in self.nodes.iter_mut().enumerate() {
-            // Free slots hold no holders, so they are skipped by the retain below.
-            let gone = node.retain_holders(|h| h.instance != instance.0);
-            self.holders -= gone;
-            if gone > 0 && node.is_empty() {
-                emptied.push(idx as u32);
-            }
-        }
-        for idx in emptied {
-            self.remove_if_empty(idx);
-        }
+        let meta = self.meta_mut(instance.0);
+        *meta = InstanceMeta {
+            gen: meta.gen.wrapping_add(1),
+            ..InstanceMeta::default()
+        };
     }
 
     /// Drops predictions that expired at `now`, and entries left holding nothing.
@@ -433,19 +582,23 @@ impl PrefixIndex {
             if self.slot(key) != Some(idx) {
                 continue;
             }
-            let node = &mut self.nodes[idx as usize];
-            let Some(holder) = node.holder_mut(instance) else {
+            let meta = &mut self.metas[instance as usize];
+            let Some(holder) = self.nodes[idx as usize].holder_mut(instance) else {
                 continue;
             };
-            if holder.predicted_until > now {
+            let live = meta.live(holder);
+            if live && holder.predicted_until > now {
                 // Refreshed since: wait for the new expiry.
                 let until = holder.predicted_until;
                 self.expiry.push_back((until, idx, key, instance));
                 continue;
             }
+            if live && holder.queued {
+                meta.predicted -= 1;
+            }
             holder.queued = false;
             holder.predicted_until = 0;
-            self.holders -= node.prune(now);
+            self.prune_node(idx, now);
             self.remove_if_empty(idx);
         }
     }
@@ -487,7 +640,8 @@ impl PrefixIndex {
         for &(d, idx) in path.iter() {
             let node = &self.nodes[idx as usize];
             for h in node.holders() {
-                let tiers = h.tiers(now);
+                let meta = &self.metas[h.instance as usize];
+                let tiers = meta.tiers(h, now);
                 if tiers == 0 {
                     continue;
                 }
@@ -511,7 +665,7 @@ impl PrefixIndex {
                     slot => slot as usize,
                 };
                 let m = &mut result.instances[pos];
-                if now < h.predicted_until {
+                if meta.predicts(h, now) {
                     m.gpu = m.gpu.max(d + 1);
                     m.l1 = m.l1.max(d + 1);
                     m.l2 = m.l2.max(d + 1);
@@ -550,16 +704,12 @@ impl PrefixIndex {
 
     pub fn stats(&self) -> IndexStats {
         let entries = self.slots.len();
-        let extra_holders: usize = self.nodes.iter().map(|n| n.more.len()).sum();
-        let (mut predicted_holders, mut observed_holders) = (0, 0);
-        for (idx, node) in self.nodes.iter().enumerate() {
-            if self.slot(node.key) != Some(idx as u32) {
-                continue; // a free slot
-            }
-            for h in node.holders() {
-                predicted_holders += usize::from(h.queued);
-                observed_holders += usize::from(h.observed != 0);
-            }
+        let extra_holders = self.extra_holders;
+        let (mut holders, mut predicted_holders, mut observed_holders) = (0, 0, 0);
+        for m in &self.metas {
+            holders += m.holders;
+            predicted_holders += m.predicted;
+            observed_holders += m.observed;
         }
         let map_bytes = self.slots.capacity() * (std::mem::size_of::<u32>() + 1);
         let node_bytes = self.nodes.capacity() * std::mem::size_of::<Node>();
@@ -570,7 +720,7 @@ impl PrefixIndex {
         IndexStats {
             entries,
             capacity_blocks: self.config.capacity_blocks,
-            holders: self.holders,
+            holders,
             predicted_holders,
             observed_holders,
             l2_blocks: self.l2_blocks,
@@ -645,11 +795,12 @@ impl PrefixIndex {
             return false;
         }
         let node = &self.nodes[victim as usize];
-        let held = node.holders().count();
+        for h in node.first.iter().chain(node.more.iter()) {
+            self.metas[h.instance as usize].uncount(h);
+        }
         if node.in_l2 {
             self.l2_blocks -= 1;
         }
-        self.holders -= held;
         self.evictions += 1;
         self.remove_node(victim);
         true
@@ -677,6 +828,7 @@ impl PrefixIndex {
             entry.remove();
         }
         let node = &mut self.nodes[idx as usize];
+        self.extra_holders -= node.more.len();
         node.first = None;
         node.more = Box::default();
         node.in_l2 = false;
@@ -987,10 +1139,84 @@ mod tests {
         );
     }
 
+    /// The counters [`PrefixIndex::stats`] keeps, recounted by walking every node.
+    fn recount(index: &PrefixIndex) -> (usize, usize, usize, usize, Vec<usize>) {
+        let (mut holders, mut predicted, mut observed, mut extra) = (0, 0, 0, 0);
+        let mut per = vec![0; index.metas.len()];
+        for (idx, node) in index.nodes.iter().enumerate() {
+            extra += node.more.len();
+            if index.slot(node.key) != Some(idx as u32) {
+                continue; // a free slot
+            }
+            for h in node.holders() {
+                if !index.metas[h.instance as usize].live(h) {
+                    continue;
+                }
+                holders += 1;
+                per[h.instance as usize] += 1;
+                predicted += usize::from(h.queued);
+                observed += usize::from(h.observed != 0);
+            }
+        }
+        (holders, predicted, observed, extra, per)
+    }
+
+    #[test]
+    fn removal_is_lazy_but_total() {
+        let mut index = PrefixIndex::new(IndexConfig {
+            capacity_blocks: 100,
+            predicted_ttl_us: 1000,
+        });
+        let a = InstanceId(0);
+        index.record_route(&keys(&[1, 2, 3]), a, 0);
+        index.observe(a, k(1), None, Tier::L1, true, 0);
+        index.record_route(&keys(&[1, 2]), InstanceId(1), 0);
+        assert_eq!(
+            (index.holders_of(a), index.holders_of(InstanceId(1))),
+            (3, 2)
+        );
+        index.remove_instance(a);
+        assert_eq!(index.holders_of(a), 0);
+        assert_eq!(index.stats().holders, 2);
+        let got = index.match_prefix(&keys(&[1, 2, 3]), 1);
+        assert_eq!(got.instances.len(), 1);
+        assert_eq!(got.instances[0].instance, InstanceId(1));
+        // Routed again: only the new prediction counts, nothing of the old observation.
+        index.record_route(&keys(&[1]), a, 2);
+        assert_eq!(index.holders_of(a), 1);
+        assert_eq!(index.match_prefix(&keys(&[1, 2, 3]), 3).of(a).l1, 1);
+        assert_eq!(recount(&index).0, index.stats().holders);
+        // The stale holders go once their expiry comes.
+        index.expire(5000);
+        assert_eq!(index.len(), 0);
+        assert_eq!(index.stats().holders, 0);
+    }
+
+    #[test]
+    fn a_horizon_kills_older_predictions_only() {
+        let mut index = PrefixIndex::new(IndexConfig {
+            capacity_blocks: 100,
+            predicted_ttl_us: 1000,
+        });
+        let a = InstanceId(0);
+        index.record_route(&keys(&[1, 2]), a, 10);
+        index.record_route(&keys(&[5, 6]), a, 20);
+        index.observe(a, k(9), None, Tier::Gpu, true, 20);
+        index.forget_predictions_before(a, 10);
+        assert_eq!(index.match_prefix(&keys(&[1, 2]), 30).instances, vec![]);
+        assert_eq!(index.match_prefix(&keys(&[5, 6]), 30).of(a).gpu, 2);
+        assert_eq!(index.match_prefix(&keys(&[9]), 30).of(a).gpu, 1);
+        // A horizon never moves back; a new route revives the prefix.
+        index.forget_predictions_before(a, 0);
+        assert_eq!(index.match_prefix(&keys(&[1, 2]), 30).instances, vec![]);
+        assert_eq!(index.record_route(&keys(&[1, 2]), a, 40), 0);
+        assert_eq!(index.match_prefix(&keys(&[1, 2]), 50).of(a).gpu, 2);
+    }
+
     /// A random operation on a small key space, for the properties below.
     fn op_strategy() -> impl Strategy<Value = (u8, Vec<u64>, u32, u64)> {
         (
-            0u8..4,
+            0u8..7,
             prop::collection::vec(0u64..6, 1..6),
             0u32..4,
             0u64..3000,
@@ -1018,7 +1244,23 @@ mod tests {
                         inserted.push((inst, ks.clone()));
                     }
                     2 => index.remove_instance(InstanceId(inst)),
-                    _ => index.expire(now),
+                    3 => index.expire(now),
+                    4 => {
+                        let last = ks.len() - 1;
+                        let parent = last.checked_sub(1).map(|p| ks[p]);
+                        index.observe(InstanceId(inst), ks[last], parent, Tier::Gpu, true, now);
+                        inserted.push((inst, ks.clone()));
+                    }
+                    5 => index.observe(InstanceId(inst), ks[0], None, Tier::Gpu, false, now),
+                    _ => index.forget_predictions_before(InstanceId(inst), now),
+                }
+                // The counters agree with a full walk, whatever happened.
+                let (holders, predicted, observed, extra, per) = recount(&index);
+                let stats = index.stats();
+                prop_assert_eq!((stats.holders, stats.predicted_holders, stats.observed_holders), (holders, predicted, observed));
+                prop_assert_eq!(index.extra_holders, extra);
+                for (i, n) in per.iter().enumerate() {
+                    prop_assert_eq!(index.holders_of(InstanceId(i as u32)), *n);
                 }
                 prop_assert!(index.len() <= cap);
                 let got = index.match_prefix(&ks, now);
@@ -1036,8 +1278,8 @@ mod tests {
                 }
             }
             index.expire(u64::MAX);
-            prop_assert_eq!(index.stats().holders, 0);
-            prop_assert_eq!(index.len(), 0);
+            // Only observations outlive every prediction.
+            prop_assert_eq!(index.stats().holders, index.stats().observed_holders);
         }
     }
 }
