@@ -23,21 +23,23 @@ def run(binary, args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--binary", default=os.path.join(HERE, "..", "target", "release", "warmpath"))
-    ap.add_argument("--quick", action="store_true", help="1 router only, 60k KV tokens only")
+    ap.add_argument("--routers", default="1 4", help="router counts to run")
+    ap.add_argument("--rate", default="10", help="request rate of the synthetic workloads, per second")
+    ap.add_argument("--kv", default="120000", help="GPU KV tokens per instance for the synthetic workloads")
     ap.add_argument("--policies", default="prefix-aware kv-aware")
     ap.add_argument("extra", nargs="*", help="extra simulate flags")
     a = ap.parse_args()
     policies = a.policies.split()
     cases = []
-    for kv in ([60000] if a.quick else [60000, 120000]):
+    for kv in [int(x) for x in a.kv.split()]:
         for w in ["chat", "bots", "rag", "code", "conversation"]:
-            cases.append((f"{w} {kv // 1000}k", ["--workload", w, "--instances", "8",
-                          "--gpu-kv-tokens", str(kv), "--rate", "20"]))
+            cases.append((f"{w} {kv // 1000}k r{a.rate}", ["--workload", w, "--instances", "8",
+                          "--gpu-kv-tokens", str(kv), "--rate", a.rate]))
     if os.path.exists(TRACE):
         cases.append(("mooncake 400k", ["--trace", TRACE, "--instances", "8"]))
     cases.append(("bots 4x60k r12", ["--workload", "bots", "--instances", "4",
                   "--gpu-kv-tokens", "60000", "--rate", "12", "--requests", "600"]))
-    routers = [1] if a.quick else [1, 4]
+    routers = [int(x) for x in a.routers.split()]
     print(f"{'case':<18}{'R':>2}  {'pooled':>6}  " +
           "  ".join(f"{p[:10]:>10} {'hit/pool':>8} {'ttft/rr':>7} {'imbal':>5} {'p99':>7}" for p in policies))
     misses = 0

@@ -283,6 +283,10 @@ pub struct MatchResult {
     pub blocks: u32,
     /// Leading blocks the global L2 store holds (what any instance can load).
     pub global_l2: u32,
+    /// Leading blocks that are a *shared* prefix: the deepest block of the query that the
+    /// index saw continued in two or more ways (a system prompt, a template, a repository
+    /// context), or 0. What an instance holds beyond it is the request's own history.
+    pub shared: u32,
     /// Instances that hold at least the first block somewhere, or that hold a later block
     /// reachable through L2, in order of first appearance.
     pub instances: Vec<InstanceMatch>,
@@ -472,6 +476,18 @@ impl PrefixIndex {
     /// router needs to tell its peers is `keys[returned..]` (plus the key before it, to
     /// link the chain).
     pub fn record_route(&mut self, keys: &[BlockKey], instance: InstanceId, now: u64) -> usize {
+        self.record(keys, instance, now, true)
+    }
+
+    /// Records a peer router's decision: `keys` are a sample of a prompt's keys (see
+    /// [`sparse_keys`]), so they are not linked as parent and child: a sampled key's
+    /// neighbour in the list is not its parent, and linking them would make the index
+    /// see branches (shared prefixes) that are not there.
+    pub fn record_shared(&mut self, keys: &[BlockKey], instance: InstanceId, now: u64) {
+        self.record(keys, instance, now, false);
+    }
+
+    fn record(&mut self, keys: &[BlockKey], instance: InstanceId, now: u64, linked: bool) -> usize {
         let until = now.saturating_add(self.config.predicted_ttl_us);
         let fresh_after = now.saturating_add(self.config.predicted_ttl_us / 2);
         let mut known = 0;
@@ -492,7 +508,9 @@ impl PrefixIndex {
             });
             still_known &= !created && was_known;
             known += usize::from(still_known);
-            parent = idx;
+            if linked {
+                parent = idx;
+            }
         }
         known
     }
@@ -621,6 +639,7 @@ impl PrefixIndex {
         result.instances.clear();
         result.blocks = keys.len() as u32;
         result.global_l2 = 0;
+        result.shared = 0;
         // Resolve the path first: the lookups are independent, so the CPU overlaps their
         // cache misses instead of taking them one walk step at a time.
         path.clear();
@@ -639,6 +658,9 @@ impl PrefixIndex {
         std::hint::black_box(warm);
         for &(d, idx) in path.iter() {
             let node = &self.nodes[idx as usize];
+            if node.children >= 2 {
+                result.shared = d + 1;
+            }
             for h in node.holders() {
                 let meta = &self.metas[h.instance as usize];
                 let tiers = meta.tiers(h, now);
@@ -1190,6 +1212,29 @@ mod tests {
         index.expire(5000);
         assert_eq!(index.len(), 0);
         assert_eq!(index.stats().holders, 0);
+    }
+
+    #[test]
+    fn shared_depth_is_the_deepest_branch() {
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        let a = InstanceId(0);
+        // A system prompt (1, 2) continued by two sessions; session 3 goes on to 5.
+        index.record_route(&keys(&[1, 2, 3, 5]), a, 0);
+        index.record_route(&keys(&[1, 2, 4]), a, 0);
+        assert_eq!(index.match_prefix(&keys(&[1, 2, 3, 5, 6]), 1).shared, 2);
+        assert_eq!(index.match_prefix(&keys(&[1, 2, 9]), 1).shared, 2);
+        assert_eq!(index.match_prefix(&keys(&[1]), 1).shared, 0);
+        // A peer's sampled keys are not linked: they make no branch.
+        let mut peer = PrefixIndex::new(IndexConfig::default());
+        peer.record_route(&keys(&[1, 2, 3, 4]), a, 0);
+        peer.record_shared(&keys(&[2, 7]), InstanceId(1), 0);
+        assert_eq!(peer.match_prefix(&keys(&[1, 2, 3, 4]), 1).shared, 0);
+        assert_eq!(
+            peer.match_prefix(&keys(&[1, 2, 3, 7]), 1)
+                .of(InstanceId(1))
+                .gpu,
+            4
+        );
     }
 
     #[test]

@@ -5,20 +5,41 @@
 //! - `least-loaded`: fewest in-flight requests, ties broken at random.
 //! - `prefix-aware` (SageMaker semantics, generalised): match up to `prefix_blocks` of the
 //!   prompt and rank candidates by the blocks they hold locally (GPU or host memory), then
-//!   by what they can load from L2, then by in-flight requests. The best candidate below
-//!   `concurrency_threshold` wins; if the best overall is at or above it, the request
-//!   *spills* to the next best. No match anywhere: least loaded.
+//!   by what they can load from L2, then by in-flight requests, then by how much cached
+//!   data they hold. The best candidate wins unless it is *saturated* (below); then the
+//!   request *spills* to the best candidate that is not. No match anywhere: the least
+//!   loaded candidate, and among equals the one holding the least cached data, so new
+//!   prefixes spread over the fleet's memory.
 //! - `kv-aware`: minimise the estimated time to first token: queue (pending prefill on
 //!   the instance, in chunks of [`PREFILL_CHUNK_TOKENS`]), plus prefill of the uncached
-//!   tokens, plus loading the tokens found in L1 or L2, with the model profile's costs.
-//!   With a temperature above zero it samples, favouring low estimates.
+//!   tokens, plus loading the tokens found in L1 or L2, with the model profile's costs;
+//!   plus, on an instance whose cache is full, the uncached tokens once more, for the
+//!   cached data computing them evicts (what a placement takes from requests to come).
+//!   Saturated candidates are skipped. With a temperature above zero it samples,
+//!   favouring low estimates.
 //!
-//! Hot prefixes: a prefix whose owners are saturated gains owners. Under prefix-aware the
-//! spill goes to the best unsaturated candidate, and candidates holding the prefix in
-//! host memory or able to load it from L2 rank first; under kv-aware the queue term
-//! makes a loaded owner costlier than a fresh instance loading the prefix from L1 or L2,
-//! and the concurrency threshold applies too. Either way the new owner is recorded in
-//! the index (by the caller) and later requests find two owners.
+//! # Saturation, judged against the fleet
+//!
+//! A fixed concurrency threshold suits one workload: too high and a hot prefix piles the
+//! fleet onto its owner, too low and conversations lose their history to needless
+//! spills. So a candidate is saturated when its in-flight count reaches
+//!
+//! ```text
+//! max(min + BALANCE_SLACK + own_history_tokens / AFFINITY_TOKENS_PER_REQUEST,
+//!     BALANCE_RATIO × min)
+//! ```
+//!
+//! where `min` is the least loaded candidate's count, or when it reaches the tenant's
+//! `concurrency_threshold` (SageMaker's knob, kept as an upper bound). The history term is
+//! what the candidate holds of the request beyond its *shared* prefix (the deepest block
+//! the index saw continued in several ways: a system prompt, a template, a repository):
+//! a conversation keeps its owner while the owner is a few requests busier than the
+//! fleet, since moving it recomputes its history, but a new session that matches only the
+//! shared system prompt moves as soon as its owner is two requests busier than the least
+//! loaded instance. That is the hot-prefix rule: a prefix whose owners are saturated gains
+//! owners, and the spill ranks candidates holding the prefix (in GPU, host memory or L2)
+//! first. One default serves every workload; `warmpath simulate` and
+//! `bench/sim_targets.py` show it on each.
 //!
 //! Every decision can carry an [`Explanation`]: each candidate's matched blocks per tier,
 //! load and score.
@@ -34,6 +55,18 @@ use std::str::FromStr;
 
 /// Prefill chunk the queue estimate assumes (vLLM's default step budget).
 pub const PREFILL_CHUNK_TOKENS: u64 = 8192;
+
+/// In-flight requests a candidate may carry above the least loaded one before it counts
+/// as saturated (see the module docs).
+pub const BALANCE_SLACK: f64 = 2.0;
+/// A candidate carrying this many times the least loaded one's requests is saturated.
+pub const BALANCE_RATIO: f64 = 2.0;
+/// Tokens of a request's own history on a candidate worth one more in-flight request of
+/// slack there: moving the request would recompute them.
+pub const AFFINITY_TOKENS_PER_REQUEST: f64 = 500.0;
+/// How much a placement on a full cache pays for the data it evicts, as a share of the
+/// prefill time of the tokens it computes.
+pub const EVICTION_WEIGHT: f64 = 1.0;
 
 /// A routing strategy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -114,8 +147,39 @@ impl PolicyConfig {
         }
     }
 
-    fn saturated(&self, load: InstanceLoad) -> bool {
-        self.concurrency_threshold > 0 && load.in_flight >= self.concurrency_threshold
+    fn over_threshold(&self, in_flight: u32) -> bool {
+        self.concurrency_threshold > 0 && in_flight >= self.concurrency_threshold
+    }
+}
+
+/// The fleet's load as saturation judges it (see the module docs).
+#[derive(Clone, Copy, Debug)]
+struct Balance {
+    /// In-flight requests of the least loaded candidate.
+    min: f64,
+}
+
+impl Balance {
+    fn of(candidates: &[InstanceId], load: &LoadView) -> Balance {
+        let min = candidates
+            .iter()
+            .map(|&c| load.get(c).in_flight)
+            .min()
+            .unwrap_or(0);
+        Balance {
+            min: f64::from(min),
+        }
+    }
+
+    /// In-flight count at which a candidate holding `own_tokens` of the request beyond
+    /// its shared prefix counts as saturated.
+    fn limit(&self, own_tokens: f64) -> f64 {
+        (self.min + BALANCE_SLACK + own_tokens / AFFINITY_TOKENS_PER_REQUEST)
+            .max((BALANCE_RATIO * self.min).ceil())
+    }
+
+    fn saturated(&self, config: &PolicyConfig, in_flight: u32, own_tokens: f64) -> bool {
+        f64::from(in_flight) >= self.limit(own_tokens) || config.over_threshold(in_flight)
     }
 }
 
@@ -132,6 +196,8 @@ pub struct RouteRequest<'a> {
 pub struct View<'a> {
     pub index: &'a PrefixIndex,
     pub load: &'a LoadView,
+    /// GPU KV capacity of each instance in tokens, by instance id (0 or absent: unknown).
+    pub kv_capacity: &'a [u64],
     pub profile: &'a ModelProfile,
     /// Microseconds, on the index's clock.
     pub now: u64,
@@ -329,6 +395,13 @@ fn pick_best<K: Ord>(
     best
 }
 
+/// Tokens `instance` holds of the last match beyond its shared prefix: the request's own
+/// history there, which a move would recompute.
+fn own_tokens(config: &PolicyConfig, scratch: &MatchScratch, instance: InstanceId) -> f64 {
+    let m = scratch.of(instance);
+    f64::from(m.l1.saturating_sub(scratch.result.shared)) * f64::from(config.block_tokens)
+}
+
 fn prefix_aware(
     config: &PolicyConfig,
     candidates: &[InstanceId],
@@ -337,25 +410,36 @@ fn prefix_aware(
 ) -> (InstanceId, Reason) {
     use std::cmp::Reverse;
     let scratch = &state.scratch;
+    let load = |i: InstanceId| view.load.get(i).in_flight;
     let rank = |i: InstanceId| {
         let m = scratch.of(i);
-        (m.l1, m.l2, Reverse(view.load.get(i).in_flight))
+        (
+            m.l1,
+            m.l2,
+            Reverse(load(i)),
+            Reverse(view.index.holders_of(i)),
+        )
     };
+    let balance = Balance::of(candidates, view.load);
     let top = pick_best(candidates, &mut state.rng, rank);
-    let top_match = scratch.of(top);
-    let unsaturated = |i: &InstanceId| !config.saturated(view.load.get(*i));
-    if !config.saturated(view.load.get(top)) {
-        let reason = if top_match.l2 == 0 {
+    let top_load = load(top);
+    if !balance.saturated(config, top_load, own_tokens(config, scratch, top)) {
+        let reason = if scratch.of(top).l2 == 0 {
             Reason::NoMatch
         } else {
             Reason::LongestPrefix
         };
         return (top, reason);
     }
-    let open: Vec<InstanceId> = candidates.iter().copied().filter(unsaturated).collect();
+    // Spill: to the best candidate that is neither saturated nor as busy as the top.
+    let open: Vec<InstanceId> = candidates
+        .iter()
+        .copied()
+        .filter(|&i| load(i) < top_load && !balance.saturated(config, load(i), 0.0))
+        .collect();
     if open.is_empty() {
         let pick = pick_best(candidates, &mut state.rng, |i| {
-            (Reverse(view.load.get(i).in_flight), scratch.of(i).l1)
+            (Reverse(load(i)), scratch.of(i).l1)
         });
         return (pick, Reason::AllSaturated);
     }
@@ -398,22 +482,39 @@ fn kv_aware(
     state: &mut PolicyState,
     explain: bool,
 ) -> (InstanceId, Reason, Option<Vec<f64>>) {
+    let bt = u64::from(config.block_tokens);
     let scores: Vec<f64> = candidates
         .iter()
         .map(|&i| {
-            estimate_ttft_ms(
+            let m = state.scratch.of(i);
+            let ttft = estimate_ttft_ms(
                 view.profile,
                 config.block_tokens,
                 req.prompt_tokens,
-                state.scratch.of(i),
+                m,
                 view.load.get(i),
-            )
+            );
+            // On a full cache, what this request computes evicts as much cached data.
+            let capacity = view.kv_capacity.get(i.0 as usize).copied().unwrap_or(0);
+            if capacity == 0 {
+                return ttft;
+            }
+            let held = view.index.holders_of(i) as f64 * bt as f64;
+            let full = (held / capacity as f64).min(1.0);
+            let uncached = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.l2) * bt);
+            ttft + EVICTION_WEIGHT * full * chunked_prefill_ms(view.profile, uncached)
         })
         .collect();
-    let any_open = candidates
-        .iter()
-        .any(|&i| !config.saturated(view.load.get(i)));
-    let eligible = |pos: usize| !any_open || !config.saturated(view.load.get(candidates[pos]));
+    let balance = Balance::of(candidates, view.load);
+    let saturated = |i: InstanceId| {
+        balance.saturated(
+            config,
+            view.load.get(i).in_flight,
+            own_tokens(config, &state.scratch, i),
+        )
+    };
+    let any_open = candidates.iter().any(|&i| !saturated(i));
+    let eligible = |pos: usize| !any_open || !saturated(candidates[pos]);
     let best = (0..candidates.len())
         .filter(|&p| eligible(p))
         .map(|p| scores[p])
@@ -448,12 +549,14 @@ fn kv_aware(
             .filter(|&p| eligible(p))
             .map(|p| InstanceId(p as u32))
             .collect();
-        // Lowest estimate, then fewest in flight; scores compared in whole microseconds.
+        // Lowest estimate, then fewest in flight, then least cached data; estimates
+        // within the same millisecond are equal (they are estimates).
         let pos = pick_best(&positions, &mut state.rng, |p| {
-            let p = p.0 as usize;
+            let i = candidates[p.0 as usize];
             (
-                std::cmp::Reverse((scores[p] * 1e3) as u64),
-                std::cmp::Reverse(view.load.get(candidates[p]).in_flight),
+                std::cmp::Reverse(scores[p.0 as usize] as u64),
+                std::cmp::Reverse(view.load.get(i).in_flight),
+                std::cmp::Reverse(view.index.holders_of(i)),
             )
         });
         candidates[pos.0 as usize]
@@ -488,6 +591,8 @@ mod tests {
         /// in-flight count per instance.
         in_flight: &'static [u32],
         prompt: &'static [u64],
+        /// GPU KV capacity of every instance, tokens (0: unknown).
+        capacity: u64,
         want: u32,
         reason: Reason,
     }
@@ -504,9 +609,11 @@ mod tests {
             }
         }
         let profile = ModelProfile::dynamo_default();
+        let capacity = vec![c.capacity; c.in_flight.len()];
         let view = View {
             index: &index,
             load: &load,
+            kv_capacity: &capacity,
             profile: &profile,
             now: 1,
         };
@@ -545,33 +652,78 @@ mod tests {
         routed: &[],
         in_flight: &[0, 0, 0],
         prompt: &[1, 2, 3],
+        capacity: 0,
         want: 0,
         reason: Reason::NoMatch,
     };
 
+    const LONG: &[u64] = &[
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+    ];
+
     #[test]
     fn prefix_aware_cases() {
-        // Longest match wins even when busier.
+        // Longest match wins while its owner is within the slack (2 requests above the
+        // least loaded, plus one per 500 tokens of the request's own history there).
         check(Case {
             routed: &[(&[1, 2], 0), (&[1, 2, 3], 2)],
-            in_flight: &[0, 0, 5],
+            in_flight: &[0, 0, 2],
             want: 2,
             reason: Reason::LongestPrefix,
             ..BASE
         });
-        // At the threshold: spill to the next best by match, then load.
+        // Beyond it: spill to the best candidate that is not saturated.
         check(Case {
-            threshold: 5,
             routed: &[(&[1, 2], 0), (&[1, 2, 3], 2)],
-            in_flight: &[1, 0, 5],
+            in_flight: &[0, 0, 3],
             want: 0,
             reason: Reason::Spilled,
             ..BASE
         });
+        // A long history of its own keeps a conversation on its owner for longer
+        // (20 blocks of 64 tokens: 2.56 more requests of slack).
         check(Case {
-            threshold: 5,
+            routed: &[(LONG, 2)],
+            in_flight: &[0, 0, 4],
+            prompt: LONG,
+            want: 2,
+            reason: Reason::LongestPrefix,
+            ..BASE
+        });
+        // A new session matching only a shared prefix (key 2 continues two ways) moves
+        // as soon as its owner is two requests busier than the least loaded.
+        check(Case {
+            routed: &[(&[1, 2, 3], 2), (&[1, 2, 4], 2)],
+            in_flight: &[1, 0, 2],
+            prompt: &[1, 2, 5],
+            want: 1,
+            reason: Reason::Spilled,
+            ..BASE
+        });
+        // With a second owner of the prefix, the less loaded owner takes it over a fresh
+        // instance.
+        check(Case {
+            routed: &[(&[1, 2, 3], 2), (&[1, 2, 4], 2), (&[1, 2], 0)],
+            in_flight: &[1, 0, 2],
+            prompt: &[1, 2, 5],
+            want: 0,
+            reason: Reason::LongestPrefix,
+            ..BASE
+        });
+        // The ratio term: at 6 in flight for the least loaded, the limit is 12, not 8.
+        check(Case {
             routed: &[(&[1, 2, 3], 2)],
-            in_flight: &[3, 1, 5],
+            in_flight: &[6, 6, 11],
+            want: 2,
+            reason: Reason::LongestPrefix,
+            ..BASE
+        });
+        // concurrency_threshold stays an upper bound, whatever the history.
+        check(Case {
+            threshold: 2,
+            routed: &[(LONG, 2)],
+            in_flight: &[1, 0, 2],
+            prompt: LONG,
             want: 1,
             reason: Reason::Spilled,
             ..BASE
@@ -585,10 +737,18 @@ mod tests {
             reason: Reason::AllSaturated,
             ..BASE
         });
-        // No match: least loaded.
+        // No match: least loaded ...
         check(Case {
             in_flight: &[2, 1, 3],
             want: 1,
+            reason: Reason::NoMatch,
+            ..BASE
+        });
+        // ... and among equals, the one holding the least cached data.
+        check(Case {
+            routed: &[(&[7, 8, 9], 0), (&[5], 1)],
+            in_flight: &[0, 0, 0],
+            want: 2,
             reason: Reason::NoMatch,
             ..BASE
         });
@@ -596,7 +756,7 @@ mod tests {
         check(Case {
             prefix_blocks: 1,
             routed: &[(&[1], 0), (&[1, 2, 3], 2)],
-            in_flight: &[0, 4, 1],
+            in_flight: &[0, 1, 1],
             want: 0,
             reason: Reason::LongestPrefix,
             ..BASE
@@ -651,6 +811,21 @@ mod tests {
             reason: Reason::AllSaturated,
             ..kv
         });
+        // An owner far busier than the fleet is saturated even below the threshold.
+        check(Case {
+            routed: &[(&[1, 2, 3], 1)],
+            in_flight: &[0, 3, 0],
+            want: 0,
+            ..kv
+        });
+        // A full cache pays for what it would evict: the empty instance wins a new prompt.
+        check(Case {
+            routed: &[(&[10, 11, 12, 13], 0)],
+            in_flight: &[0, 0],
+            capacity: 256,
+            want: 1,
+            ..kv
+        });
     }
 
     #[test]
@@ -686,6 +861,7 @@ mod tests {
         let view = View {
             index: &index,
             load: &load,
+            kv_capacity: &[],
             profile: &profile,
             now: 0,
         };
@@ -718,6 +894,7 @@ mod tests {
         let view = View {
             index: &index,
             load: &load,
+            kv_capacity: &[],
             profile: &profile,
             now: 0,
         };

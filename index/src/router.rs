@@ -132,6 +132,8 @@ pub struct RouterCore {
     config: CoreConfig,
     /// Reused candidate list (no allocation per decision).
     candidates: Vec<InstanceId>,
+    /// GPU KV capacity of each instance in tokens, by id (0: unknown).
+    kv_capacity: Vec<u64>,
 }
 
 impl RouterCore {
@@ -150,7 +152,17 @@ impl RouterCore {
             profile,
             config,
             candidates: Vec::new(),
+            kv_capacity: Vec::new(),
         }
+    }
+
+    /// The GPU KV capacity of `instance`, in tokens, as its engine reports it.
+    pub fn set_kv_capacity(&mut self, instance: InstanceId, tokens: u64) {
+        let i = instance.0 as usize;
+        if i >= self.kv_capacity.len() {
+            self.kv_capacity.resize(i + 1, 0);
+        }
+        self.kv_capacity[i] = tokens;
     }
 
     /// Replaces the pools (a configuration change). New instances get new ids (ids are
@@ -280,6 +292,7 @@ impl RouterCore {
         let view = View {
             index: &self.index,
             load: &self.load,
+            kv_capacity: &self.kv_capacity,
             profile: &self.profile,
             now,
         };
@@ -364,9 +377,7 @@ impl RouterCore {
         let mut unknown = 0;
         for d in decisions {
             match self.by_key.get(&d.instance) {
-                Some(&id) => {
-                    self.index.record_route(&d.keys, id, now);
-                }
+                Some(&id) => self.index.record_shared(&d.keys, id, now),
                 None => unknown += 1,
             }
         }

@@ -183,6 +183,11 @@ pub fn simulate(
                 config.profile.clone(),
             );
             core.set_pools(&pool);
+            let capacity =
+                u64::from(config.engine.gpu_blocks) * u64::from(config.engine.block_tokens);
+            for i in 0..config.instances {
+                core.set_kv_capacity(InstanceId(i), capacity);
+            }
             if matches!(config.sharing, Sharing::Delayed(_)) {
                 core.enable_sharing();
             }
