@@ -274,6 +274,11 @@ pub struct InstanceMatch {
     pub l1: u32,
     /// Leading blocks in its GPU or host memory or the global L2 store.
     pub l2: u32,
+    /// When the deepest block predicted on this instance was last routed there (0: no
+    /// prediction counted). An engine reporting fewer cached tokens than predicted
+    /// evicted what it was sent then (see [`PrefixIndex::forget_predictions_before`]).
+    #[serde(skip)]
+    pub predicted_at: u64,
 }
 
 /// Result of [`PrefixIndex::match_prefix`].
@@ -301,9 +306,8 @@ impl MatchResult {
             .copied()
             .unwrap_or(InstanceMatch {
                 instance,
-                gpu: 0,
-                l1: 0,
                 l2: self.global_l2,
+                ..InstanceMatch::default()
             })
     }
 }
@@ -326,9 +330,8 @@ impl MatchScratch {
             Some(&slot) if slot != NONE => self.result.instances[slot as usize],
             _ => InstanceMatch {
                 instance,
-                gpu: 0,
-                l1: 0,
                 l2: self.result.global_l2,
+                ..InstanceMatch::default()
             },
         }
     }
@@ -633,6 +636,7 @@ impl PrefixIndex {
             path,
             result,
         } = scratch;
+        let ttl = self.config.predicted_ttl_us;
         for m in &result.instances {
             slot_of[m.instance.0 as usize] = NONE;
         }
@@ -678,9 +682,8 @@ impl PrefixIndex {
                         let l2 = if result.global_l2 == d { d } else { 0 };
                         result.instances.push(InstanceMatch {
                             instance: InstanceId(h.instance),
-                            gpu: 0,
-                            l1: 0,
                             l2,
+                            ..InstanceMatch::default()
                         });
                         result.instances.len() - 1
                     }
@@ -688,6 +691,7 @@ impl PrefixIndex {
                 };
                 let m = &mut result.instances[pos];
                 if meta.predicts(h, now) {
+                    m.predicted_at = h.predicted_until.saturating_sub(ttl);
                     m.gpu = m.gpu.max(d + 1);
                     m.l1 = m.l1.max(d + 1);
                     m.l2 = m.l2.max(d + 1);

@@ -147,9 +147,72 @@ impl ErrorBody {
     }
 }
 
+/// The `usage` of a response that says how many prompt tokens were cached, from a whole
+/// JSON body or from SSE frames (with `stream_options.include_usage`, the last streamed
+/// chunk carries it). `None` when there is none: engines report cached tokens only when
+/// configured to (vLLM: `--enable-prompt-tokens-details`).
+pub fn cached_usage(bytes: &[u8]) -> Option<Usage> {
+    const NEEDLE: &[u8] = b"\"cached_tokens\"";
+    if !bytes.windows(NEEDLE.len()).any(|w| w == NEEDLE) {
+        return None;
+    }
+    #[derive(Deserialize)]
+    struct WithUsage {
+        usage: Option<Usage>,
+    }
+    let parse = |json: &[u8]| {
+        serde_json::from_slice::<WithUsage>(json)
+            .ok()
+            .and_then(|w| w.usage)
+            .filter(|u| u.prompt_tokens_details.is_some())
+    };
+    let body = bytes.trim_ascii_start();
+    if body.first() == Some(&b'{') {
+        return parse(body);
+    }
+    bytes
+        .split(|&b| b == b'\n')
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .map(<[u8]>::trim_ascii)
+        .filter(|json| json.first() == Some(&b'{'))
+        .find_map(parse)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cached_usage_cases() {
+        let usage = |prompt, cached| Usage {
+            prompt_tokens: prompt,
+            completion_tokens: 2,
+            total_tokens: prompt + 2,
+            prompt_tokens_details: Some(PromptTokensDetails {
+                cached_tokens: cached,
+            }),
+        };
+        let cases: &[(&str, Option<Usage>)] = &[
+            (
+                r#"{"id":"x","usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":4}}}"#,
+                Some(usage(10, 4)),
+            ),
+            (
+                "data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2,\"total_tokens\":11,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\ndata: [DONE]\n\n",
+                Some(usage(9, 8)),
+            ),
+            // No details, no usage, not JSON: nothing to learn.
+            (
+                r#"{"usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12}}"#,
+                None,
+            ),
+            ("data: {\"choices\":[]}\n\n", None),
+            ("data: \"cached_tokens\" {\n\n", None),
+        ];
+        for (input, want) in cases {
+            assert_eq!(&cached_usage(input.as_bytes()), want, "{input}");
+        }
+    }
 
     #[test]
     fn prompt_forms() {

@@ -32,6 +32,20 @@ use crate::policy::{route, Decision, PolicyConfig, PolicyState, RouteRequest, Vi
 use crate::InstanceId;
 use std::collections::{HashMap, HashSet};
 
+/// A prediction younger than this when it was contradicted proves nothing: the request
+/// that placed it may still have been computing its blocks (an engine caches a prompt's
+/// blocks only once they are computed).
+pub const CONTRADICTION_GRACE_US: u64 = 2_000_000;
+
+/// What an engine said of a request's prompt in its answer's `usage`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheReport {
+    /// `usage.prompt_tokens`: the prompt as the engine counted it.
+    pub prompt_tokens: u32,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u32,
+}
+
 /// Settings of one router core.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CoreConfig {
@@ -154,6 +168,14 @@ impl RouterCore {
             candidates: Vec::new(),
             kv_capacity: Vec::new(),
         }
+    }
+
+    /// The GPU KV capacity of `instance` in tokens, as last set (0: unknown).
+    pub fn kv_capacity(&self, instance: InstanceId) -> u64 {
+        self.kv_capacity
+            .get(instance.0 as usize)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The GPU KV capacity of `instance`, in tokens, as its engine reports it.
@@ -312,6 +334,40 @@ impl RouterCore {
         self.own_load
             .finish(instance, u64::from(pending), prefilled);
         self.load.finish(instance, u64::from(pending), prefilled);
+    }
+
+    /// The engine's account of a request routed by `decision` (for a tenant with
+    /// `block_tokens`-token blocks and a prompt of `prompt_tokens` as the router counted
+    /// it). If the engine found less cached than was predicted, by more than two blocks
+    /// and as a share of the prompt (engines count tokens their own way), the instance
+    /// evicted what it was sent when the deepest predicted block was last routed there,
+    /// and (its cache being LRU) everything before: those predictions stop attracting
+    /// requests. Returns whether the report contradicted a prediction.
+    pub fn report_cached(
+        &mut self,
+        decision: &Decision,
+        block_tokens: u32,
+        prompt_tokens: u32,
+        report: CacheReport,
+    ) -> bool {
+        let m = decision.matched;
+        if m.predicted_at == 0
+            || prompt_tokens == 0
+            || report.prompt_tokens == 0
+            || decision.decided_at.saturating_sub(m.predicted_at) < CONTRADICTION_GRACE_US
+        {
+            return false;
+        }
+        let router_prompt = f64::from(prompt_tokens);
+        let predicted = f64::from(m.gpu) * f64::from(block_tokens) / router_prompt;
+        let slack = 2.0 * f64::from(block_tokens) / router_prompt;
+        let found = f64::from(report.cached_tokens) / f64::from(report.prompt_tokens);
+        if found + slack >= predicted {
+            return false;
+        }
+        self.index
+            .forget_predictions_before(decision.instance, m.predicted_at);
+        true
     }
 
     /// An attempt failed before its first byte: eject the instance for a while, longer

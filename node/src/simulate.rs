@@ -81,8 +81,9 @@ pub struct SimulateArgs {
     /// Tokens of the prompt used for prefix matching (SageMaker's prefix length); 0 = all.
     #[arg(long, default_value_t = 0)]
     pub prefix_tokens: u32,
-    /// In-flight requests at which the preferred instance is skipped; 0 = no limit.
-    #[arg(long, default_value_t = 32)]
+    /// In-flight requests at which the preferred instance is always skipped (an upper
+    /// bound; saturation is otherwise judged against the fleet's load); 0 = none.
+    #[arg(long, default_value_t = 0)]
     pub concurrency_threshold: u32,
     /// kv-aware sampling temperature; 0 = always the lowest estimate.
     #[arg(long, default_value_t = 0.0)]

@@ -33,7 +33,7 @@ fn main() {
             },
             profile: ModelProfile::dynamo_default(),
             policy: PolicyConfig {
-                concurrency_threshold: 32,
+                concurrency_threshold: 0,
                 ..PolicyConfig::new(strategy, 64)
             },
             index: IndexConfig::default(),

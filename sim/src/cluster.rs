@@ -24,9 +24,11 @@ use std::rc::Rc;
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::BlockKey;
-use warmpath_index::policy::{PolicyConfig, RouteRequest};
+use warmpath_index::policy::{Decision, PolicyConfig, RouteRequest};
 use warmpath_index::rng::Rng;
-use warmpath_index::router::{CoreConfig, InstanceSpec, PoolSpec, RouterCore, SharedDecision};
+use warmpath_index::router::{
+    CacheReport, CoreConfig, InstanceSpec, PoolSpec, RouterCore, SharedDecision,
+};
 use warmpath_index::InstanceId;
 
 /// How router replicas learn each other's routing decisions.
@@ -140,7 +142,7 @@ struct Observation {
     present: bool,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Track {
     router: u32,
     instance: u32,
@@ -148,6 +150,8 @@ struct Track {
     last_token_us: u64,
     /// Prefill tokens the load views count for it (the policy's uncached estimate).
     pending: u32,
+    /// The routing decision, for the engine's account of what it found cached.
+    decision: Option<Decision>,
 }
 
 /// The model name the simulated pool serves.
@@ -317,6 +321,7 @@ pub fn simulate(
                     first_token_us: None,
                     last_token_us: now,
                     pending,
+                    decision: Some(decision),
                 };
                 stepped = inst.0;
                 let engine = &mut engines[inst.0 as usize];
@@ -366,14 +371,35 @@ pub fn simulate(
         let mut observed = Vec::new();
         for e in engine_events.drain(..) {
             match e {
-                EngineEvent::FirstToken { id, at_us, .. } => {
+                EngineEvent::FirstToken {
+                    id,
+                    at_us,
+                    gpu_hit_tokens,
+                    l1_hit_tokens,
+                    l2_hit_tokens,
+                } => {
                     let i = id as usize;
                     let t = &mut tracks[i];
                     t.first_token_us = Some(at_us);
                     t.last_token_us = at_us;
                     output_tokens += 1;
                     ttft.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    replicas[t.router as usize].first_token(InstanceId(t.instance), t.pending);
+                    let replica = &mut replicas[t.router as usize];
+                    replica.first_token(InstanceId(t.instance), t.pending);
+                    // The engine's usage reports what it found cached, as a live one does.
+                    if let Some(decision) = t.decision.take() {
+                        let prompt = workload.requests[i].prompt_tokens;
+                        let cached = gpu_hit_tokens + l1_hit_tokens + l2_hit_tokens;
+                        replica.report_cached(
+                            &decision,
+                            workload.block_tokens,
+                            prompt,
+                            CacheReport {
+                                prompt_tokens: prompt,
+                                cached_tokens: cached,
+                            },
+                        );
+                    }
                 }
                 EngineEvent::Token { id, at_us } => {
                     let t = &mut tracks[id as usize];
@@ -383,14 +409,14 @@ pub fn simulate(
                 }
                 EngineEvent::Finished { id, at_us } => {
                     let i = id as usize;
-                    let t = tracks[i];
+                    let t = &tracks[i];
                     completed += 1;
                     e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
                     replicas[t.router as usize].finish(InstanceId(t.instance), t.pending, true);
                 }
                 EngineEvent::Rejected { id, .. } => {
                     let i = id as usize;
-                    let t = tracks[i];
+                    let t = &tracks[i];
                     rejected += 1;
                     replicas[t.router as usize].finish(InstanceId(t.instance), t.pending, false);
                 }
@@ -534,7 +560,7 @@ mod tests {
             },
             profile: ModelProfile::dynamo_default(),
             policy: PolicyConfig {
-                concurrency_threshold: 32,
+                concurrency_threshold: 0,
                 ..PolicyConfig::new(strategy, 64)
             },
             index: IndexConfig::default(),

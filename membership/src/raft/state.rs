@@ -73,7 +73,7 @@ impl TenantSpec {
         TenantSpec {
             strategy: "prefix-aware".into(),
             prefix_length: 0,
-            concurrency_threshold: 32,
+            concurrency_threshold: 0,
             block_tokens: 64,
             temperature: 0.0,
             pool: pool.into(),

@@ -1035,7 +1035,7 @@ mod tests {
         );
         assert_eq!(
             lines.next(),
-            Some("acme  round-robin  m     0       32         16     -    1")
+            Some("acme  round-robin  m     0       0          16     -    1")
         );
         let json_out = execute(
             &args(&h.base, true, AdminCommand::Pools(PoolsCommand::List)),

@@ -197,7 +197,7 @@ fn components() -> Value {
         "description": "Plain API keys; hashed before they are stored, never kept"});
     tenant_input["description"] = json!(
         "A TenantSpec whose fields other than `pool` may \
-        be left out (defaults: prefix-aware, prefix_length 0, concurrency_threshold 32, \
+        be left out (defaults: prefix-aware, prefix_length 0, concurrency_threshold 0, \
         block_tokens 64, temperature 0, cache_salt derived from the id)"
     );
     let pool_spec = json!({

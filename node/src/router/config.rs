@@ -16,7 +16,7 @@
 //! api_keys = ["sk-acme-1"]        # or api_key_hashes = ["<blake3 hex>"]
 //! strategy = "prefix-aware"
 //! prefix_length = 0              # tokens used for matching; 0 = the whole prompt
-//! concurrency_threshold = 32
+//! concurrency_threshold = 0      # an upper bound on in-flight requests; 0 = none
 //! ```
 
 use anyhow::{bail, Context, Result};
@@ -187,7 +187,8 @@ pub struct TenantSection {
     /// Prompt tokens used for prefix matching; 0 = all.
     #[serde(default)]
     pub prefix_length: u32,
-    /// In-flight requests at which the preferred instance is skipped; 0 = no limit.
+    /// In-flight requests at which the preferred instance is always skipped (an upper
+    /// bound; saturation is otherwise judged against the fleet's load); 0 = none.
     #[serde(default = "default_threshold")]
     pub concurrency_threshold: u32,
     /// Tokens per block of this tenant's keys.
@@ -208,7 +209,7 @@ fn default_strategy() -> String {
     "prefix-aware".into()
 }
 fn default_threshold() -> u32 {
-    32
+    0
 }
 fn default_block_tokens() -> u32 {
     64

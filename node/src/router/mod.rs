@@ -6,6 +6,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod engines;
 pub mod proxy;
 pub mod ratelimit;
 pub mod state;
@@ -202,6 +203,10 @@ fn describe_metrics() {
         "warmpath_router_stream_breaks_total",
         "Streams an instance broke off mid-way."
     );
+    describe_counter!(
+        "warmpath_router_predictions_contradicted_total",
+        "Answers whose usage reported fewer cached tokens than the routing prediction: the instance's older predictions were retired."
+    );
     describe_histogram!(
         "warmpath_router_overhead_seconds",
         Unit::Seconds,
@@ -341,42 +346,80 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
     )
 }
 
-/// Checks every instance's `/health` each interval and marks it up or down.
+/// Checks every instance's `/health` each interval and marks it up or down; reads the
+/// GPU KV capacity from an instance's `/metrics` while it is unknown, and again whenever
+/// the instance comes back up (it may have restarted with another configuration).
 async fn health_loop(app: Arc<App>) {
     let mut tick = tokio::time::interval(app.config.health_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let timeout = app.config.health_interval.max(Duration::from_millis(200));
     loop {
         tick.tick().await;
-        let urls: Vec<(InstanceId, String)> = app
-            .core
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .active_instances();
-        let checks = urls.iter().map(|(id, url)| {
+        let urls: Vec<(InstanceId, String, bool)> = {
+            let core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            core.active_instances()
+                .into_iter()
+                .map(|(id, url)| {
+                    let known = core.kv_capacity(id) > 0;
+                    (id, url, known)
+                })
+                .collect()
+        };
+        let checks = urls.iter().map(|(id, url, known)| {
             let i = id.0 as usize;
             let app = app.clone();
-            let url = format!("{url}/health");
             async move {
-                let req = hyper::Request::get(url).body(http_body_util::Full::new(bytes::Bytes::new()));
-                let ok = match req {
-                    Ok(req) => matches!(
-                        tokio::time::timeout(app.config.health_interval.max(Duration::from_millis(200)), app.client.request(req)).await,
-                        Ok(Ok(r)) if r.status().is_success()
-                    ),
-                    Err(_) => false,
+                let ok = matches!(
+                    fetch(&app, &format!("{url}/health"), timeout).await,
+                    Some((true, _))
+                );
+                let capacity = if ok && !known {
+                    fetch(&app, &format!("{url}/metrics"), timeout)
+                        .await
+                        .and_then(|(_, body)| {
+                            engines::kv_capacity_tokens(&String::from_utf8_lossy(&body))
+                        })
+                } else {
+                    None
                 };
-                (i, ok)
+                (i, ok, capacity)
             }
         });
-        for (i, ok) in futures_util::future::join_all(checks).await {
+        for (i, ok, capacity) in futures_util::future::join_all(checks).await {
             let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
             let was = core.instances()[i].healthy;
             if was != ok {
                 tracing::info!(instance = %core.instances()[i].name, healthy = ok, "instance health changed");
             }
+            if ok && !was {
+                // Back up, perhaps restarted: read its capacity again next time.
+                core.set_kv_capacity(InstanceId(i as u32), 0);
+            }
+            if let Some(tokens) = capacity {
+                core.set_kv_capacity(InstanceId(i as u32), tokens);
+            }
             core.set_healthy(InstanceId(i as u32), ok);
         }
     }
+}
+
+/// GET `url` within `timeout`: whether it answered 2xx, and its body (at most 1 MiB).
+async fn fetch(app: &App, url: &str, timeout: Duration) -> Option<(bool, bytes::Bytes)> {
+    use http_body_util::BodyExt;
+    let req = hyper::Request::get(url)
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .ok()?;
+    let fetch = async {
+        let resp = app.client.request(req).await.ok()?;
+        let ok = resp.status().is_success();
+        let body = http_body_util::Limited::new(resp.into_body(), 1 << 20)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        Some((ok, body))
+    };
+    tokio::time::timeout(timeout, fetch).await.ok().flatten()
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves, then drains open streams.

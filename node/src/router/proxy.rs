@@ -642,6 +642,7 @@ async fn attempt_once(
         prompt_tokens,
         prefilled: false,
         done: false,
+        chosen: Some(chosen.clone()),
     };
     let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
     let resp = match tokio::time::timeout_at(first_byte.into(), app.client.request(request)).await {
@@ -675,6 +676,7 @@ async fn attempt_once(
             }
             Ok(Ok(b)) => b.to_bytes(),
         };
+        guard.usage(&bytes);
         guard.first_byte();
         guard.finish();
         return Ok(builder.body(Body::from(bytes)).unwrap_or_default());
@@ -696,9 +698,32 @@ struct LoadGuard {
     prompt_tokens: u32,
     prefilled: bool,
     done: bool,
+    /// The decision, until the engine's `usage` has been checked against it.
+    chosen: Option<Chosen>,
 }
 
 impl LoadGuard {
+    /// Checks the engine's account of cached tokens, if `bytes` carry it, against the
+    /// prediction the request was routed on.
+    fn usage(&mut self, bytes: &[u8]) {
+        if self.chosen.is_none() {
+            return;
+        }
+        let Some(usage) = warmpath_index::openai::cached_usage(bytes) else {
+            return;
+        };
+        let Some(chosen) = self.chosen.take() else {
+            return;
+        };
+        let report = warmpath_index::router::CacheReport {
+            prompt_tokens: usage.prompt_tokens,
+            cached_tokens: usage.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
+        };
+        if self.app.core().report_cached(&chosen, report) {
+            metrics::counter!("warmpath_router_predictions_contradicted_total").increment(1);
+        }
+    }
+
     fn first_byte(&mut self) {
         if !self.prefilled {
             self.prefilled = true;
@@ -755,8 +780,9 @@ impl hyper::body::Body for Tracked {
         match Pin::new(&mut self.inner).poll_frame(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Some(Ok(frame))) => {
-                if frame.is_data() {
+                if let Some(data) = frame.data_ref() {
                     self.guard.first_byte();
+                    self.guard.usage(data);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }

@@ -10,7 +10,9 @@ use warmpath_index::index::{IndexConfig, IndexStats};
 use warmpath_index::keys::BlockKey;
 use warmpath_index::load::InstanceLoad;
 use warmpath_index::policy::{Decision, PolicyConfig, RouteRequest};
-use warmpath_index::router::{CoreConfig, InstanceSpec, InstanceState, PoolSpec, RouterCore};
+use warmpath_index::router::{
+    CacheReport, CoreConfig, InstanceSpec, InstanceState, PoolSpec, RouterCore,
+};
 use warmpath_index::InstanceId;
 
 pub use warmpath_index::router::{NoRoute, SharedDecision};
@@ -21,6 +23,10 @@ pub struct Chosen {
     pub instance: InstanceId,
     pub url: String,
     pub decision: Decision,
+    /// The tenant's block size and the prompt's length in the router's tokens, for
+    /// checking the engine's account of what it found cached.
+    pub block_tokens: u32,
+    pub prompt_tokens: u32,
 }
 
 impl Chosen {
@@ -94,11 +100,13 @@ impl RouterState {
         self.started.elapsed().as_micros() as u64
     }
 
-    fn chosen(&self, decision: Decision) -> Chosen {
+    fn chosen(&self, decision: Decision, tenant: &Tenant, prompt_tokens: u32) -> Chosen {
         Chosen {
             instance: decision.instance,
             url: self.url(decision.instance).to_string(),
             decision,
+            block_tokens: tenant.block_tokens,
+            prompt_tokens,
         }
     }
 
@@ -135,7 +143,7 @@ impl RouterState {
             explain,
             now,
         )?;
-        Ok(self.chosen(decision))
+        Ok(self.chosen(decision, tenant, prompt_tokens))
     }
 
     /// What [`RouterState::route`] would choose now, explained, changing nothing: no
@@ -155,7 +163,28 @@ impl RouterState {
         let decision =
             self.core
                 .dry_run(&tenant.id, &policy_config(tenant), model, &request, now)?;
-        Ok(self.chosen(decision))
+        Ok(self.chosen(decision, tenant, prompt_tokens))
+    }
+
+    /// The engine's `usage` for `chosen`'s request: a report of fewer cached tokens than
+    /// predicted retires the instance's older predictions. Returns whether it did.
+    pub fn report_cached(&mut self, chosen: &Chosen, report: CacheReport) -> bool {
+        self.core.report_cached(
+            &chosen.decision,
+            chosen.block_tokens,
+            chosen.prompt_tokens,
+            report,
+        )
+    }
+
+    /// The GPU KV capacity of `instance` in tokens, as last read (0: unknown).
+    pub fn kv_capacity(&self, instance: InstanceId) -> u64 {
+        self.core.kv_capacity(instance)
+    }
+
+    /// The GPU KV capacity of `instance` in tokens, as its engine's metrics say.
+    pub fn set_kv_capacity(&mut self, instance: InstanceId, tokens: u64) {
+        self.core.set_kv_capacity(instance, tokens);
     }
 
     /// The request's first byte of response arrived: its prefill is done. `prompt_tokens`

@@ -371,6 +371,8 @@ impl EngineLoop {
             Command::Cancel { id } => self.cancel(now, id),
             Command::Metrics { reply } => {
                 let _ = reply.send(Snapshot {
+                    gpu_blocks: self.engine.config().gpu_blocks,
+                    block_tokens: self.engine.config().block_tokens,
                     running: self.engine.num_running(),
                     waiting: self.engine.num_waiting(),
                     kv_usage: self.engine.kv_usage(),
@@ -479,6 +481,9 @@ impl Histogram {
 /// What `/metrics` shows, copied out of the engine loop.
 #[derive(Debug)]
 struct Snapshot {
+    /// GPU KV cache: blocks and tokens per block (vLLM's `cache_config_info` labels).
+    gpu_blocks: u32,
+    block_tokens: u32,
     running: usize,
     waiting: usize,
     kv_usage: f64,
@@ -500,6 +505,18 @@ fn render_metrics(model: &str, s: &Snapshot) -> String {
         }
     };
     let stats = &s.stats;
+    metric(
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the KV cache config (labels).",
+        &[(
+            &format!(
+                ",block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\"",
+                s.block_tokens, s.gpu_blocks
+            ),
+            "1".to_string(),
+        )],
+    );
     metric(
         "vllm:num_requests_running",
         "gauge",
@@ -1608,6 +1625,8 @@ mod tests {
             ttft.observe(v);
         }
         let snapshot = Snapshot {
+            gpu_blocks: 100,
+            block_tokens: 16,
             running: 1,
             waiting: 2,
             kv_usage: 0.5,
