@@ -36,6 +36,7 @@
 //! `warmpath_gossip_decode_errors_total`,
 //! `warmpath_gossip_unauthenticated_datagrams_dropped_total`,
 //! `warmpath_gossip_batches_published_total`, `warmpath_gossip_batches_received_total`,
+//! `warmpath_gossip_decisions_truncated_total`, `warmpath_gossip_decisions_dropped_total`,
 //! `warmpath_gossip_lagging_origins_total`.
 
 use std::collections::{HashMap, HashSet};
@@ -294,7 +295,17 @@ pub fn describe_metrics() {
         describe_counter!(
             "warmpath_gossip_batches_published_total",
             Unit::Count,
-            "decision batches this router published"
+            "decision batches this router published (each within the 8 KiB batch budget)"
+        );
+        describe_counter!(
+            "warmpath_gossip_decisions_truncated_total",
+            Unit::Count,
+            "decisions cut to their first keys to fit a gossip batch on their own"
+        );
+        describe_counter!(
+            "warmpath_gossip_decisions_dropped_total",
+            Unit::Count,
+            "decisions with no key that fits a gossip batch, not published"
         );
         describe_counter!(
             "warmpath_gossip_batches_received_total",
@@ -489,26 +500,35 @@ impl Gossip {
         OwnState(chitchat.self_node_state()).set_load(&wire);
     }
 
-    /// Writes the batch under the next `d:` key (marked for deletion after decision_ttl);
-    /// returns its seq. Batches should come from a [`crate::decisions::Batcher`] sized to
-    /// [`schema::BATCH_MAX_BYTES`]; a larger one is still published (chitchat carries it)
-    /// but logged, as it eats into every peer's gossip budget.
+    /// Publishes `decisions` in batches of at most [`schema::BATCH_MAX_BYTES`] encoded
+    /// bytes each (split by a [`crate::decisions::Batcher`]; a decision too large for a
+    /// batch alone keeps its first keys), each under the next `d:` key, marked for deletion
+    /// after the decision TTL. Returns the seq of the last batch written (0 if none).
     pub async fn publish_decisions(&self, made_at_ms: u64, decisions: Vec<Decision>) -> u64 {
-        let batch = BatchWire::V1 {
-            made_at_ms,
-            decisions,
-        };
-        let mut chitchat = self.chitchat.lock().await;
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let mut own = OwnState(chitchat.self_node_state());
-        own.set_decision_batch(seq, &batch);
-        drop(chitchat);
-        let size = crate::decisions::encode(&batch).len();
-        if size > schema::BATCH_MAX_BYTES {
-            warn!(node_id = %self.node_id, seq, size, "decision batch over its gossip budget");
+        let mut batcher = crate::decisions::Batcher::new(schema::BATCH_MAX_BYTES, 0);
+        for d in decisions {
+            batcher.push(made_at_ms, d);
         }
-        metrics::counter!("warmpath_gossip_batches_published_total").increment(1);
-        seq
+        let batches = batcher.take_all();
+        metrics::counter!("warmpath_gossip_decisions_truncated_total")
+            .increment(batcher.truncated());
+        metrics::counter!("warmpath_gossip_decisions_dropped_total").increment(batcher.dropped());
+        let mut last = 0;
+        for decisions in batches {
+            let batch = BatchWire::V1 {
+                made_at_ms,
+                decisions,
+            };
+            debug_assert!(crate::decisions::encode(&batch).len() <= schema::BATCH_MAX_BYTES);
+            let mut chitchat = self.chitchat.lock().await;
+            let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            let mut own = OwnState(chitchat.self_node_state());
+            own.set_decision_batch(seq, &batch);
+            drop(chitchat);
+            metrics::counter!("warmpath_gossip_batches_published_total").increment(1);
+            last = seq;
+        }
+        last
     }
 
     /// Everything new since the cursor: other nodes' decision batches with seq above what
@@ -1291,6 +1311,28 @@ mod tests {
                 .then_some(())
         })
         .await;
+        for n in [a, b, c] {
+            n.shutdown().await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_large_outbox_is_split_within_the_batch_budget() {
+        let (a, b, c) = three("split").await;
+        wait_peers(&a, &["split-b", "split-c"]).await;
+        // 100 decisions of 32 random keys: about 36 KiB, over four times the budget.
+        let sent = random_decisions(1, 100, 32);
+        let last = a.publish_decisions(1, sent.clone()).await;
+        assert!(last >= 5, "{last} batches");
+        let mut cursor = Cursor::new();
+        let got = receive_until(&b, &mut cursor, a.origin(), last).await;
+        let mut received = Vec::new();
+        for (_, _, batch) in &got {
+            assert!(crate::decisions::encode(batch).len() <= schema::BATCH_MAX_BYTES);
+            let BatchWire::V1 { decisions, .. } = batch;
+            received.extend(decisions.iter().cloned());
+        }
+        assert_eq!(received, sent);
         for n in [a, b, c] {
             n.shutdown().await;
         }

@@ -23,8 +23,9 @@
 //!   at most about 10 KiB.
 //! - `applied`: about 30 bytes per origin; origins that left the cluster state are pruned,
 //!   and at most [`APPLIED_MAX_ORIGINS`] are published.
-//! - decision batches: at most [`BATCH_MAX_BYTES`] (8 KiB) each, which the
-//!   [`crate::decisions::Batcher`] enforces; a 32-block decision costs about 360 bytes, so a
+//! - decision batches: at most [`BATCH_MAX_BYTES`] (8 KiB) each, which
+//!   [`crate::gossip::Gossip::publish_decisions`] enforces by splitting with a
+//!   [`crate::decisions::Batcher`]; a 32-block decision costs about 360 bytes, so a
 //!   full batch holds about 22 such decisions. Batches live only for the decision TTL, so a
 //!   router publishing `r` batches per second keeps at most `r × TTL × 8 KiB` of them.
 //!
