@@ -36,7 +36,7 @@ fn prompts(rng: &mut Rng) -> Vec<Vec<BlockKey>> {
         .collect();
     (0..PROMPTS)
         .map(|p| {
-            let mut keys = if p % 4 == 0 {
+            let mut keys = if p.is_multiple_of(4) {
                 systems[rng.below(256) as usize].clone()
             } else {
                 Vec::new()
@@ -161,7 +161,7 @@ fn main() {
     let mut fresh = Rng::new(99);
     let mut i = 0usize;
     while started.elapsed() < RUN {
-        let keys: Vec<BlockKey> = if i % 2 == 0 {
+        let keys: Vec<BlockKey> = if i.is_multiple_of(2) {
             cached[fresh.below(PROMPTS as u64) as usize].clone()
         } else {
             (0..BLOCKS).map(|_| BlockKey(fresh.next_u64())).collect()
