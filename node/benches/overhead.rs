@@ -1,14 +1,17 @@
-//! Router overhead: the same requests sent straight to an engine-sim and through a router
-//! in front of it, interleaved in one run, so both see the same machine noise.
+//! Router overhead: the same requests sent straight to an engine-sim and through each router
+//! in front of it, interleaved in one run, so all see the same machine noise.
 //!
-//! Run with `cargo bench -p warmpath --bench overhead`. It starts real processes (the
-//! `warmpath` binary) on loopback: one engine-sim with a huge speed-up (so the engine's
-//! own time is near zero and what remains is HTTP, parsing and tokenizing) and one router.
-//! Each request is a non-streaming completion with a 4 KB prompt and one output token.
+//! Run with `cargo bench -p warmpath --bench overhead`. It starts real processes on
+//! loopback: one engine-sim with a huge speed-up (so the engine's own time is near zero and
+//! what remains is HTTP, parsing and tokenizing) and a warmpath router; and, when a Python
+//! with the `smg` package is found (`WARMPATH_BENCH_PEER_PYTHON`, else the venv that
+//! `bench/peers.py --install` makes at `target/peer-venv`), SMG's router as well
+//! (`python -m smg launch --policy cache_aware --disable-tokenizer-autoload`). Each request
+//! is a non-streaming completion with a 4 KB prompt and one output token.
 //!
-//! Reported: latency p50/p99 direct and via the router, the added latency (p50 and p99
-//! of the per-pair differences), and the router's throughput per core: closed-loop load
-//! through the router for a few seconds, divided by the router process's CPU seconds.
+//! Reported per router: latency p50/p99 direct and through it, the added latency (p50 and
+//! p99 of the per-request differences), saturated throughput (closed loop, 16 clients, 5 s)
+//! with the router's CPU seconds, and its resident memory afterwards.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -34,6 +37,73 @@ async fn send(client: &Client<HttpConnector, Full<Bytes>>, url: &str, body: &Byt
     t.elapsed()
 }
 
+/// A router under test: its name, URL and process id.
+struct Under {
+    name: &'static str,
+    url: String,
+    pid: u32,
+}
+
+/// SMG in front of `engine`, if a Python with the `smg` package is around.
+fn start_smg(engine: &str) -> Option<std::process::Child> {
+    let python = std::env::var("WARMPATH_BENCH_PEER_PYTHON").unwrap_or_else(|_| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../target/peer-venv/bin/python"
+        )
+        .to_string()
+    });
+    let has_smg = std::process::Command::new(&python)
+        .args(["-c", "import smg"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_smg {
+        println!("(SMG not measured: no Python with the smg package at {python}; run bench/peers.py --install)");
+        return None;
+    }
+    let port = common::free_port();
+    let child = std::process::Command::new(&python)
+        .args([
+            "-m",
+            "smg",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+        ])
+        .args([
+            "--worker-urls",
+            engine,
+            "--policy",
+            "cache_aware",
+            "--disable-tokenizer-autoload",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    SMG_PORT.store(port, std::sync::atomic::Ordering::Relaxed);
+    Some(child)
+}
+
+static SMG_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+
+/// Resident memory of `pid` and its children, MiB (Linux).
+fn rss_mib(pid: u32) -> f64 {
+    let read = |pid: &str| -> f64 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    (read(&pid.to_string()) + children.split_whitespace().map(read).sum::<f64>()) / 1024.0
+}
+
 fn main() {
     let engine = start(
         &[
@@ -57,6 +127,22 @@ fn main() {
         ],
         1,
     );
+    let mut smg = start_smg(&engine.url);
+    let mut under = vec![Under {
+        name: "warmpath prefix-aware",
+        url: router.url.clone(),
+        pid: router.child.id(),
+    }];
+    if let Some(child) = &smg {
+        under.push(Under {
+            name: "SMG cache_aware",
+            url: format!(
+                "http://127.0.0.1:{}",
+                SMG_PORT.load(std::sync::atomic::Ordering::Relaxed)
+            ),
+            pid: child.id(),
+        });
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -70,67 +156,107 @@ fn main() {
             let prompt = &prompt[..prompt.len().min(4096)];
             Bytes::from(serde_json::json!({"model": "sim-llama", "prompt": prompt, "max_tokens": 1}).to_string())
         };
+        // Wait for every router to serve (SMG checks its workers first).
+        for u in &under {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let req = hyper::Request::post(format!("{}/v1/completions", u.url))
+                    .header("content-type", "application/json")
+                    .body(Full::new(make(0)))
+                    .expect("valid request");
+                if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), client.request(req)).await {
+                    if r.status().is_success() {
+                        break;
+                    }
+                }
+                assert!(Instant::now() < deadline, "{} did not come up", u.name);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
         for i in 0..WARMUP {
             send(&client, &engine.url, &make(i)).await;
-            send(&client, &router.url, &make(i)).await;
+            for u in &under {
+                send(&client, &u.url, &make(i)).await;
+            }
         }
-        let (mut direct, mut via, mut diff) = (Vec::new(), Vec::new(), Vec::new());
+        let mut direct = Vec::new();
+        let mut via: Vec<Vec<f64>> = vec![Vec::new(); under.len()];
+        let mut diff: Vec<Vec<f64>> = vec![Vec::new(); under.len()];
         for i in 0..PAIRS {
             let body = make(WARMUP + i);
-            // Alternate which goes first, so neither always warms the other's path.
-            let (d, r) = if i % 2 == 0 {
-                let d = send(&client, &engine.url, &body).await;
-                (d, send(&client, &router.url, &body).await)
-            } else {
-                let r = send(&client, &router.url, &body).await;
-                (send(&client, &engine.url, &body).await, r)
-            };
-            direct.push(d.as_secs_f64() * 1e6);
-            via.push(r.as_secs_f64() * 1e6);
-            diff.push((r.as_secs_f64() - d.as_secs_f64()) * 1e6);
+            // Rotate which goes first, so none always warms another's path.
+            let n = under.len() + 1;
+            let mut times = vec![Duration::ZERO; n];
+            for k in 0..n {
+                let who = (i + k) % n;
+                let url = if who == 0 { &engine.url } else { &under[who - 1].url };
+                times[who] = send(&client, url, &body).await;
+            }
+            let d = times[0].as_secs_f64() * 1e6;
+            direct.push(d);
+            for (j, t) in times[1..].iter().enumerate() {
+                via[j].push(t.as_secs_f64() * 1e6);
+                diff[j].push(t.as_secs_f64() * 1e6 - d);
+            }
         }
-        for v in [&mut direct, &mut via, &mut diff] {
-            v.sort_by(f64::total_cmp);
+        direct.sort_by(f64::total_cmp);
+        println!("router overhead, {PAIRS} interleaved rounds after {WARMUP} warm-up rounds, 4 KB prompt, 1 output token, one client connection each");
+        println!("  direct to engine-sim:        p50 {:7.1} µs  p99 {:7.1} µs", percentile(&direct, 0.5), percentile(&direct, 0.99));
+        for (j, u) in under.iter().enumerate() {
+            via[j].sort_by(f64::total_cmp);
+            diff[j].sort_by(f64::total_cmp);
+            println!("  through {:<21} p50 {:7.1} µs  p99 {:7.1} µs", u.name, percentile(&via[j], 0.5), percentile(&via[j], 0.99));
+            println!(
+                "    added by it:               p50 {:7.1} µs  p99 {:7.1} µs",
+                percentile(&diff[j], 0.5),
+                percentile(&diff[j], 0.99)
+            );
         }
-        println!("router overhead, {PAIRS} interleaved pairs after {WARMUP} warm-up pairs, 4 KB prompt, 1 output token, one client connection each");
-        println!("  direct to engine-sim: p50 {:7.1} µs  p99 {:7.1} µs", percentile(&direct, 0.5), percentile(&direct, 0.99));
-        println!("  through the router:   p50 {:7.1} µs  p99 {:7.1} µs", percentile(&via, 0.5), percentile(&via, 0.99));
-        println!(
-            "  added by the router:  p50 {:7.1} µs  p99 {:7.1} µs   (targets: p50 < 100 µs, p99 < 500 µs)",
-            percentile(&diff, 0.5),
-            percentile(&diff, 0.99)
-        );
+        println!("  (targets for warmpath: added p50 < 100 µs, p99 < 500 µs)");
 
-        // Throughput per router core: closed loop, 16 concurrent clients, 5 seconds.
-        let pid = router.child.id();
-        let cpu0 = cpu_seconds(pid);
-        let t0 = Instant::now();
-        let deadline = t0 + Duration::from_secs(5);
-        let mut tasks = Vec::new();
-        for w in 0..16 {
-            let client = client.clone();
-            let url = router.url.clone();
-            let bodies: Vec<Bytes> = (0..64).map(|i| make(10_000 + w * 64 + i)).collect();
-            tasks.push(tokio::spawn(async move {
-                let mut n = 0u64;
-                while Instant::now() < deadline {
-                    send(&client, &url, &bodies[n as usize % bodies.len()]).await;
-                    n += 1;
-                }
-                n
-            }));
+        // Saturated throughput: closed loop, 16 concurrent clients, 5 seconds per router.
+        let mut rates = Vec::new();
+        for u in &under {
+            let cpu0 = cpu_seconds(u.pid);
+            let t0 = Instant::now();
+            let deadline = t0 + Duration::from_secs(5);
+            let mut tasks = Vec::new();
+            for w in 0..16 {
+                let client = client.clone();
+                let url = u.url.clone();
+                let bodies: Vec<Bytes> = (0..64).map(|i| make(10_000 + w * 64 + i)).collect();
+                tasks.push(tokio::spawn(async move {
+                    let mut n = 0u64;
+                    while Instant::now() < deadline {
+                        send(&client, &url, &bodies[n as usize % bodies.len()]).await;
+                        n += 1;
+                    }
+                    n
+                }));
+            }
+            let mut total = 0;
+            for t in tasks {
+                total += t.await.expect("worker");
+            }
+            let wall = t0.elapsed().as_secs_f64();
+            let cpu = cpu_seconds(u.pid) - cpu0;
+            let rate = total as f64 / wall;
+            rates.push(rate);
+            println!(
+                "  saturated {:<21} {:>7.0} requests/s over {wall:.1} s with 16 clients; its CPU {cpu:.2} s ({:.0} requests/s per core); RSS {:.0} MiB",
+                u.name,
+                rate,
+                total as f64 / cpu.max(1e-9),
+                rss_mib(u.pid)
+            );
         }
-        let mut total = 0;
-        for t in tasks {
-            total += t.await.expect("worker");
+        if rates.len() > 1 {
+            println!("  warmpath / SMG saturated throughput: {:.2}x (target: at least 1.5x)", rates[0] / rates[1]);
         }
-        let wall = t0.elapsed().as_secs_f64();
-        let cpu = cpu_seconds(pid) - cpu0;
-        println!(
-            "  throughput: {:.0} requests/s through the router over {wall:.1} s with 16 clients; router CPU {cpu:.2} s → {:.0} requests/s per router core",
-            total as f64 / wall,
-            total as f64 / cpu.max(1e-9)
-        );
-        println!("  (machine: {} cores, shared by the client, the router and the engine-sim)", std::thread::available_parallelism().map_or(1, |n| n.get()));
+        println!("  (machine: {} cores, shared by the client, the routers and the engine-sim)", std::thread::available_parallelism().map_or(1, |n| n.get()));
     });
+    if let Some(child) = &mut smg {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
