@@ -37,9 +37,19 @@ pub struct ConfigState {
     pub pools: BTreeMap<String, PoolSpec>,
 }
 
-/// One tenant's routing settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A tenant: the one definition. It is what Raft stores, what the admin API takes and
+/// returns, and what the config file's `[[tenants]]` hold (beside the tenant's `id` and
+/// plain `api_keys`, which are hashed before they go anywhere). [`validate_tenant`] is its
+/// one validator; the router compiles it for the request path.
+///
+/// Every field has a default, so input may leave any out (a new tenant's `pool` must still
+/// be named unless the config file supplies its first pool; an empty `cache_salt` is
+/// derived from the id, see [`TenantSpec::complete`]). Unknown fields are ignored when
+/// read, so a rolling upgrade that adds a field does not stop older routers from applying
+/// the log; input surfaces (the file, the admin API) reject them with
+/// [`TenantSpec::unknown_fields`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(default)]
 pub struct TenantSpec {
     /// Routing strategy, one of [`STRATEGIES`].
     pub strategy: String,
@@ -68,25 +78,76 @@ impl TenantSpec {
             .to_string()
     }
 
-    /// A tenant with the defaults of the file config, served by `pool`.
+    /// A tenant with every default, served by `pool`.
     pub fn with_defaults(tenant_id: &str, pool: &str) -> TenantSpec {
+        TenantSpec {
+            pool: pool.into(),
+            ..TenantSpec::default()
+        }
+        .complete(tenant_id)
+    }
+
+    /// Fills in what input may leave out: the cache salt derived from the id.
+    pub fn complete(mut self, tenant_id: &str) -> TenantSpec {
+        if self.cache_salt.is_empty() {
+            self.cache_salt = TenantSpec::default_cache_salt(tenant_id);
+        }
+        self
+    }
+
+    /// The keys of `object` that are not fields of a tenant nor in `extra`: what input
+    /// surfaces refuse (stored tenants ignore them instead).
+    pub fn unknown_fields<'a>(
+        object: impl IntoIterator<Item = &'a String>,
+        extra: &[&str],
+    ) -> Vec<String> {
+        let known = serde_json::to_value(TenantSpec::default()).unwrap_or_default();
+        object
+            .into_iter()
+            .filter(|k| known.get(k.as_str()).is_none() && !extra.contains(&k.as_str()))
+            .cloned()
+            .collect()
+    }
+}
+
+impl Default for TenantSpec {
+    /// The defaults every input surface applies to a field left out.
+    fn default() -> Self {
         TenantSpec {
             strategy: "prefix-aware".into(),
             prefix_length: 0,
             concurrency_threshold: 0,
             block_tokens: 64,
             temperature: 0.0,
-            pool: pool.into(),
+            pool: String::new(),
             api_key_hashes: Vec::new(),
-            cache_salt: TenantSpec::default_cache_salt(tenant_id),
+            cache_salt: String::new(),
             rate_limit_rps: None,
         }
     }
 }
 
-/// The instances serving one model.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The stored form of a plain API key: its blake3 digest in lowercase hex.
+pub fn api_key_hash(key: &str) -> String {
+    blake3::hash(key.as_bytes()).to_hex().to_string()
+}
+
+/// Why a plain API key cannot be used; the key itself is never echoed.
+pub fn check_plain_key(key: &str) -> Result<(), &'static str> {
+    if key.is_empty() {
+        Err("empty")
+    } else if key.len() > MAX_VALUE_BYTES {
+        Err("longer than 512 bytes")
+    } else if key.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Err("contains whitespace or control characters")
+    } else {
+        Ok(())
+    }
+}
+
+/// The instances serving one model. Unknown fields are ignored when read (see
+/// [`TenantSpec`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PoolSpec {
     /// Base URLs, `http://host:port`, no path, no duplicates.
     pub instances: Vec<String>,
@@ -834,6 +895,38 @@ mod tests {
         assert_eq!(
             s.apply(12, &add("b", H1)),
             invalid(&["key_hash: already belongs to tenant \"acme\""])
+        );
+    }
+
+    #[test]
+    fn stored_specs_ignore_fields_a_newer_build_adds() {
+        // A newer router wrote a field this build does not know: the log still applies.
+        let json = r#"{"V1":{"PutTenant":{"id":"t","spec":{"strategy":"kv-aware","pool":"m",
+            "cache_salt":"s","brand_new_knob":7},"expected_version":null}}}"#;
+        let cmd: Command = serde_json::from_str(json).expect("parses");
+        let Command::V1(CommandV1::PutTenant { spec, .. }) = cmd else {
+            panic!("a PutTenant");
+        };
+        assert_eq!(
+            spec,
+            TenantSpec {
+                strategy: "kv-aware".into(),
+                pool: "m".into(),
+                cache_salt: "s".into(),
+                ..TenantSpec::default()
+            }
+        );
+        let pool: PoolSpec =
+            serde_json::from_str(r#"{"instances":["http://a:1"],"weights":[1]}"#).expect("parses");
+        assert_eq!(pool.instances, vec!["http://a:1".to_string()]);
+        // Input surfaces find the fields to refuse.
+        let keys: Vec<String> = ["strategy", "stratgy", "api_keys"]
+            .iter()
+            .map(|k| k.to_string())
+            .collect();
+        assert_eq!(
+            TenantSpec::unknown_fields(&keys, &["api_keys"]),
+            vec!["stratgy".to_string()]
         );
     }
 

@@ -24,12 +24,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use warmpath_membership::raft::state::{
     is_key_hash, Command, CommandResult, CommandV1, ConfigState, PoolSpec, TenantSpec,
-    MAX_VALUE_BYTES,
 };
 use warmpath_membership::raft::{RaftNode, ReadError, WriteError};
 
@@ -487,79 +486,57 @@ fn parse_body<T: DeserializeOwned>(
         .map_err(|e| AdminError::BadRequest(format!("{what}: malformed JSON: {e}")))
 }
 
+/// A body for a stored type: parsed like [`parse_body`], but fields `T` does not have are
+/// refused here, at the edge, with serde's words ("unknown field `x`, expected one of …").
+/// The stored types themselves ignore unknown fields (a newer router may add one), and a
+/// flattened input cannot refuse them through serde.
+fn parse_strict<T: DeserializeOwned + Serialize + Default>(
+    body: Result<Bytes, BytesRejection>,
+    what: &str,
+) -> Result<T, AdminError> {
+    let value: Value = parse_body(body, what)?;
+    let known = serde_json::to_value(T::default()).unwrap_or_default();
+    let Some(object) = value.as_object() else {
+        return Err(AdminError::BadRequest(format!(
+            "{what}: send a JSON object"
+        )));
+    };
+    if let Some(unknown) = object.keys().find(|k| known.get(k.as_str()).is_none()) {
+        let expected: Vec<String> = known
+            .as_object()
+            .map(|o| o.keys().map(|k| format!("`{k}`")).collect())
+            .unwrap_or_default();
+        return Err(AdminError::BadRequest(format!(
+            "{what}: unknown field `{unknown}`, expected one of {}",
+            expected.join(", ")
+        )));
+    }
+    serde_json::from_value(value).map_err(|e| AdminError::BadRequest(format!("{what}: {e}")))
+}
+
 fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, AdminError> {
     p.map(|p| p.0)
         .map_err(|e| AdminError::BadRequest(format!("path: {}", e.body_text())))
 }
 
-/// The stored form of a plain API key: blake3, lowercase hex (what the router compares).
-pub fn hash_key(key: &str) -> String {
-    blake3::hash(key.as_bytes()).to_hex().to_string()
-}
+/// The stored form of a plain API key (what the router compares).
+pub use warmpath_membership::raft::state::api_key_hash as hash_key;
+use warmpath_membership::raft::state::check_plain_key;
 
-/// Why a plain API key cannot be used; the key itself is never echoed.
-fn check_plain_key(key: &str) -> Result<(), &'static str> {
-    if key.is_empty() {
-        Err("empty")
-    } else if key.len() > MAX_VALUE_BYTES {
-        Err("longer than 512 bytes")
-    } else if key.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        Err("contains whitespace or control characters")
-    } else {
-        Ok(())
-    }
-}
-
-/// A tenant as clients send it: a [`TenantSpec`] whose optional fields may be left out
-/// (defaults of [`TenantSpec::with_defaults`]), plus plain `api_keys` to hash.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A tenant as clients send it: a [`TenantSpec`] (any field may be left out and takes its
+/// default), plus plain `api_keys` to hash. Unknown fields are refused here, at the edge.
+#[derive(Debug, Default, Serialize, Deserialize)]
 struct TenantInput {
     #[serde(default)]
-    strategy: Option<String>,
-    #[serde(default)]
-    prefix_length: Option<u32>,
-    #[serde(default)]
-    concurrency_threshold: Option<u32>,
-    #[serde(default)]
-    block_tokens: Option<u32>,
-    #[serde(default)]
-    temperature: Option<f64>,
-    #[serde(default)]
-    pool: Option<String>,
-    #[serde(default)]
-    api_key_hashes: Vec<String>,
-    #[serde(default)]
     api_keys: Vec<String>,
-    #[serde(default)]
-    cache_salt: Option<String>,
-    #[serde(default)]
-    rate_limit_rps: Option<f64>,
+    #[serde(flatten)]
+    spec: TenantSpec,
 }
 
 impl TenantInput {
     fn into_spec(self, id: &str) -> Result<TenantSpec, AdminError> {
-        let mut spec = TenantSpec::with_defaults(id, self.pool.as_deref().unwrap_or(""));
-        if let Some(v) = self.strategy {
-            spec.strategy = v;
-        }
-        if let Some(v) = self.prefix_length {
-            spec.prefix_length = v;
-        }
-        if let Some(v) = self.concurrency_threshold {
-            spec.concurrency_threshold = v;
-        }
-        if let Some(v) = self.block_tokens {
-            spec.block_tokens = v;
-        }
-        if let Some(v) = self.temperature {
-            spec.temperature = v;
-        }
-        if let Some(v) = self.cache_salt {
-            spec.cache_salt = v;
-        }
-        spec.rate_limit_rps = self.rate_limit_rps;
-        spec.api_key_hashes = self
+        let mut spec = self.spec.complete(id);
+        spec.api_key_hashes = spec
             .api_key_hashes
             .into_iter()
             .map(|h| h.to_ascii_lowercase())
@@ -641,7 +618,7 @@ async fn put_tenant(
 ) -> ApiResult {
     let id = path(id)?;
     let expected = precondition(&uri, &headers)?;
-    let spec = parse_body::<TenantInput>(body, "tenant")?.into_spec(&id)?;
+    let spec = parse_strict::<TenantInput>(body, "tenant")?.into_spec(&id)?;
     // Created or replaced, as far as this node had seen before the write.
     let created = !d.raft.local_state().tenants.contains_key(&id);
     let version = write(
@@ -765,7 +742,7 @@ async fn put_pool(
 ) -> ApiResult {
     let model = path(model)?;
     let expected_version = precondition(&uri, &headers)?;
-    let spec: PoolSpec = parse_body(body, "pool")?;
+    let spec: PoolSpec = parse_strict(body, "pool")?;
     let created = !d.raft.local_state().pools.contains_key(&model);
     let version = write(
         &d,
@@ -1157,6 +1134,9 @@ pub(crate) mod tests {
             case("pool with unknown field", Method::PUT, "/pools/m2", Some(r#"{"instance":[]}"#), 400, vec![
                 ("/error/message", Contains("unknown field `instance`")),
             ]),
+            case("tenant with unknown field", Method::PUT, "/tenants/acme", Some(r#"{"pool":"m","stratgy":"kv-aware"}"#), 400, vec![
+                ("/error/message", Contains("unknown field `stratgy`, expected one of")),
+            ]),
             case("add instance", Method::POST, "/pools/m/instances", Some(r#"{"url":"http://c:3"}"#), 201, vec![
                 ("/version", Number),
             ]),
@@ -1185,7 +1165,6 @@ pub(crate) mod tests {
                 ("/problems", eq(json!([
                     "strategy \"fastest\": not one of round-robin, least-loaded, prefix-aware, kv-aware",
                     "block_tokens: must be positive",
-                    "cache_salt: empty",
                     "rate_limit_rps -1: must be a finite positive number",
                     "pool: no pool serves model \"nope\"",
                 ]))),

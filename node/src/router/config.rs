@@ -26,7 +26,9 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 use warmpath_index::policy::Strategy;
-use warmpath_membership::raft::state::TenantSpec;
+use warmpath_membership::raft::state::{
+    api_key_hash, check_plain_key, validate_tenant, TenantSpec,
+};
 
 /// The only config file version this build reads.
 pub const CONFIG_VERSION: u32 = 1;
@@ -173,46 +175,17 @@ pub struct PoolSection {
     pub instances: Vec<String>,
 }
 
+/// A tenant in the config file: its id, plain API keys (hashed at once, never stored),
+/// and its [`TenantSpec`], the one definition of a tenant, flattened into the same table.
+/// `pool` may be left out: the file's tenants then serve its first pool. Unknown fields
+/// are refused by [`FileConfig::parse`] (serde cannot refuse them through a flatten).
 #[derive(Deserialize, Debug, Clone)]
-#[serde(deny_unknown_fields)]
 pub struct TenantSection {
     pub id: String,
     #[serde(default)]
     pub api_keys: Vec<String>,
-    /// blake3 hex digests of API keys, for files that must not hold the keys.
-    #[serde(default)]
-    pub api_key_hashes: Vec<String>,
-    #[serde(default = "default_strategy")]
-    pub strategy: String,
-    /// Prompt tokens used for prefix matching; 0 = all.
-    #[serde(default)]
-    pub prefix_length: u32,
-    /// In-flight requests at which the preferred instance is always skipped (an upper
-    /// bound; saturation is otherwise judged against the fleet's load); 0 = none.
-    #[serde(default = "default_threshold")]
-    pub concurrency_threshold: u32,
-    /// Tokens per block of this tenant's keys.
-    #[serde(default = "default_block_tokens")]
-    pub block_tokens: u32,
-    #[serde(default)]
-    pub temperature: f64,
-    /// Salt of this tenant's block keys and of its engines' prefix caches; defaults to a
-    /// value derived from the tenant id.
-    #[serde(default)]
-    pub cache_salt: Option<String>,
-    /// Requests per second across all routers; absent: unlimited.
-    #[serde(default)]
-    pub rate_limit_rps: Option<f64>,
-}
-
-fn default_strategy() -> String {
-    "prefix-aware".into()
-}
-fn default_threshold() -> u32 {
-    0
-}
-fn default_block_tokens() -> u32 {
-    64
+    #[serde(flatten)]
+    pub spec: TenantSpec,
 }
 
 impl TenantSection {
@@ -221,19 +194,13 @@ impl TenantSection {
         TenantSection {
             id: id.to_string(),
             api_keys: Vec::new(),
-            api_key_hashes: Vec::new(),
-            strategy: default_strategy(),
-            prefix_length: 0,
-            concurrency_threshold: default_threshold(),
-            block_tokens: default_block_tokens(),
-            temperature: 0.0,
-            cache_salt: None,
-            rate_limit_rps: None,
+            spec: TenantSpec::default(),
         }
     }
 }
 
-/// A validated tenant.
+/// A tenant as the request path reads it: compiled once from its [`TenantSpec`]
+/// ([`Tenant::compile`]), with the strategy parsed and the key hashes as bytes.
 #[derive(Debug, Clone)]
 pub struct Tenant {
     pub id: String,
@@ -246,6 +213,35 @@ pub struct Tenant {
     pub cache_salt: String,
     /// Requests per second across all routers; `None`: unlimited.
     pub rate_limit_rps: Option<f64>,
+}
+
+impl Tenant {
+    /// The request path's view of tenant `id`. Specs are validated before they are stored,
+    /// so a strategy this build does not know can only come from a newer router during a
+    /// rolling upgrade: the tenant then keeps serving with the default strategy (and a
+    /// warning), never disappears.
+    pub fn compile(id: &str, spec: &TenantSpec) -> Tenant {
+        let strategy = spec.strategy.parse::<Strategy>().unwrap_or_else(|e| {
+            tracing::warn!(tenant_id = %id, error = %e, "unknown strategy; routing with prefix-aware");
+            metrics::counter!("warmpath_router_tenant_strategy_fallbacks_total").increment(1);
+            Strategy::PrefixAware
+        });
+        Tenant {
+            id: id.to_string(),
+            api_key_hashes: spec
+                .api_key_hashes
+                .iter()
+                .filter_map(|h| parse_hex32(h))
+                .collect(),
+            strategy,
+            prefix_length: spec.prefix_length,
+            concurrency_threshold: spec.concurrency_threshold,
+            block_tokens: spec.block_tokens.max(1),
+            temperature: spec.temperature,
+            cache_salt: spec.cache_salt.clone(),
+            rate_limit_rps: spec.rate_limit_rps,
+        }
+    }
 }
 
 /// A validated pool.
@@ -274,7 +270,8 @@ pub struct RouterConfig {
     pub profile: String,
     pub retry_after_s: u64,
     pub pools: Vec<Pool>,
-    pub tenants: Vec<Tenant>,
+    /// Every tenant, validated and complete (pool and cache salt filled in).
+    pub tenants: Vec<(String, TenantSpec)>,
     pub cluster: Option<ClusterSettings>,
     pub raft: Option<RaftSettings>,
 }
@@ -306,6 +303,18 @@ impl FileConfig {
 
     pub fn parse(text: &str) -> Result<FileConfig> {
         let config: FileConfig = toml::from_str(text)?;
+        // Tenants flatten their spec, so serde cannot refuse unknown fields there.
+        let raw: toml::Table = toml::from_str(text)?;
+        if let Some(toml::Value::Array(tenants)) = raw.get("tenants") {
+            for (i, t) in tenants.iter().enumerate() {
+                if let toml::Value::Table(t) = t {
+                    let unknown = TenantSpec::unknown_fields(t.keys(), &["id", "api_keys"]);
+                    if !unknown.is_empty() {
+                        bail!("tenants[{i}]: unknown field(s) {}", unknown.join(", "));
+                    }
+                }
+            }
+        }
         if config.version != CONFIG_VERSION {
             bail!(
                 "config version {} is not supported; this build reads version {CONFIG_VERSION}",
@@ -375,8 +384,11 @@ impl FileConfig {
             .as_ref()
             .filter(|d| !self.tenants.iter().any(|t| &t.id == *d))
             .map(|d| TenantSection::with_defaults(d));
+        // Tenants: the state machine's own validator, so a file that validates here seeds
+        // a cluster that accepts it.
+        let first_pool = pools.first().map(|p| p.model.clone()).unwrap_or_default();
         let mut ids = HashSet::new();
-        let mut keys: BTreeMap<[u8; 32], String> = BTreeMap::new();
+        let mut keys: BTreeMap<String, String> = BTreeMap::new();
         let mut tenants = Vec::new();
         for (i, t) in self.tenants.iter().chain(implicit.iter()).enumerate() {
             let at = format!("tenants[{i}] ({:?})", t.id);
@@ -386,62 +398,38 @@ impl FileConfig {
             if !ids.insert(t.id.clone()) {
                 problems.push(format!("{at}: id listed twice"));
             }
-            let strategy = match t.strategy.parse::<Strategy>() {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    problems.push(format!("{at}.strategy: {e}"));
-                    None
-                }
-            };
-            if t.block_tokens == 0 {
-                problems.push(format!("{at}.block_tokens must be positive"));
+            let mut spec = t.spec.clone().complete(&t.id);
+            if spec.pool.is_empty() {
+                spec.pool = first_pool.clone();
             }
-            if t.rate_limit_rps
-                .is_some_and(|r| !(r.is_finite() && r > 0.0))
-            {
-                problems.push(format!("{at}.rate_limit_rps must be a positive number"));
-            }
-            if !(t.temperature.is_finite() && t.temperature >= 0.0) {
-                problems.push(format!("{at}.temperature must be a non-negative number"));
-            }
-            let mut hashes: Vec<[u8; 32]> = t.api_keys.iter().map(|k| hash_api_key(k)).collect();
-            for h in &t.api_key_hashes {
-                match parse_hex32(h) {
-                    Some(b) => hashes.push(b),
-                    None => {
-                        problems.push(format!("{at}.api_key_hashes: {h:?} is not 64 hex digits"))
-                    }
+            spec.api_key_hashes = spec
+                .api_key_hashes
+                .iter()
+                .map(|h| h.to_ascii_lowercase())
+                .collect();
+            for (j, k) in t.api_keys.iter().enumerate() {
+                match check_plain_key(k) {
+                    Ok(()) => spec.api_key_hashes.push(api_key_hash(k)),
+                    Err(why) => problems.push(format!("{at}.api_keys[{j}]: {why}")),
                 }
             }
-            for k in &t.api_keys {
-                if k.is_empty() {
-                    problems.push(format!("{at}.api_keys has an empty key"));
+            for problem in validate_tenant(&spec) {
+                // A router without pools has no pool for its tenants to name.
+                if !(models.is_empty() && problem.starts_with("pool:")) {
+                    problems.push(format!("{at}.{problem}"));
                 }
             }
-            for h in &hashes {
-                if let Some(other) = keys.insert(*h, t.id.clone()) {
+            if !spec.pool.is_empty() && !models.is_empty() && !models.contains(&spec.pool) {
+                problems.push(format!("{at}.pool: no pool serves model {:?}", spec.pool));
+            }
+            for h in &spec.api_key_hashes {
+                if let Some(other) = keys.insert(h.clone(), t.id.clone()) {
                     if other != t.id {
                         problems.push(format!("{at}: an API key is also {other:?}'s"));
                     }
                 }
             }
-            let cache_salt = t
-                .cache_salt
-                .clone()
-                .unwrap_or_else(|| TenantSpec::default_cache_salt(&t.id));
-            if let Some(strategy) = strategy {
-                tenants.push(Tenant {
-                    id: t.id.clone(),
-                    api_key_hashes: hashes,
-                    strategy,
-                    prefix_length: t.prefix_length,
-                    concurrency_threshold: t.concurrency_threshold,
-                    block_tokens: t.block_tokens.max(1),
-                    temperature: t.temperature,
-                    cache_salt,
-                    rate_limit_rps: t.rate_limit_rps,
-                });
-            }
+            tenants.push((t.id.clone(), spec));
         }
         let cluster = self.cluster.as_ref().and_then(|c| {
             let mut ok = true;
@@ -615,14 +603,37 @@ mod tests {
             vec!["http://127.0.0.1:9001", "http://localhost:9002"]
         );
         assert_eq!(c.retries, 3);
-        let acme = &c.tenants[0];
+        let (id, acme) = &c.tenants[0];
+        assert_eq!(id, "acme");
         assert_eq!(
-            (acme.strategy, acme.concurrency_threshold, acme.block_tokens),
-            (Strategy::KvAware, 4, 64)
+            (
+                acme.strategy.as_str(),
+                acme.concurrency_threshold,
+                acme.block_tokens,
+                acme.pool.as_str()
+            ),
+            ("kv-aware", 4, 64, "m")
         );
-        assert_eq!(acme.api_key_hashes, vec![hash_api_key("k1")]);
-        assert_eq!(c.tenants[1].id, "default");
-        assert_ne!(acme.cache_salt, c.tenants[1].cache_salt);
+        assert_eq!(acme.api_key_hashes, vec![api_key_hash("k1")]);
+        assert_eq!(c.tenants[1].0, "default");
+        assert_ne!(acme.cache_salt, c.tenants[1].1.cache_salt);
+        let compiled = Tenant::compile(id, acme);
+        assert_eq!(compiled.strategy, Strategy::KvAware);
+        assert_eq!(compiled.api_key_hashes, vec![hash_api_key("k1")]);
+    }
+
+    #[test]
+    fn unknown_tenant_fields_are_refused_and_strategies_never_drop_a_tenant() {
+        let e = FileConfig::parse("version = 1\n[[tenants]]\nid = \"a\"\nstratgy = \"kv-aware\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stratgy"), "{e}");
+        // A stored strategy this build does not know (a newer router's) still serves.
+        let spec = TenantSpec {
+            strategy: "from-the-future".into(),
+            ..TenantSpec::with_defaults("a", "m")
+        };
+        assert_eq!(Tenant::compile("a", &spec).strategy, Strategy::PrefixAware);
     }
 
     #[test]

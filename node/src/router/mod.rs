@@ -153,13 +153,13 @@ impl RouterArgs {
                 .find(|t| t.id == id)
                 .expect("just ensured");
             if let Some(s) = &self.strategy {
-                t.strategy = s.clone();
+                t.spec.strategy = s.clone();
             }
             if let Some(c) = self.concurrency_threshold {
-                t.concurrency_threshold = c;
+                t.spec.concurrency_threshold = c;
             }
             if let Some(p) = self.prefix_length {
-                t.prefix_length = p;
+                t.spec.prefix_length = p;
             }
         }
         file.validate()
@@ -202,6 +202,10 @@ fn describe_metrics() {
     describe_counter!(
         "warmpath_router_stream_breaks_total",
         "Streams an instance broke off mid-way."
+    );
+    describe_counter!(
+        "warmpath_router_tenant_strategy_fallbacks_total",
+        "Tenants compiled with prefix-aware because their stored strategy is unknown to this build (a newer router's, during a rolling upgrade)."
     );
     describe_counter!(
         "warmpath_router_predictions_contradicted_total",

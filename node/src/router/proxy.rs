@@ -26,6 +26,7 @@ use warmpath_index::keys::{token_block_keys, TenantKey};
 use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody};
 use warmpath_index::text::tokenize;
 use warmpath_index::InstanceId;
+use warmpath_membership::raft::state::TenantSpec;
 
 /// Header that asks for the routing decision to be explained in the response.
 pub const EXPLAIN_HEADER: &str = "x-warmpath-explain";
@@ -73,21 +74,26 @@ pub struct TenantTable {
 }
 
 impl TenantTable {
-    pub fn new(tenants: &[Tenant], default_tenant: Option<String>, version: u64) -> Self {
+    pub fn new(
+        tenants: &[(String, TenantSpec)],
+        default_tenant: Option<String>,
+        version: u64,
+    ) -> Self {
         Self::next(None, tenants, default_tenant, version)
     }
 
     /// The table after a configuration change, keeping `previous`'s rate-limit buckets of
-    /// tenants whose rate did not change.
+    /// tenants whose rate did not change. Each tenant is compiled once, here.
     pub fn next(
         previous: Option<&TenantTable>,
-        tenants: &[Tenant],
+        tenants: &[(String, TenantSpec)],
         default_tenant: Option<String>,
         version: u64,
     ) -> Self {
         let mut by_id = HashMap::new();
         let mut by_key = HashMap::new();
-        for t in tenants {
+        for (id, spec) in tenants {
+            let t = &Tenant::compile(id, spec);
             for h in &t.api_key_hashes {
                 by_key.insert(*h, t.id.clone());
             }

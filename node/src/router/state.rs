@@ -311,7 +311,8 @@ mod tests {
             instances: instances.iter().map(|s| s.to_string()).collect(),
         });
         let config = file.validate().unwrap();
-        let tenant = config.tenants[0].clone();
+        let (id, spec) = &config.tenants[0];
+        let tenant = Tenant::compile(id, spec);
         (
             RouterState::new(&config, ModelProfile::dynamo_default()),
             tenant,

@@ -2,12 +2,11 @@
 //! empty cluster from the config file, following every applied change (tenant table and
 //! pools swapped in place, no restart), and the router facts the admin API serves.
 
-use super::config::{hash_api_key, parse_hex32, Pool, RaftSettings, Tenant};
+use super::config::{hash_api_key, Pool, RaftSettings};
 use super::proxy::{App, TenantTable};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use std::time::Duration;
-use warmpath_index::policy::Strategy;
 use warmpath_membership::raft::state::{
     Command, CommandResult, CommandV1, ConfigState, PoolSpec, TenantSpec,
 };
@@ -28,8 +27,9 @@ pub async fn start(settings: &RaftSettings, admin_url: &str) -> Result<Arc<RaftN
     Ok(Arc::new(node))
 }
 
-/// The router's tenants and pools for a Raft configuration state.
-pub fn from_state(state: &ConfigState) -> (Vec<Tenant>, Vec<Pool>) {
+/// The router's tenants and pools for a Raft configuration state: the stored specs as
+/// they are (the tenant table compiles them), every tenant kept.
+pub fn from_state(state: &ConfigState) -> (Vec<(String, TenantSpec)>, Vec<Pool>) {
     let pools = state
         .pools
         .iter()
@@ -41,32 +41,9 @@ pub fn from_state(state: &ConfigState) -> (Vec<Tenant>, Vec<Pool>) {
     let tenants = state
         .tenants
         .iter()
-        .filter_map(|(id, t)| {
-            // The state machine validated the spec; a strategy this build does not know is
-            // skipped rather than guessed.
-            let strategy = t.strategy.parse::<Strategy>().ok()?;
-            Some(Tenant {
-                id: id.clone(),
-                api_key_hashes: t
-                    .api_key_hashes
-                    .iter()
-                    .filter_map(|h| parse_hex32(h))
-                    .collect(),
-                strategy,
-                prefix_length: t.prefix_length,
-                concurrency_threshold: t.concurrency_threshold,
-                block_tokens: t.block_tokens.max(1),
-                temperature: t.temperature,
-                cache_salt: t.cache_salt.clone(),
-                rate_limit_rps: t.rate_limit_rps,
-            })
-        })
+        .map(|(id, t)| (id.clone(), t.clone()))
         .collect();
     (tenants, pools)
-}
-
-fn to_hex(bytes: &[u8; 32]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Applies every configuration change to the running router until the task is aborted.
@@ -108,14 +85,14 @@ pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<S
     }
 }
 
-/// Seeds an empty cluster with the config file's pools and tenants (tenants serve the
-/// first pool). Every voter may try: the first write is a compare-and-set on version 0,
-/// so only one seeding wins and the others stop at their first conflict.
-pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<Tenant>, pools: Vec<Pool>) {
+/// Seeds an empty cluster with the config file's pools and tenants (validated and complete:
+/// a tenant that named no pool serves the first). Every voter may try: the first write is
+/// a compare-and-set on version 0, so only one seeding wins and the others stop at their
+/// first conflict.
+pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<(String, TenantSpec)>, pools: Vec<Pool>) {
     if tenants.is_empty() && pools.is_empty() {
         return;
     }
-    let first_pool = pools.first().map(|p| p.model.clone()).unwrap_or_default();
     let mut commands = Vec::new();
     for p in &pools {
         commands.push(CommandV1::PutPool {
@@ -126,20 +103,9 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<Tenant>, pools: Vec<Pool>) {
             expected_version: None,
         });
     }
-    for t in &tenants {
-        let spec = TenantSpec {
-            strategy: t.strategy.name().to_string(),
-            prefix_length: t.prefix_length,
-            concurrency_threshold: t.concurrency_threshold,
-            block_tokens: t.block_tokens,
-            temperature: t.temperature,
-            pool: first_pool.clone(),
-            api_key_hashes: t.api_key_hashes.iter().map(to_hex).collect(),
-            cache_salt: t.cache_salt.clone(),
-            rate_limit_rps: t.rate_limit_rps,
-        };
+    for (id, spec) in tenants {
         commands.push(CommandV1::PutTenant {
-            id: t.id.clone(),
+            id,
             spec,
             expected_version: None,
         });
