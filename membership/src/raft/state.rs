@@ -49,25 +49,34 @@ pub struct ConfigState {
 /// the log; input surfaces (the file, the admin API) reject them with
 /// [`TenantSpec::unknown_fields`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(
+    description = "A tenant. Every field is optional and takes its default; unknown fields are refused on input."
+)]
 #[serde(default)]
 pub struct TenantSpec {
-    /// Routing strategy, one of [`STRATEGIES`].
+    /// Routing strategy: round-robin, least-loaded, prefix-aware (the default) or kv-aware.
+    #[schema(example = "prefix-aware")]
     pub strategy: String,
-    /// Prompt tokens used for prefix matching; 0 = the whole prompt.
+    /// Prompt tokens used for prefix matching (SageMaker's prefix length); 0 = the whole
+    /// prompt.
     pub prefix_length: u32,
-    /// In-flight requests at which the preferred instance is skipped; 0 = no limit.
+    /// In-flight requests at which an instance is always skipped: an upper bound, since
+    /// saturation is otherwise judged against the fleet's load; 0 (the default) = none.
     pub concurrency_threshold: u32,
-    /// Tokens per block of this tenant's keys; positive.
+    /// Tokens per block of this tenant's keys; positive (default 64).
+    #[schema(minimum = 1, example = 64)]
     pub block_tokens: u32,
-    /// kv-aware sampling temperature; finite and non-negative.
+    /// kv-aware sampling temperature; finite and non-negative; 0 = the lowest estimate.
     pub temperature: f64,
     /// Model name of the pool serving this tenant; the pool must exist.
     pub pool: String,
-    /// blake3 hex digests (64 lowercase hex digits) of the tenant's API keys.
+    /// blake3 digests of the tenant's API keys, 64 lowercase hex digits each.
     pub api_key_hashes: Vec<String>,
-    /// Salt of this tenant's block keys; non-empty (see [`TenantSpec::default_cache_salt`]).
+    /// Salt of this tenant's block keys and engine prefix caches; empty = derived from the
+    /// tenant id.
     pub cache_salt: String,
-    /// Requests per second allowed; `None` = unlimited; otherwise finite and positive.
+    /// Requests per second allowed across all routers; null = unlimited; otherwise finite
+    /// and positive.
     pub rate_limit_rps: Option<f64>,
 }
 
@@ -148,8 +157,10 @@ pub fn check_plain_key(key: &str) -> Result<(), &'static str> {
 /// The instances serving one model. Unknown fields are ignored when read (see
 /// [`TenantSpec`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(description = "The instances serving one model.")]
 pub struct PoolSpec {
     /// Base URLs, `http://host:port`, no path, no duplicates.
+    #[schema(example = json!(["http://10.0.0.1:8000"]))]
     pub instances: Vec<String>,
 }
 

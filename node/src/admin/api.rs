@@ -525,8 +525,12 @@ use warmpath_membership::raft::state::check_plain_key;
 
 /// A tenant as clients send it: a [`TenantSpec`] (any field may be left out and takes its
 /// default), plus plain `api_keys` to hash. Unknown fields are refused here, at the edge.
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct TenantInput {
+#[derive(Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(
+    description = "A tenant to create or replace: a TenantSpec (new tenants must name their pool) plus plain API keys to hash."
+)]
+pub struct TenantInput {
+    /// Plain API keys; hashed before they are stored, never kept.
     #[serde(default)]
     api_keys: Vec<String>,
     #[serde(flatten)]
@@ -559,22 +563,29 @@ impl TenantInput {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// An API key to add to a tenant.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct KeyInput {
+pub struct KeyInput {
+    /// The plain API key; only its hash is stored.
     key: String,
 }
 
-#[derive(Debug, Deserialize)]
+/// An instance to add to a pool.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct InstanceInput {
+pub struct InstanceInput {
+    /// `http://host:port`.
     url: String,
 }
 
-#[derive(Debug, Deserialize)]
+/// A routing dry run.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct ExplainInput {
+pub struct ExplainInput {
     tenant: String,
+    /// An OpenAI completions or chat request body.
+    #[schema(value_type = Object)]
     request: Value,
 }
 

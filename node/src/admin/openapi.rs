@@ -1,9 +1,28 @@
-//! The OpenAPI 3.0 document of the admin API, written by hand as JSON.
+//! The OpenAPI 3.1 document of the admin API.
 //!
-//! Every operation of [`super::api::ROUTES`] is here (a test checks both ways); paths are
-//! relative to the server URL `/admin/v1`.
+//! The schemas of what the API stores and takes (`TenantSpec`, `PoolSpec`, the inputs) are
+//! generated from the Rust types by utoipa, so the document cannot drift from them; the
+//! operations (paths, parameters, status codes, the small answer envelopes) are the HTTP
+//! contract and are written here. Every operation of [`super::api::ROUTES`] is in the
+//! document (a test checks both ways, and that every `$ref` resolves); paths are relative
+//! to the server URL `/admin/v1`.
 
 use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
+use warmpath_membership::raft::state::{PoolSpec, TenantSpec};
+
+/// The JSON schema utoipa generates for `T`, and those of the types it refers to.
+fn generated<T: ToSchema>(into: &mut Map<String, Value>) {
+    let mut deps = Vec::new();
+    T::schemas(&mut deps);
+    for (name, schema) in deps {
+        into.insert(name, serde_json::to_value(schema).unwrap_or_default());
+    }
+    into.insert(
+        T::name().to_string(),
+        serde_json::to_value(T::schema()).unwrap_or_default(),
+    );
+}
 
 /// A reference to a component schema.
 fn schema(name: &str) -> Value {
@@ -59,7 +78,7 @@ fn write_result() -> Value {
 /// The document.
 pub fn document() -> Value {
     with_puts(json!({
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {
             "title": "warmpath admin API",
             "version": "1",
@@ -170,43 +189,6 @@ fn components() -> Value {
         "description": "The config version (log index of the last change)"});
     let hash = json!({"type": "string", "pattern": "^[0-9a-f]{64}$",
         "description": "blake3 of an API key, lowercase hex"});
-    let strategy = json!({"type": "string",
-        "enum": ["round-robin", "least-loaded", "prefix-aware", "kv-aware"]});
-    let tenant_spec = json!({
-        "type": "object",
-        "additionalProperties": false,
-        "required": ["strategy", "prefix_length", "concurrency_threshold", "block_tokens",
-            "temperature", "pool", "api_key_hashes", "cache_salt"],
-        "properties": {
-            "strategy": strategy,
-            "prefix_length": {"type": "integer", "minimum": 0, "description": "0 = whole prompt"},
-            "concurrency_threshold": {"type": "integer", "minimum": 0, "description": "0 = no limit"},
-            "block_tokens": {"type": "integer", "minimum": 1},
-            "temperature": {"type": "number", "minimum": 0},
-            "pool": {"type": "string", "description": "Model name of the serving pool"},
-            "api_key_hashes": {"type": "array", "items": hash},
-            "cache_salt": {"type": "string", "minLength": 1},
-            "rate_limit_rps": {"type": "number", "nullable": true, "exclusiveMinimum": true,
-                "minimum": 0, "description": "null = unlimited"},
-        },
-    });
-    let mut tenant_input = tenant_spec.clone();
-    tenant_input["required"] = json!(["pool"]);
-    tenant_input["properties"]["api_keys"] = json!({"type": "array",
-        "items": {"type": "string"},
-        "description": "Plain API keys; hashed before they are stored, never kept"});
-    tenant_input["description"] = json!(
-        "A TenantSpec whose fields other than `pool` may \
-        be left out (defaults: prefix-aware, prefix_length 0, concurrency_threshold 0, \
-        block_tokens 64, temperature 0, cache_salt derived from the id)"
-    );
-    let pool_spec = json!({
-        "type": "object",
-        "additionalProperties": false,
-        "required": ["instances"],
-        "properties": {"instances": {"type": "array",
-            "items": {"type": "string", "example": "http://10.0.0.1:8000"}}},
-    });
     let with_version = |props: Value, required: &[&str]| {
         let mut p = props;
         p["version"] = version.clone();
@@ -235,7 +217,14 @@ fn components() -> Value {
     };
     let retry = json!({"Retry-After": {"schema": {"type": "integer"},
         "description": "Seconds to wait"}});
-    json!({
+    let mut schemas = Map::new();
+    generated::<TenantSpec>(&mut schemas);
+    generated::<PoolSpec>(&mut schemas);
+    generated::<super::api::TenantInput>(&mut schemas);
+    generated::<super::api::KeyInput>(&mut schemas);
+    generated::<super::api::InstanceInput>(&mut schemas);
+    generated::<super::api::ExplainInput>(&mut schemas);
+    let mut components = json!({
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         "parameters": {
             "TenantId": {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}},
@@ -254,9 +243,6 @@ fn components() -> Value {
                 "description": "Compare-and-set, like If-Match"},
         },
         "schemas": {
-            "TenantSpec": tenant_spec,
-            "TenantInput": tenant_input,
-            "PoolSpec": pool_spec,
             "TenantList": with_version(json!({"tenants": {"type": "object",
                 "additionalProperties": schema("TenantSpec")}}), &["tenants"]),
             "TenantRead": with_version(json!({"id": {"type": "string"},
@@ -270,35 +256,26 @@ fn components() -> Value {
             "PoolWrite": with_version(json!({"model": {"type": "string"},
                 "pool": schema("PoolSpec")}), &["model", "pool"]),
             "WriteResult": with_version(json!({}), &[]),
-            "KeyInput": {"type": "object", "additionalProperties": false, "required": ["key"],
-                "properties": {"key": {"type": "string", "description": "The plain API key"}}},
             "KeyAdded": with_version(json!({"key_hash": hash}), &["key_hash"]),
-            "InstanceInput": {"type": "object", "additionalProperties": false,
-                "required": ["url"], "properties": {"url": {"type": "string"}}},
             "RaftStatus": {"type": "object", "properties": {
                 "node_id": {"type": "integer"},
                 "role": {"type": "string"},
-                "leader": {"type": "integer", "nullable": true},
-                "leader_url": {"type": "string", "nullable": true},
+                "leader": {"type": ["integer", "null"]},
+                "leader_url": {"type": ["string", "null"]},
                 "term": {"type": "integer"},
-                "last_log_index": {"type": "integer", "nullable": true},
-                "applied_index": {"type": "integer", "nullable": true},
+                "last_log_index": {"type": ["integer", "null"]},
+                "applied_index": {"type": ["integer", "null"]},
                 "config_version": {"type": "integer"},
                 "members": {"type": "object", "additionalProperties": {"type": "string"}},
                 "learners": {"type": "object", "additionalProperties": {"type": "string"}},
-                "replication_lag": {"type": "object", "nullable": true,
+                "replication_lag": {"type": ["object", "null"],
                     "additionalProperties": {"type": "integer"}},
-                "millis_since_quorum_ack": {"type": "integer", "nullable": true},
+                "millis_since_quorum_ack": {"type": ["integer", "null"]},
             }},
             "Cluster": with_version(json!({"raft": schema("RaftStatus"),
                 "gossip": {"type": "object", "description": "Gossip peers and node id"}}),
                 &["raft", "gossip"]),
             "IndexStats": with_version(json!({"index": {"type": "object"}}), &["index"]),
-            "ExplainInput": {"type": "object", "additionalProperties": false,
-                "required": ["tenant", "request"], "properties": {
-                    "tenant": {"type": "string"},
-                    "request": {"type": "object",
-                        "description": "An OpenAI completions or chat request body"}}},
             "Explained": with_version(json!({"tenant": {"type": "string"},
                 "decision": {"type": "object"}}), &["tenant", "decision"]),
             "Error": error,
@@ -315,7 +292,11 @@ fn components() -> Value {
             "E504": resp("Timed out; for a write the outcome is unknown: it MAY have been \
                 applied, re-read before retrying", json!({})),
         },
-    })
+    });
+    if let Some(hand) = components["schemas"].as_object_mut() {
+        hand.extend(schemas);
+    }
+    components
 }
 
 #[cfg(test)]
@@ -328,7 +309,20 @@ mod tests {
         let doc = document();
         let text = serde_json::to_string(&doc).unwrap_or_default();
         let parsed: Value = serde_json::from_str(&text).unwrap_or_default();
-        assert_eq!(parsed["openapi"], json!("3.0.3"));
+        assert_eq!(parsed["openapi"], json!("3.1.0"));
+        // The tenant schema is the type's: every field of TenantSpec, each optional.
+        let spec = &parsed["components"]["schemas"]["TenantSpec"];
+        let fields = serde_json::to_value(TenantSpec::default()).unwrap_or_default();
+        for field in fields.as_object().map(|o| o.keys()).into_iter().flatten() {
+            assert!(
+                spec["properties"][field].is_object(),
+                "TenantSpec.{field}: {spec}"
+            );
+        }
+        assert!(
+            spec["required"].as_array().is_none_or(|r| r.is_empty()),
+            "{spec}"
+        );
         let paths = parsed["paths"].as_object().cloned().unwrap_or_default();
         for (method, path) in ROUTES {
             let op = &paths.get(*path).unwrap_or(&Value::Null)[*method];
