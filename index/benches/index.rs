@@ -13,37 +13,17 @@ use std::time::Instant;
 use warmpath_index::cost::Tier;
 use warmpath_index::index::{IndexConfig, MatchScratch, PrefixIndex};
 use warmpath_index::keys::BlockKey;
+mod common;
+use common::{prompts, BLOCKS, PROMPTS};
 use warmpath_index::rng::Rng;
 use warmpath_index::InstanceId;
 
-const PROMPTS: usize = 32_768;
-const BLOCKS: usize = 32;
 const INSTANCES: u64 = 256;
 const NOW: u64 = 1_000;
 
 struct Fixture {
     index: PrefixIndex,
     prompts: Vec<Vec<BlockKey>>,
-}
-
-fn prompts(seed: u64) -> Vec<Vec<BlockKey>> {
-    let mut rng = Rng::new(seed);
-    let systems: Vec<Vec<BlockKey>> = (0..256)
-        .map(|_| (0..8).map(|_| BlockKey(rng.next_u64())).collect())
-        .collect();
-    (0..PROMPTS)
-        .map(|p| {
-            let mut keys = if p % 4 == 0 {
-                systems[rng.below(256) as usize].clone()
-            } else {
-                Vec::new()
-            };
-            while keys.len() < BLOCKS {
-                keys.push(BlockKey(rng.next_u64()));
-            }
-            keys
-        })
-        .collect()
 }
 
 fn build() -> Fixture {

@@ -20,34 +20,15 @@ use std::time::{Duration, Instant};
 use warmpath_index::cost::ModelProfile;
 use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::BlockKey;
+mod common;
+use common::{prompts, BLOCKS, PROMPTS};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{CoreConfig, InstanceSpec, PoolSpec, RouterCore};
 use warmpath_index::InstanceId;
 
-const PROMPTS: usize = 32_768;
-const BLOCKS: usize = 32;
 const INSTANCES: u32 = 256;
 const RUN: Duration = Duration::from_secs(5);
-
-fn prompts(rng: &mut Rng) -> Vec<Vec<BlockKey>> {
-    let systems: Vec<Vec<BlockKey>> = (0..256)
-        .map(|_| (0..8).map(|_| BlockKey(rng.next_u64())).collect())
-        .collect();
-    (0..PROMPTS)
-        .map(|p| {
-            let mut keys = if p.is_multiple_of(4) {
-                systems[rng.below(256) as usize].clone()
-            } else {
-                Vec::new()
-            };
-            while keys.len() < BLOCKS {
-                keys.push(BlockKey(rng.next_u64()));
-            }
-            keys
-        })
-        .collect()
-}
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
@@ -77,8 +58,7 @@ fn main() {
             })
             .collect(),
     }]);
-    let mut rng = Rng::new(7);
-    let cached = prompts(&mut rng);
+    let cached = prompts(7);
     let route = |core: &mut RouterCore, keys: &[BlockKey], now: u64| {
         let request = RouteRequest {
             keys,

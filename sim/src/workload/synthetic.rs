@@ -666,6 +666,19 @@ impl Zipf {
     }
 }
 
+/// The shape of a session of growing turns (chat and conversation).
+struct Turns {
+    /// Whether a session ends before its next prompt *could* exceed `max_prompt_tokens`
+    /// (with the longest message), rather than before it surely would (the shortest).
+    end_before_longest: bool,
+    max_turns: u32,
+    mean_turns: f64,
+    user_tokens: TokenRange,
+    answer_tokens: TokenRange,
+    mean_think_s: f64,
+    max_prompt_tokens: u32,
+}
+
 /// Shared state of one generation run.
 struct Generator<'a> {
     p: &'a SyntheticParams,
@@ -723,35 +736,64 @@ impl<'a> Generator<'a> {
             start += self.time.exp(mean_start_gap);
             let tenant = self.tenant();
             let system = self.draws.below(u64::from(c.system_prompts.max(1)));
-            let mut segments = vec![self.fixed(CHAT_SYSTEM, system, 0, c.system_prompt_tokens)];
-            let mut at = start;
-            for turn in 1..=c.max_turns.max(1) {
-                segments.push(self.unique(c.user_tokens));
-                let output_tokens = c.answer_tokens.draw(&mut self.draws).max(1);
-                out.push(SyntheticRequest {
-                    arrival_us: to_us(at),
-                    tenant,
-                    segments: segments.clone(),
-                    output_tokens,
-                });
-                if turn == c.max_turns || !self.goes_on(mean_turns) {
-                    break;
-                }
-                // The answer becomes history: the next prompt is this one, the answer and
-                // a new message.
-                segments.push(Segment {
-                    seed: self.draws.next_u64(),
-                    tokens: output_tokens,
-                });
-                let next_min = segments.iter().map(|s| u64::from(s.tokens)).sum::<u64>()
-                    + u64::from(c.user_tokens.min);
-                if next_min > u64::from(c.max_prompt_tokens) {
-                    break;
-                }
-                at += self.time.exp(non_negative(c.mean_think_s));
-            }
+            let system = self.fixed(CHAT_SYSTEM, system, 0, c.system_prompt_tokens);
+            let turns = Turns {
+                end_before_longest: false,
+                max_turns: c.max_turns,
+                mean_turns,
+                user_tokens: c.user_tokens,
+                answer_tokens: c.answer_tokens,
+                mean_think_s: c.mean_think_s,
+                max_prompt_tokens: c.max_prompt_tokens,
+            };
+            self.session(&mut out, tenant, system, start, &turns);
         }
         out
+    }
+
+    /// One session of growing turns after `system`, from `start` seconds: each prompt is
+    /// the previous one, its answer and a new message, after a think time; it ends after
+    /// a geometric number of turns, or before a prompt could exceed its bound.
+    fn session(
+        &mut self,
+        out: &mut Vec<SyntheticRequest>,
+        tenant: u32,
+        system: Segment,
+        start: f64,
+        t: &Turns,
+    ) {
+        let mut segments = vec![system];
+        let mut at = start;
+        for turn in 1..=t.max_turns.max(1) {
+            segments.push(self.unique(t.user_tokens));
+            let output_tokens = t.answer_tokens.draw(&mut self.draws).max(1);
+            out.push(SyntheticRequest {
+                arrival_us: to_us(at),
+                tenant,
+                segments: segments.clone(),
+                output_tokens,
+            });
+            if turn == t.max_turns || !self.goes_on(t.mean_turns) {
+                break;
+            }
+            // The answer becomes history: the next prompt is this one, the answer and a
+            // new message.
+            segments.push(Segment {
+                seed: self.draws.next_u64(),
+                tokens: output_tokens,
+            });
+            let message = if t.end_before_longest {
+                t.user_tokens.max
+            } else {
+                t.user_tokens.min
+            };
+            let next =
+                segments.iter().map(|s| u64::from(s.tokens)).sum::<u64>() + u64::from(message);
+            if next > u64::from(t.max_prompt_tokens) {
+                break;
+            }
+            at += self.time.exp(non_negative(t.mean_think_s));
+        }
     }
 
     fn bots(&mut self) -> Vec<SyntheticRequest> {
@@ -886,6 +928,15 @@ impl<'a> Generator<'a> {
         let calm_rate = mean_rate / (share * factor + 1.0 - share);
         let mean_burst = non_negative(c.mean_burst_s).max(1e-3);
         let mean_calm = mean_burst * (1.0 - share) / share;
+        let turns = Turns {
+            end_before_longest: true,
+            max_turns: c.max_turns,
+            mean_turns,
+            user_tokens: c.user_tokens,
+            answer_tokens: c.answer_tokens,
+            mean_think_s: c.mean_think_s,
+            max_prompt_tokens: c.max_prompt_tokens,
+        };
         let mut bursting = false;
         let mut period_end = self.time.exp(mean_calm);
         let mut out = Vec::with_capacity(self.wanted());
@@ -906,31 +957,7 @@ impl<'a> Generator<'a> {
             }
             start = next;
             let tenant = self.tenant();
-            let mut segments = vec![system];
-            let mut at = start;
-            for turn in 1..=c.max_turns.max(1) {
-                segments.push(self.unique(c.user_tokens));
-                let output_tokens = c.answer_tokens.draw(&mut self.draws).max(1);
-                out.push(SyntheticRequest {
-                    arrival_us: to_us(at),
-                    tenant,
-                    segments: segments.clone(),
-                    output_tokens,
-                });
-                if turn == c.max_turns || !self.goes_on(mean_turns) {
-                    break;
-                }
-                segments.push(Segment {
-                    seed: self.draws.next_u64(),
-                    tokens: output_tokens,
-                });
-                let next_max = segments.iter().map(|s| u64::from(s.tokens)).sum::<u64>()
-                    + u64::from(c.user_tokens.max);
-                if next_max > u64::from(c.max_prompt_tokens) {
-                    break;
-                }
-                at += self.time.exp(non_negative(c.mean_think_s));
-            }
+            self.session(&mut out, tenant, system, start, &turns);
         }
         out
     }
