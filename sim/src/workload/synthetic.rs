@@ -181,18 +181,8 @@ pub struct ChatParams {
     pub system_prompts: u32,
     /// Length of each system prompt (fixed per prompt, drawn from its seed).
     pub system_prompt_tokens: TokenRange,
-    /// Mean turns per conversation (geometric, at least 1).
-    pub mean_turns: f64,
-    /// Most turns of one conversation.
-    pub max_turns: u32,
-    /// Length of each user message.
-    pub user_tokens: TokenRange,
-    /// Length of each answer (the request's output, appended to the next turn's prompt).
-    pub answer_tokens: TokenRange,
-    /// Mean pause between a turn and the next, in seconds (exponential).
-    pub mean_think_s: f64,
-    /// A conversation ends before its prompt would exceed this many tokens.
-    pub max_prompt_tokens: u32,
+    /// The turns of each conversation.
+    pub session: SessionParams,
 }
 
 impl Default for ChatParams {
@@ -200,14 +190,34 @@ impl Default for ChatParams {
         ChatParams {
             system_prompts: 4,
             system_prompt_tokens: TokenRange::new(1000, 3000),
-            mean_turns: 6.0,
-            max_turns: 24,
-            user_tokens: TokenRange::new(50, 500),
-            answer_tokens: TokenRange::new(100, 800),
-            mean_think_s: 15.0,
-            max_prompt_tokens: 16_384,
+            session: SessionParams {
+                mean_turns: 6.0,
+                max_turns: 24,
+                user_tokens: TokenRange::new(50, 500),
+                answer_tokens: TokenRange::new(100, 800),
+                mean_think_s: 15.0,
+                max_prompt_tokens: 16_384,
+            },
         }
     }
+}
+
+/// A session of growing turns (chat, conversation): each prompt is the previous one, its
+/// answer and a new message, after a think time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SessionParams {
+    /// Mean turns per session (geometric, at least 1).
+    pub mean_turns: f64,
+    /// Most turns of one session.
+    pub max_turns: u32,
+    /// Length of each user message.
+    pub user_tokens: TokenRange,
+    /// Length of each answer (the request's output, appended to the next turn's prompt).
+    pub answer_tokens: TokenRange,
+    /// Mean pause between a turn and the next, in seconds (exponential).
+    pub mean_think_s: f64,
+    /// A session ends before its prompt would exceed this many tokens.
+    pub max_prompt_tokens: u32,
 }
 
 /// Parameters of [`SyntheticKind::Bots`].
@@ -320,39 +330,31 @@ impl Default for CodeParams {
 pub struct ConversationParams {
     /// Length of the one system prompt every request starts with.
     pub system_prompt_tokens: TokenRange,
-    /// Mean turns per session (geometric, at least 1).
-    pub mean_turns: f64,
-    /// Most turns of one session.
-    pub max_turns: u32,
-    /// Length of each user message.
-    pub user_tokens: TokenRange,
-    /// Length of each answer (the request's output, appended to the next turn's prompt).
-    pub answer_tokens: TokenRange,
-    /// Mean think time between a turn and the next, in seconds (exponential).
-    pub mean_think_s: f64,
+    /// The turns of each session.
+    pub session: SessionParams,
     /// Session starts during a burst come this many times faster than in calm periods.
     pub burst_factor: f64,
     /// Share of the time spent in bursts, in `(0, 1)`.
     pub burst_share: f64,
     /// Mean length of a burst, in seconds (exponential; calm periods last accordingly).
     pub mean_burst_s: f64,
-    /// A session ends before its prompt would exceed this many tokens.
-    pub max_prompt_tokens: u32,
 }
 
 impl Default for ConversationParams {
     fn default() -> Self {
         ConversationParams {
             system_prompt_tokens: TokenRange::new(1500, 2500),
-            mean_turns: 8.0,
-            max_turns: 40,
-            user_tokens: TokenRange::new(20, 400),
-            answer_tokens: TokenRange::new(50, 500),
-            mean_think_s: 6.0,
+            session: SessionParams {
+                mean_turns: 8.0,
+                max_turns: 40,
+                user_tokens: TokenRange::new(20, 400),
+                answer_tokens: TokenRange::new(50, 500),
+                mean_think_s: 6.0,
+                max_prompt_tokens: 16_384,
+            },
             burst_factor: 4.0,
             burst_share: 0.25,
             mean_burst_s: 10.0,
-            max_prompt_tokens: 16_384,
         }
     }
 }
@@ -412,13 +414,16 @@ impl SyntheticParams {
         let counts = [
             ("tenants", self.tenants),
             ("chat.system_prompts", self.chat.system_prompts),
-            ("chat.max_turns", self.chat.max_turns),
+            ("chat.session.max_turns", self.chat.session.max_turns),
             ("bots.templates", self.bots.templates),
             ("rag.documents", self.rag.documents),
             ("code.repositories", self.code.repositories),
             ("code.files_per_repo", self.code.files_per_repo),
             ("code.max_completions", self.code.max_completions),
-            ("conversation.max_turns", self.conversation.max_turns),
+            (
+                "conversation.session.max_turns",
+                self.conversation.session.max_turns,
+            ),
         ];
         for (name, n) in counts {
             if n == 0 {
@@ -432,9 +437,12 @@ impl SyntheticParams {
             ));
         }
         let means = [
-            ("chat.mean_turns", self.chat.mean_turns),
+            ("chat.session.mean_turns", self.chat.session.mean_turns),
             ("code.mean_completions", self.code.mean_completions),
-            ("conversation.mean_turns", self.conversation.mean_turns),
+            (
+                "conversation.session.mean_turns",
+                self.conversation.session.mean_turns,
+            ),
             ("conversation.burst_factor", self.conversation.burst_factor),
         ];
         for (name, m) in means {
@@ -443,12 +451,15 @@ impl SyntheticParams {
             }
         }
         let non_negative = [
-            ("chat.mean_think_s", self.chat.mean_think_s),
+            ("chat.session.mean_think_s", self.chat.session.mean_think_s),
             ("code.mean_gap_s", self.code.mean_gap_s),
             ("bots.zipf_s", self.bots.zipf_s),
             ("rag.zipf_s", self.rag.zipf_s),
             ("code.zipf_s", self.code.zipf_s),
-            ("conversation.mean_think_s", self.conversation.mean_think_s),
+            (
+                "conversation.session.mean_think_s",
+                self.conversation.session.mean_think_s,
+            ),
             ("conversation.mean_burst_s", self.conversation.mean_burst_s),
         ];
         for (name, x) in non_negative {
@@ -458,8 +469,11 @@ impl SyntheticParams {
         }
         let ranges = [
             ("chat.system_prompt_tokens", self.chat.system_prompt_tokens),
-            ("chat.user_tokens", self.chat.user_tokens),
-            ("chat.answer_tokens", self.chat.answer_tokens),
+            ("chat.session.user_tokens", self.chat.session.user_tokens),
+            (
+                "chat.session.answer_tokens",
+                self.chat.session.answer_tokens,
+            ),
             ("bots.template_tokens", self.bots.template_tokens),
             ("bots.user_tokens", self.bots.user_tokens),
             ("bots.output_tokens", self.bots.output_tokens),
@@ -474,10 +488,13 @@ impl SyntheticParams {
                 "conversation.system_prompt_tokens",
                 self.conversation.system_prompt_tokens,
             ),
-            ("conversation.user_tokens", self.conversation.user_tokens),
             (
-                "conversation.answer_tokens",
-                self.conversation.answer_tokens,
+                "conversation.session.user_tokens",
+                self.conversation.session.user_tokens,
+            ),
+            (
+                "conversation.session.answer_tokens",
+                self.conversation.session.answer_tokens,
             ),
         ];
         for (name, r) in ranges {
@@ -666,19 +683,6 @@ impl Zipf {
     }
 }
 
-/// The shape of a session of growing turns (chat and conversation).
-struct Turns {
-    /// Whether a session ends before its next prompt *could* exceed `max_prompt_tokens`
-    /// (with the longest message), rather than before it surely would (the shortest).
-    end_before_longest: bool,
-    max_turns: u32,
-    mean_turns: f64,
-    user_tokens: TokenRange,
-    answer_tokens: TokenRange,
-    mean_think_s: f64,
-    max_prompt_tokens: u32,
-}
-
 /// Shared state of one generation run.
 struct Generator<'a> {
     p: &'a SyntheticParams,
@@ -728,7 +732,7 @@ impl<'a> Generator<'a> {
 
     fn chat(&mut self) -> Vec<SyntheticRequest> {
         let c = self.p.chat.clone();
-        let mean_turns = mean_at_least_one(c.mean_turns);
+        let mean_turns = mean_at_least_one(c.session.mean_turns);
         let mean_start_gap = mean_turns / self.p.rate();
         let mut out = Vec::with_capacity(self.wanted());
         let mut start = 0.0;
@@ -737,31 +741,25 @@ impl<'a> Generator<'a> {
             let tenant = self.tenant();
             let system = self.draws.below(u64::from(c.system_prompts.max(1)));
             let system = self.fixed(CHAT_SYSTEM, system, 0, c.system_prompt_tokens);
-            let turns = Turns {
-                end_before_longest: false,
-                max_turns: c.max_turns,
-                mean_turns,
-                user_tokens: c.user_tokens,
-                answer_tokens: c.answer_tokens,
-                mean_think_s: c.mean_think_s,
-                max_prompt_tokens: c.max_prompt_tokens,
-            };
-            self.session(&mut out, tenant, system, start, &turns);
+            self.session(&mut out, tenant, system, start, &c.session, false);
         }
         out
     }
 
     /// One session of growing turns after `system`, from `start` seconds: each prompt is
-    /// the previous one, its answer and a new message, after a think time; it ends after
-    /// a geometric number of turns, or before a prompt could exceed its bound.
+    /// the previous one, its answer and a new message, after a think time. It ends after a
+    /// geometric number of turns, or before its next prompt would exceed the bound: surely
+    /// (with the shortest message), or possibly (the longest) if `end_before_longest`.
     fn session(
         &mut self,
         out: &mut Vec<SyntheticRequest>,
         tenant: u32,
         system: Segment,
         start: f64,
-        t: &Turns,
+        t: &SessionParams,
+        end_before_longest: bool,
     ) {
+        let mean_turns = mean_at_least_one(t.mean_turns);
         let mut segments = vec![system];
         let mut at = start;
         for turn in 1..=t.max_turns.max(1) {
@@ -773,7 +771,7 @@ impl<'a> Generator<'a> {
                 segments: segments.clone(),
                 output_tokens,
             });
-            if turn == t.max_turns || !self.goes_on(t.mean_turns) {
+            if turn == t.max_turns || !self.goes_on(mean_turns) {
                 break;
             }
             // The answer becomes history: the next prompt is this one, the answer and a
@@ -782,7 +780,7 @@ impl<'a> Generator<'a> {
                 seed: self.draws.next_u64(),
                 tokens: output_tokens,
             });
-            let message = if t.end_before_longest {
+            let message = if end_before_longest {
                 t.user_tokens.max
             } else {
                 t.user_tokens.min
@@ -914,7 +912,7 @@ impl<'a> Generator<'a> {
 
     fn conversation(&mut self) -> Vec<SyntheticRequest> {
         let c = self.p.conversation.clone();
-        let mean_turns = mean_at_least_one(c.mean_turns);
+        let mean_turns = mean_at_least_one(c.session.mean_turns);
         let system = self.fixed(CONVERSATION_SYSTEM, 0, 0, c.system_prompt_tokens);
         // Session starts: a Poisson process whose rate alternates between calm and burst
         // periods of exponential length, averaging `rate / mean turns`.
@@ -928,15 +926,6 @@ impl<'a> Generator<'a> {
         let calm_rate = mean_rate / (share * factor + 1.0 - share);
         let mean_burst = non_negative(c.mean_burst_s).max(1e-3);
         let mean_calm = mean_burst * (1.0 - share) / share;
-        let turns = Turns {
-            end_before_longest: true,
-            max_turns: c.max_turns,
-            mean_turns,
-            user_tokens: c.user_tokens,
-            answer_tokens: c.answer_tokens,
-            mean_think_s: c.mean_think_s,
-            max_prompt_tokens: c.max_prompt_tokens,
-        };
         let mut bursting = false;
         let mut period_end = self.time.exp(mean_calm);
         let mut out = Vec::with_capacity(self.wanted());
@@ -957,7 +946,7 @@ impl<'a> Generator<'a> {
             }
             start = next;
             let tenant = self.tenant();
-            self.session(&mut out, tenant, system, start, &turns);
+            self.session(&mut out, tenant, system, start, &c.session, true);
         }
         out
     }
@@ -1186,8 +1175,8 @@ mod tests {
         };
         p.rate_per_s = 0.0;
         p.tenants = 0;
-        p.chat.mean_turns = f64::NAN;
-        p.chat.max_turns = 0;
+        p.chat.session.mean_turns = f64::NAN;
+        p.chat.session.max_turns = 0;
         p.bots.templates = 0;
         p.rag.documents = 0;
         p.rag.docs_per_prompt = 9;
@@ -1196,7 +1185,7 @@ mod tests {
         p.code.mean_gap_s = -1.0;
         p.code.edit_tokens = TokenRange::new(10, 5);
         p.conversation.burst_share = 1.5;
-        p.conversation.mean_turns = 0.0;
+        p.conversation.session.mean_turns = 0.0;
         assert!(matches!(p.validate(), Err(WorkloadError::BadParams { .. })));
         for kind in SyntheticKind::ALL {
             let w = generate_workload(kind, &p, BLOCK);
