@@ -7,9 +7,10 @@
 //!   prompt and rank candidates by the blocks they hold locally (GPU or host memory), then
 //!   by what they can load from L2, then by in-flight requests, then by how much cached
 //!   data they hold. The best candidate wins unless it is *saturated* (below); then the
-//!   request *spills* to the best candidate that is not. No match anywhere: the least
-//!   loaded candidate, and among equals the one holding the least cached data, so new
-//!   prefixes spread over the fleet's memory.
+//!   request *spills* to the best candidate that is not. Among candidates that hold none
+//!   of the prompt, the one holding the least cached data comes first (then the least
+//!   loaded), so new prefixes spread over the fleet's memory, as the peers' radix trees
+//!   send them to their smallest tree; saturation still keeps the load even.
 //! - `kv-aware`: minimise the estimated time to first token: queue (pending prefill on
 //!   the instance, in chunks of [`PREFILL_CHUNK_TOKENS`]), plus prefill of the uncached
 //!   tokens, plus loading the tokens found in L1 or L2, with the model profile's costs;
@@ -238,16 +239,31 @@ impl PolicyState {
 pub enum Reason {
     RoundRobin,
     LeastLoaded,
-    /// It held the longest prefix and was below the concurrency threshold.
+    /// It held the longest prefix and was not saturated.
     LongestPrefix,
-    /// A better-matching instance was at the concurrency threshold.
+    /// A better-matching instance was saturated.
     Spilled,
     /// No candidate held any of the prefix.
     NoMatch,
-    /// Every candidate was at the threshold: the least loaded took it.
+    /// Every candidate was saturated: the least loaded took it.
     AllSaturated,
     /// Lowest estimated time to first token.
     LowestCost,
+}
+
+impl Reason {
+    /// The reason's name, as explanations and metrics label it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reason::RoundRobin => "round-robin",
+            Reason::LeastLoaded => "least-loaded",
+            Reason::LongestPrefix => "longest-prefix",
+            Reason::Spilled => "spilled",
+            Reason::NoMatch => "no-match",
+            Reason::AllSaturated => "all-saturated",
+            Reason::LowestCost => "lowest-cost",
+        }
+    }
 }
 
 /// One candidate as the policy saw it.
@@ -424,14 +440,18 @@ fn prefix_aware(
     use std::cmp::Reverse;
     let scratch = &state.scratch;
     let load = |i: InstanceId| view.load.get(i).in_flight;
+    // Holders of the prefix: longest match, then least loaded, then least cached data.
+    // Candidates holding none of it: least cached data first, so new prefixes spread over
+    // the fleet's memory (saturation still keeps the load even).
     let rank = |i: InstanceId| {
         let m = scratch.of(i);
-        (
-            m.l1,
-            m.l2,
-            Reverse(load(i)),
-            Reverse(view.index.holders_of(i)),
-        )
+        let held = view.index.holders_of(i) as u64;
+        let busy = u64::from(load(i));
+        if m.l2 == 0 {
+            (m.l1, m.l2, Reverse(held), Reverse(busy))
+        } else {
+            (m.l1, m.l2, Reverse(busy), Reverse(held))
+        }
     };
     let balance = Balance::of(candidates, view.load);
     let top = pick_best(candidates, &mut state.rng, rank);

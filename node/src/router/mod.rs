@@ -204,6 +204,10 @@ fn describe_metrics() {
         "Streams an instance broke off mid-way."
     );
     describe_counter!(
+        "warmpath_router_decisions_total",
+        "Routing decisions (attempts) by reason: longest-prefix, spilled, no-match, all-saturated, lowest-cost, round-robin, least-loaded."
+    );
+    describe_counter!(
         "warmpath_router_tenant_strategy_fallbacks_total",
         "Tenants compiled with prefix-aware because their stored strategy is unknown to this build (a newer router's, during a rolling upgrade)."
     );

@@ -547,6 +547,8 @@ async fn handle(
             metrics::histogram!("warmpath_router_overhead_seconds")
                 .record(started.elapsed().as_secs_f64());
         }
+        metrics::counter!("warmpath_router_decisions_total", "reason" => chosen.decision.reason.name())
+            .increment(1);
         tried.push(chosen.instance);
         match attempt_once(
             &app,
