@@ -17,8 +17,9 @@
 //!   plus, on an instance whose cache is full, [`EVICTION_WEIGHT`] times the prefill of
 //!   the uncached tokens, for the cached data computing them evicts (what a placement
 //!   takes from the requests to come).
-//!   Saturated candidates are skipped. With a temperature above zero it samples,
-//!   favouring low estimates.
+//!   Saturated candidates are skipped. A prompt no candidate holds any of goes where
+//!   the least cached data is held, as under prefix-aware. With a temperature above zero
+//!   it samples, favouring low estimates.
 //!
 //! # Saturation, judged against the fleet
 //!
@@ -552,7 +553,23 @@ fn kv_aware(
         .filter(|&p| eligible(p))
         .map(|p| scores[p])
         .fold(f64::INFINITY, f64::min);
-    let pick = if config.temperature > 0.0 {
+    // A prompt no candidate holds any of: spread it over the fleet's memory, as
+    // prefix-aware does (least cached data, then least loaded, among the unsaturated).
+    let nothing_held = candidates.iter().all(|&i| state.scratch.of(i).l2 == 0);
+    let pick = if nothing_held && config.temperature == 0.0 {
+        let positions: Vec<InstanceId> = candidates
+            .iter()
+            .enumerate()
+            .filter(|&(p, _)| eligible(p))
+            .map(|(_, &i)| i)
+            .collect();
+        pick_best(&positions, &mut state.rng, |i| {
+            (
+                std::cmp::Reverse(view.index.holders_of(i)),
+                std::cmp::Reverse(view.load.get(i).in_flight),
+            )
+        })
+    } else if config.temperature > 0.0 {
         // Boltzmann sampling on the estimate relative to the best one.
         let scale = config.temperature * best.max(1.0);
         let weights: Vec<f64> = (0..candidates.len())
