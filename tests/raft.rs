@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 const TOKEN: &str = "it-admin-token";
+const PEER_TOKEN: &str = "it-raft-peer-token";
 const POOL: &str = "sim-llama";
 
 fn client() -> HttpClient {
@@ -148,6 +149,7 @@ struct Router {
 struct Setup {
     dir: PathBuf,
     token_file: String,
+    peer_token_file: String,
     voters: Vec<(u64, SocketAddr)>,
     engine: Proc,
 }
@@ -163,8 +165,11 @@ impl Setup {
         let dir = scratch_dir(test);
         let token_file = dir.join("admin.token");
         std::fs::write(&token_file, format!("{TOKEN}\n")).expect("token file");
+        let peer_token_file = dir.join("peer.token");
+        std::fs::write(&peer_token_file, format!("{PEER_TOKEN}\n")).expect("token file");
         Setup {
             token_file: token_file.to_str().expect("utf-8 path").to_string(),
+            peer_token_file: peer_token_file.to_str().expect("utf-8 path").to_string(),
             voters: (1..=voters).map(|id| (id, free_addr())).collect(),
             engine: Proc::start(&["engine-sim", "--listen", "127.0.0.1:0", "--speedup", "1000"]),
             dir,
@@ -189,6 +194,8 @@ impl Setup {
             admin_listen.into(),
             "--admin-token-file".into(),
             self.token_file.clone(),
+            "--raft-peer-token-file".into(),
+            self.peer_token_file.clone(),
         ];
         for (vid, addr) in &self.voters {
             args.push("--voter".into());
@@ -991,4 +998,230 @@ async fn a_config_change_does_not_refill_rate_limits() {
         ok <= allowed,
         "{ok} admitted in {elapsed:.2} s at 2 rps: {statuses:?}"
     );
+}
+
+/// Raft RPCs are refused without the peer token, before their body is read: garbage, an
+/// oversized body and a well-formed forged vote or append all get 401, and the cluster's
+/// term and leader do not move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raft_rpcs_need_the_peer_token_before_the_body_is_read() {
+    let s = Setup::new("raft-peer-auth", 3);
+    let voters = s.start_voters();
+    let all: Vec<&Router> = voters.iter().collect();
+    let c = &client();
+    wait_seeded(c, &all).await;
+    let leader = leader_of(c, &voters[0]).await;
+    let status = |r: &Router| {
+        let base = r.admin.clone();
+        async move {
+            let reply = admin(c, &base, Method::GET, "/cluster?consistency=local", None)
+                .await
+                .expect("cluster status");
+            (
+                reply.body["raft"]["term"].as_u64(),
+                reply.body["raft"]["leader"].as_u64(),
+            )
+        }
+    };
+    let before = status(&voters[0]).await;
+    let raw = |path: &str, body: Bytes, auth: Option<&str>| {
+        let mut req = hyper::Request::post(format!(
+            "{}{path}",
+            voters[1].admin.trim_end_matches("/admin/v1")
+        ))
+        .header("content-type", "application/json");
+        if let Some(t) = auth {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let req = req.body(Full::new(body)).expect("request");
+        async move {
+            let resp = tokio::time::timeout(Duration::from_secs(5), c.request(req))
+                .await
+                .expect("an answer in time")
+                .expect("an answer");
+            resp.status().as_u16()
+        }
+    };
+    let forged_vote = json!({"vote": {"leader_id": {"term": 99, "node_id": 7}, "committed": false},
+        "last_log_id": null});
+    let forged_append = json!({"vote": {"leader_id": {"term": 99, "node_id": 7}, "committed": true},
+        "prev_log_id": null, "entries": [], "leader_commit": null});
+    // A 64 MiB body announced, 1 KiB sent: the answer comes before the rest is read.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let host = voters[1].admin.trim_start_matches("http://").to_string();
+        let mut tcp = tokio::net::TcpStream::connect(&host)
+            .await
+            .expect("connect");
+        let head = format!(
+            "POST /raft/write HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n",
+            64u64 << 20
+        );
+        tcp.write_all(head.as_bytes()).await.expect("send the head");
+        tcp.write_all(&[b'x'; 1024])
+            .await
+            .expect("send a little body");
+        let mut answer = vec![0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut answer))
+            .await
+            .expect("an answer before the body is sent")
+            .expect("read");
+        let line = String::from_utf8_lossy(&answer[..n]).to_string();
+        assert!(line.starts_with("HTTP/1.1 401"), "{line}");
+    }
+    for (path, body) in [
+        ("/raft/write", Bytes::from_static(b"{not json")),
+        ("/raft/vote", Bytes::from(forged_vote.to_string())),
+        ("/raft/append", Bytes::from(forged_append.to_string())),
+        ("/raft/join", Bytes::from_static(b"{}")),
+    ] {
+        assert_eq!(
+            raw(path, body.clone(), None).await,
+            401,
+            "{path} without a token"
+        );
+        assert_eq!(
+            raw(path, body, Some("wrong")).await,
+            401,
+            "{path} with a wrong token"
+        );
+    }
+    let after = status(&voters[0]).await;
+    assert_eq!(before, after, "the forged vote and append changed nothing");
+    assert_eq!(leader_of(c, &voters[2]).await, leader);
+}
+
+/// A router refuses to start Raft without peer credentials unless told, in so many words,
+/// to run insecure; a security setting given twice differently is an error at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raft_refuses_to_start_without_peer_credentials() {
+    let s = Setup::new("raft-no-peer-token", 1);
+    let dir = s.dir.join("node-1");
+    let addr = free_addr().to_string();
+    let base: Vec<String> = vec![
+        "router".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--raft-node-id".into(),
+        "1".into(),
+        "--raft-dir".into(),
+        dir.to_str().expect("utf-8").into(),
+        "--admin-listen".into(),
+        addr.clone(),
+        "--admin-token-file".into(),
+        s.token_file.clone(),
+        "--voter".into(),
+        format!("1=http://{addr}"),
+    ];
+    let run = |extra: &[&str]| {
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
+        crate::warmpath(&args)
+    };
+    let out = run(&[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--raft-peer-token-file"), "{err}");
+    assert!(err.contains("--insecure-raft-without-peer-token"), "{err}");
+    // Both a token and the insecure switch: refused, not guessed.
+    let out = run(&[
+        "--raft-peer-token-file",
+        &s.peer_token_file,
+        "--insecure-raft-without-peer-token",
+    ]);
+    assert!(!out.status.success());
+    // A token in the config file and another by flag: refused.
+    let other = s.dir.join("other.token");
+    std::fs::write(&other, "another-token").expect("token file");
+    let file = s.dir.join("router.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "version = 1\n[raft]\nnode_id = 1\ndata_dir = {dir:?}\nadmin_listen = {addr:?}\n\
+             admin_token_file = {:?}\npeer_token_file = {:?}\n[raft.voters]\n1 = \"http://{addr}\"\n",
+            s.token_file, s.peer_token_file
+        ),
+    )
+    .expect("config file");
+    let out = crate::warmpath(&[
+        "router",
+        "--config",
+        file.to_str().expect("utf-8"),
+        "--raft-peer-token-file",
+        other.to_str().expect("utf-8"),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("given twice"), "{err}");
+    // A peer token for a router without Raft: refused, never dropped.
+    let out = crate::warmpath(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--raft-peer-token-file",
+        &s.peer_token_file,
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("Raft is off"), "{err}");
+}
+
+/// A learner (a router that joined, or anything that got in as one) can be removed through
+/// the admin API; voters cannot be removed that way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learners_are_removable() {
+    let s = Setup::new("raft-remove-learner", 3);
+    let voters = s.start_voters();
+    let learner = s.start_learner(4);
+    let all: Vec<&Router> = voters.iter().chain(std::iter::once(&learner)).collect();
+    let c = &client();
+    wait_seeded(c, &all).await;
+    leader_of(c, &learner).await;
+    let leader = &voters[leader_index(c, &voters).await];
+    let learners = |r: &Router| {
+        let base = r.admin.clone();
+        async move {
+            let reply = admin(c, &base, Method::GET, "/cluster", None).await?;
+            reply.body["raft"]["learners"].as_object().map(|m| m.len())
+        }
+    };
+    until(Duration::from_secs(10), "the learner joined", || async {
+        learners(leader).await.filter(|&n| n == 1)
+    })
+    .await;
+    let gone = admin(
+        c,
+        &leader.admin,
+        Method::DELETE,
+        "/cluster/learners/4",
+        None,
+    )
+    .await
+    .expect("an answer");
+    assert_eq!(gone.status, 200, "{:?}", gone.body);
+    until(Duration::from_secs(10), "the learner is gone", || async {
+        learners(leader).await.filter(|&n| n == 0)
+    })
+    .await;
+    let voter = admin(
+        c,
+        &leader.admin,
+        Method::DELETE,
+        "/cluster/learners/1",
+        None,
+    )
+    .await
+    .expect("an answer");
+    assert_eq!(voter.status, 400, "{:?}", voter.body);
+    let unknown = admin(
+        c,
+        &leader.admin,
+        Method::DELETE,
+        "/cluster/learners/99",
+        None,
+    )
+    .await
+    .expect("an answer");
+    assert_eq!(unknown.status, 404, "{:?}", unknown.body);
 }

@@ -55,6 +55,8 @@ fn main() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let token = dir.join("token");
     std::fs::write(&token, TOKEN).expect("token file");
+    let peer_token = dir.join("peer-token");
+    std::fs::write(&peer_token, "bench-raft-peer-token").expect("token file");
     let admin: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let voters: Vec<String> = admin
         .iter()
@@ -80,6 +82,8 @@ fn main() {
             format!("127.0.0.1:{port}"),
             "--admin-token-file".into(),
             token.to_string_lossy().into_owned(),
+            "--raft-peer-token-file".into(),
+            peer_token.to_string_lossy().into_owned(),
         ];
         for v in &voters {
             args.extend(["--voter".into(), v.clone()]);

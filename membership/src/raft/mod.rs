@@ -598,6 +598,43 @@ impl RaftNode {
         }
     }
 
+    /// Removes learner `id` from the group (it stops receiving the log); runs on the leader
+    /// only. `Ok(false)` when `id` is no learner; a voter is refused (change the voters
+    /// first).
+    pub async fn remove_learner(&self, id: NodeId) -> Result<bool, WriteError> {
+        {
+            let m = self.raft.metrics().borrow().clone();
+            let membership = m.membership_config.membership();
+            if membership.voter_ids().any(|v| v == id) {
+                return Err(WriteError::Failed(format!(
+                    "node {id} is a voter: change the voters before removing it"
+                )));
+            }
+            if membership.get_node(&id).is_none() {
+                return Ok(false);
+            }
+        }
+        match tokio::time::timeout(
+            self.write_timeout,
+            self.raft
+                .change_membership(ChangeMembers::RemoveNodes(BTreeSet::from([id])), false),
+        )
+        .await
+        {
+            Err(_) => Err(WriteError::Timeout(self.write_timeout)),
+            Ok(Ok(_)) => {
+                tracing::info!(node_id = id, "raft learner removed");
+                Ok(true)
+            }
+            Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
+                Err(WriteError::NotLeader {
+                    leader_url: f.leader_node.map(|n| n.addr),
+                })
+            }
+            Ok(Err(e)) => Err(WriteError::Failed(e.to_string())),
+        }
+    }
+
     /// Stops Raft (peers then see this node as unreachable) and makes the store durable.
     pub async fn shutdown(&self) {
         if let Ok(mut g) = self.join_task.lock() {

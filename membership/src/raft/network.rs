@@ -326,7 +326,9 @@ impl std::fmt::Debug for ServerState {
     }
 }
 
-/// The `/raft/…` routes of one node.
+/// The `/raft/…` routes of one node. The peer token is checked by a layer that runs
+/// before any handler, so an unauthenticated request is refused before its body is read
+/// or parsed.
 pub(crate) fn router(state: ServerState) -> Router {
     Router::new()
         .route(PATH_APPEND, post(append))
@@ -336,7 +338,24 @@ pub(crate) fn router(state: ServerState) -> Router {
         .route(PATH_READ_INDEX, post(read_index))
         .route(PATH_JOIN, post(join))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_peer_token,
+        ))
         .with_state(state)
+}
+
+/// Refuses a request without the peer token before anything reads its body.
+async fn require_peer_token(
+    State(s): State<ServerState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !authorized(&s, request.headers()) {
+        metrics::counter!("warmpath_raft_unauthorized_requests_total").increment(1);
+        return unauthorized();
+    }
+    next.run(request).await
 }
 
 fn authorized(state: &ServerState, headers: &HeaderMap) -> bool {
@@ -372,34 +391,19 @@ fn rpc_reply<T: Serialize, E: std::error::Error + Serialize>(
 
 async fn append(
     State(s): State<ServerState>,
-    headers: HeaderMap,
     Json(rpc): Json<AppendEntriesRequest<TypeConfig>>,
 ) -> Response {
-    if !authorized(&s, &headers) {
-        return unauthorized();
-    }
     rpc_reply(s.raft.append_entries(rpc).await)
 }
 
-async fn vote(
-    State(s): State<ServerState>,
-    headers: HeaderMap,
-    Json(rpc): Json<VoteRequest<NodeId>>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return unauthorized();
-    }
+async fn vote(State(s): State<ServerState>, Json(rpc): Json<VoteRequest<NodeId>>) -> Response {
     rpc_reply(s.raft.vote(rpc).await)
 }
 
 async fn snapshot(
     State(s): State<ServerState>,
-    headers: HeaderMap,
     Json(rpc): Json<InstallSnapshotRequest<TypeConfig>>,
 ) -> Response {
-    if !authorized(&s, &headers) {
-        return unauthorized();
-    }
     rpc_reply(s.raft.install_snapshot(rpc).await)
 }
 
@@ -410,14 +414,7 @@ fn stopped(s: &ServerState) -> Option<Response> {
     stopped.then(|| (StatusCode::SERVICE_UNAVAILABLE, "raft stopped").into_response())
 }
 
-async fn write(
-    State(s): State<ServerState>,
-    headers: HeaderMap,
-    Json(cmd): Json<Command>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return unauthorized();
-    }
+async fn write(State(s): State<ServerState>, Json(cmd): Json<Command>) -> Response {
     if let Some(r) = stopped(&s) {
         return r;
     }
@@ -425,24 +422,14 @@ async fn write(
     Json(r).into_response()
 }
 
-async fn read_index(State(s): State<ServerState>, headers: HeaderMap) -> Response {
-    if !authorized(&s, &headers) {
-        return unauthorized();
-    }
+async fn read_index(State(s): State<ServerState>) -> Response {
     if let Some(r) = stopped(&s) {
         return r;
     }
     Json(super::leader_read_index(&s.raft, s.write_timeout).await).into_response()
 }
 
-async fn join(
-    State(s): State<ServerState>,
-    headers: HeaderMap,
-    Json(req): Json<JoinRequest>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return unauthorized();
-    }
+async fn join(State(s): State<ServerState>, Json(req): Json<JoinRequest>) -> Response {
     if let Some(r) = stopped(&s) {
         return r;
     }

@@ -53,6 +53,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/pools/{model}/instances"),
     ("delete", "/pools/{model}/instances"),
     ("get", "/cluster"),
+    ("delete", "/cluster/learners/{id}"),
     ("get", "/index"),
     ("post", "/route/explain"),
 ];
@@ -104,6 +105,10 @@ pub fn routes(deps: Arc<AdminDeps>) -> Router {
             post(add_instance).delete(remove_instance),
         )
         .route(&p("/cluster"), get(cluster))
+        .route(
+            &p("/cluster/learners/{id}"),
+            axum::routing::delete(remove_learner),
+        )
         .route(&p("/index"), get(index))
         .route(&p("/route/explain"), post(explain))
         .fallback(no_route)
@@ -846,6 +851,28 @@ async fn cluster(State(d): State<Arc<AdminDeps>>, uri: Uri) -> ApiResult {
         version,
         json!({"version": version, "raft": status, "gossip": d.router.cluster()}),
     )
+}
+
+/// Removes a Raft learner (a router that joined, or anything that joined as one): it
+/// stops receiving the log. Voters are changed otherwise.
+async fn remove_learner(
+    State(d): State<Arc<AdminDeps>>,
+    id: Result<Path<u64>, PathRejection>,
+    uri: Uri,
+) -> ApiResult {
+    params(&uri, &[])?;
+    let id = path(id)?;
+    match d.raft.remove_learner(id).await {
+        Ok(true) => {
+            let version = d.raft.local_state().version;
+            write_ok(false, version, json!({"removed_learner": id}))
+        }
+        Ok(false) => Err(AdminError::NotFound(format!("learner {id}"))),
+        Err(WriteError::Failed(why)) if why.contains("is a voter") => {
+            Err(AdminError::BadRequest(why))
+        }
+        Err(e) => Err(write_error(e)),
+    }
 }
 
 async fn index(State(d): State<Arc<AdminDeps>>, uri: Uri) -> ApiResult {

@@ -141,6 +141,11 @@ pub fn document() -> Value {
                 "get": op("Raft status and gossip peers of this node", &[], None,
                     ("200", "Cluster view", schema("Cluster")), &["400"]),
             },
+            "/cluster/learners/{id}": {
+                "delete": op("Remove a Raft learner: it stops receiving the log (voters are \
+                    refused: change the voters first)", &["LearnerId"], None,
+                    ("200", "Removed", write_result()), &["400", "404", "421", "503", "504"]),
+            },
             "/index": {
                 "get": op("Block index statistics of this router", &[], None,
                     ("200", "Index statistics", schema("IndexStats")), &["400"]),
@@ -228,6 +233,8 @@ fn components() -> Value {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         "parameters": {
             "TenantId": {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}},
+            "LearnerId": {"name": "id", "in": "path", "required": true,
+                "schema": {"type": "integer", "minimum": 0}, "description": "Raft node id"},
             "Model": {"name": "model", "in": "path", "required": true, "schema": {"type": "string"}},
             "KeyHash": {"name": "hash", "in": "path", "required": true, "schema": hash},
             "InstanceUrl": {"name": "url", "in": "query", "required": true,

@@ -65,9 +65,14 @@ pub struct RaftSection {
     pub admin_token_file: String,
     /// The voters (3 or 5), node id → admin base URL; a router not listed joins as a learner.
     pub voters: BTreeMap<String, String>,
-    /// File holding a token routers send each other on Raft RPCs (recommended).
+    /// File holding the token routers send each other on Raft RPCs; required unless
+    /// `insecure_without_peer_token` is set.
     #[serde(default)]
     pub peer_token_file: Option<String>,
+    /// Serve and send Raft RPCs without a peer token: anyone who reaches an admin port can
+    /// then rewrite the configuration. For tests on a private machine only; warned at start.
+    #[serde(default)]
+    pub insecure_without_peer_token: bool,
 }
 
 /// Validated Raft settings.
@@ -93,10 +98,15 @@ pub struct ClusterSection {
     pub seeds: Vec<String>,
     #[serde(default = "default_gossip_interval_ms")]
     pub gossip_interval_ms: u64,
-    /// File holding the cluster secret that authenticates every gossip datagram
-    /// (recommended outside a private network; all routers need the same secret).
+    /// File holding the cluster secret that authenticates every gossip datagram (all
+    /// routers need the same one); required when gossip listens on a non-loopback address,
+    /// unless `insecure_without_secret` is set.
     #[serde(default)]
     pub secret_file: Option<String>,
+    /// Gossip without a secret on a non-loopback address: anyone who can send UDP there
+    /// can join, read every router's address and load, and steer routing. Warned at start.
+    #[serde(default)]
+    pub insecure_without_secret: bool,
 }
 
 fn default_gossip_interval_ms() -> u64 {
@@ -464,6 +474,21 @@ impl FileConfig {
                     }
                 },
             };
+            if let (Some(addr), Some(None)) = (listen, &secret) {
+                if !addr.ip().is_loopback() && !c.insecure_without_secret {
+                    problems.push(format!(
+                        "cluster: gossip on {addr}, beyond loopback, needs a cluster secret: \
+                         give --gossip-secret-file FILE (cluster.secret_file), the same file \
+                         on every router, or --insecure-gossip-without-secret"
+                    ));
+                }
+            }
+            if c.secret_file.is_some() && c.insecure_without_secret {
+                problems.push(
+                    "cluster: a secret and insecure_without_secret are both given; choose one"
+                        .into(),
+                );
+            }
             match (ok, listen, secret) {
                 (true, Some(gossip_listen), Some(secret)) => Some(ClusterSettings {
                     node_id: c.node_id.clone(),
@@ -491,9 +516,26 @@ impl FileConfig {
                     }
                 };
             let admin_token = read_token("admin_token_file", &r.admin_token_file, &mut problems);
-            let peer_token = match &r.peer_token_file {
-                Some(p) => Some(read_token("peer_token_file", p, &mut problems)?),
-                None => None,
+            let peer_token = match (&r.peer_token_file, r.insecure_without_peer_token) {
+                (Some(_), true) => {
+                    problems.push(
+                        "raft: a peer token and insecure_without_peer_token are both given; \
+                         choose one"
+                            .into(),
+                    );
+                    None
+                }
+                (Some(p), false) => Some(read_token("peer_token_file", p, &mut problems)?),
+                (None, true) => None,
+                (None, false) => {
+                    problems.push(
+                        "raft: Raft RPCs need a peer token: give --raft-peer-token-file FILE \
+                         (raft.peer_token_file), the same file on every router, or \
+                         --insecure-raft-without-peer-token to run them unauthenticated"
+                            .into(),
+                    );
+                    None
+                }
             };
             let admin_listen = match r.admin_listen.parse::<SocketAddr>() {
                 Ok(a) => Some(a),

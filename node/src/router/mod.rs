@@ -59,9 +59,14 @@ pub struct RouterArgs {
     /// Gossip address of another replica to join through, repeatable.
     #[arg(long = "seed")]
     pub seeds: Vec<String>,
-    /// File with the cluster secret that authenticates gossip.
+    /// File with the cluster secret that authenticates gossip (the same on every router);
+    /// required when gossip listens beyond loopback.
     #[arg(long)]
     pub gossip_secret_file: Option<String>,
+    /// Gossip without a secret on a non-loopback address. Anyone who can send UDP there
+    /// can join and steer routing: never on a shared network.
+    #[arg(long)]
+    pub insecure_gossip_without_secret: bool,
     /// Raft node id: turns on tenant configuration in Raft and the admin API.
     #[arg(long, requires_all = ["raft_dir", "admin_listen", "admin_token_file"])]
     pub raft_node_id: Option<u64>,
@@ -77,6 +82,14 @@ pub struct RouterArgs {
     /// A Raft voter as `ID=http://host:port` (its admin address), repeatable.
     #[arg(long = "voter")]
     pub voters: Vec<String>,
+    /// File holding the token routers send each other on Raft RPCs (the same on every
+    /// router); required with Raft.
+    #[arg(long)]
+    pub raft_peer_token_file: Option<String>,
+    /// Serve and send Raft RPCs without a peer token. Anyone who reaches an admin port
+    /// can then rewrite the configuration: never on a shared network.
+    #[arg(long)]
+    pub insecure_raft_without_peer_token: bool,
     /// Serve `POST /debug/partition` and `/debug/heal` (cut this router's gossip off and
     /// back) and `/debug/route` (an explained dry run, unauthenticated), for fault tests.
     /// Never in production.
@@ -85,7 +98,12 @@ pub struct RouterArgs {
 }
 
 impl RouterArgs {
-    /// The validated configuration: the file's, with flags layered on top.
+    /// The validated configuration: the file's, with flags layered on top, one way. A flag
+    /// sets what the file leaves out and overrides its plain settings (addresses, ids,
+    /// voters). A security setting (a token or secret file, an insecure switch) is never
+    /// dropped: one given by the file or a flag is kept whatever else the flags replace,
+    /// the same one given twice differently is an error, and one given for a feature that
+    /// is off is an error too.
     pub fn resolve(&self) -> Result<RouterConfig> {
         let mut file = match &self.config {
             Some(path) => FileConfig::load(path)?,
@@ -101,6 +119,7 @@ impl RouterArgs {
                 seeds: Vec::new(),
                 gossip_interval_ms: 50,
                 secret_file: None,
+                insecure_without_secret: false,
             });
             section.node_id = node_id.clone();
             section.gossip_listen = listen.clone();
@@ -118,19 +137,64 @@ impl RouterArgs {
                     .with_context(|| format!("--voter {v:?}: expected ID=URL"))?;
                 voters.insert(vid.to_string(), url.to_string());
             }
-            file.raft = Some(config::RaftSection {
+            let section = file.raft.get_or_insert_with(|| config::RaftSection {
                 node_id: id,
                 data_dir: dir.clone(),
                 admin_listen: admin.clone(),
                 admin_token_file: token.clone(),
-                voters,
+                voters: voters.clone(),
                 peer_token_file: None,
+                insecure_without_peer_token: false,
             });
+            section.node_id = id;
+            section.data_dir = dir.clone();
+            section.admin_listen = admin.clone();
+            if !voters.is_empty() {
+                section.voters = voters;
+            }
+            if section.admin_token_file != *token {
+                anyhow::bail!(
+                    "the admin token file is given twice, differently: {:?} in the config \
+                     file and {token:?} by --admin-token-file; give it once",
+                    section.admin_token_file
+                );
+            }
         }
-        if let Some(section) = &mut file.cluster {
-            section.seeds.extend(self.seeds.iter().cloned());
-            if self.gossip_secret_file.is_some() {
-                section.secret_file = self.gossip_secret_file.clone();
+        match &mut file.raft {
+            Some(section) => {
+                merge_security(
+                    "the Raft peer token file (raft.peer_token_file, --raft-peer-token-file)",
+                    &mut section.peer_token_file,
+                    &self.raft_peer_token_file,
+                )?;
+                section.insecure_without_peer_token |= self.insecure_raft_without_peer_token;
+            }
+            None => {
+                if self.raft_peer_token_file.is_some() || self.insecure_raft_without_peer_token {
+                    anyhow::bail!(
+                        "a Raft peer setting is given but Raft is off: add --raft-node-id, \
+                         --raft-dir, --admin-listen and --admin-token-file (or a [raft] section)"
+                    );
+                }
+            }
+        }
+        match &mut file.cluster {
+            Some(section) => {
+                section.seeds.extend(self.seeds.iter().cloned());
+                merge_security(
+                    "the gossip secret file (cluster.secret_file, --gossip-secret-file)",
+                    &mut section.secret_file,
+                    &self.gossip_secret_file,
+                )?;
+                section.insecure_without_secret |= self.insecure_gossip_without_secret;
+            }
+            None => {
+                if self.gossip_secret_file.is_some() || self.insecure_gossip_without_secret {
+                    anyhow::bail!(
+                        "a gossip security setting is given but gossip is off: add --node-id \
+                         and --gossip-listen (or a [cluster] section)"
+                    );
+                }
             }
         }
         if !self.instances.is_empty() {
@@ -164,6 +228,20 @@ impl RouterArgs {
         }
         file.validate()
     }
+}
+
+/// A security setting given by the config file (`file`) and by a flag (`flag`): either alone
+/// is kept (the flag's is written into `file`); both must agree.
+fn merge_security(what: &str, file: &mut Option<String>, flag: &Option<String>) -> Result<()> {
+    match (file.as_deref(), flag) {
+        (Some(f), Some(g)) if f != g => anyhow::bail!(
+            "{what} is given twice, differently: {f:?} in the config file and {g:?} by flag; \
+             give it once"
+        ),
+        (_, Some(g)) => *file = Some(g.clone()),
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Prometheus recorder for this process (installed once).
@@ -469,6 +547,9 @@ pub fn run(args: RouterArgs) -> Result<()> {
         if let Some(settings) = cluster {
             let (gossip, gossip_addr) =
                 cluster::start_gossip(&settings, &format!("http://{addr}"), decision_ttl).await?;
+            if settings.secret.is_none() && !settings.gossip_listen.ip().is_loopback() {
+                tracing::warn!(gossip = %settings.gossip_listen, "gossip runs WITHOUT a cluster secret (--insecure-gossip-without-secret): anyone who can send UDP there can join and steer routing");
+            }
             println!(
                 "warmpath router {} gossip on {gossip_addr}",
                 settings.node_id
@@ -489,6 +570,9 @@ pub fn run(args: RouterArgs) -> Result<()> {
                 .with_context(|| format!("cannot listen on {} (admin)", settings.admin_listen))?;
             let admin_addr = admin_listener.local_addr()?;
             let admin_url = format!("http://{admin_addr}");
+            if settings.peer_token.is_none() {
+                tracing::warn!("Raft RPCs run WITHOUT a peer token (--insecure-raft-without-peer-token): anyone who reaches {admin_url} can rewrite the configuration");
+            }
             let raft = tenancy::start(&settings, &admin_url).await?;
             println!(
                 "warmpath router admin on {admin_url} (raft node {})",
