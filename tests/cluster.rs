@@ -33,6 +33,7 @@ fn replica(name: &str, engines: &[&Proc], seeds: &[&str]) -> Replica {
         "--fault-injection",
         "--strategy",
         "prefix-aware",
+        "--allow-explain",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -176,7 +176,18 @@ async fn bad_requests_get_clear_errors() {
         &r.url,
         "/v1/completions",
         completion("hi", 1, false),
-        &[("authorization", "Bearer nope")],
+        &[("authorization", "Bearer not json")],
+    )
+    .await;
+    // No tenant has keys here, so any key is the default tenant's (as vLLM without
+    // --api-key); a malformed Authorization header is still refused.
+    assert_eq!(reply.status, 200);
+    let reply = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        completion("hi", 1, false),
+        &[("authorization", "Basic abc")],
     )
     .await;
     assert_eq!(reply.status, 401);
@@ -262,7 +273,7 @@ async fn tenants_never_share_cache_hits() {
         &r.url,
         "/v1/completions",
         body.clone(),
-        &[("x-tenant-id", "b")],
+        &[("authorization", "Bearer key-b")],
     )
     .await;
     assert_eq!(
@@ -285,7 +296,13 @@ async fn concurrency_threshold_spills_to_the_next_instance() {
     let e2 = engine("1");
     let r = router(
         &[&e1, &e2],
-        &["--strategy", "prefix-aware", "--concurrency-threshold", "1"],
+        &[
+            "--strategy",
+            "prefix-aware",
+            "--concurrency-threshold",
+            "1",
+            "--allow-explain",
+        ],
     );
     let c = client();
     let prompt = long_prompt(3);
@@ -523,4 +540,88 @@ async fn graceful_shutdown_drains_open_streams() {
     // And new connections are refused once it has exited.
     let refused = c.get(format!("{}/healthz", r.url).parse().unwrap()).await;
     assert!(refused.is_err());
+}
+
+/// `x-tenant-id` never reaches a tenant that has API keys, and is refused unless enabled;
+/// with no API keys configured at all, any key (clients such as `openai` always send one)
+/// or none is the default tenant, as vLLM behaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_header_never_stands_in_for_an_api_key() {
+    let e = engine("1000");
+    let dir = scratch_dir("router-tenant-header");
+    let config = |allow: bool| {
+        let path = dir.join(format!("router-{allow}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "version = 1\n[router]\nallow_tenant_header = {allow}\n\
+                 [[tenants]]\nid = \"a\"\napi_keys = [\"key-a\"]\n\
+                 [[tenants]]\nid = \"open\"\n"
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let c = client();
+    let body = completion("hello there", 1, false);
+    let allowed = config(true);
+    let r = router(&[&e], &["--config", allowed.to_str().unwrap()]);
+    let status = |headers: &'static [(&'static str, &'static str)]| {
+        let (c, url, body) = (c.clone(), r.url.clone(), body.clone());
+        async move {
+            post(&c, &url, "/v1/completions", body, headers)
+                .await
+                .status
+        }
+    };
+    assert_eq!(
+        status(&[("x-tenant-id", "a")]).await,
+        401,
+        "a keyed tenant by header"
+    );
+    assert_eq!(
+        status(&[("x-tenant-id", "open")]).await,
+        200,
+        "a keyless tenant by header"
+    );
+    assert_eq!(status(&[("authorization", "Bearer key-a")]).await, 200);
+    assert_eq!(status(&[("authorization", "Bearer not-a-key")]).await, 401);
+    drop(r);
+    let refused = config(false);
+    let r = router(&[&e], &["--config", refused.to_str().unwrap()]);
+    let reply = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        body.clone(),
+        &[("x-tenant-id", "open")],
+    )
+    .await;
+    assert_eq!(reply.status, 401, "the header is off by default");
+    drop(r);
+    // No keys anywhere: any key, or none, is the default tenant.
+    let r = router(&[&e], &[]);
+    // Explanations name instances: not answered unless the tenant may see them.
+    let reply = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        body.clone(),
+        &[("x-warmpath-explain", "1")],
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply.headers.get("x-warmpath-explain").is_none(),
+        "explained to anyone"
+    );
+    for headers in [&[("authorization", "Bearer sk-anything")][..], &[][..]] {
+        let reply = post(&c, &r.url, "/v1/completions", body.clone(), headers).await;
+        assert_eq!(
+            reply.status,
+            200,
+            "{:?}",
+            String::from_utf8_lossy(&reply.body)
+        );
+    }
 }

@@ -130,6 +130,8 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
             "127.0.0.1:0".into(),
             "--strategy".into(),
             strategy.name().into(),
+            // The demo's routers are on loopback and the demo is about seeing decisions.
+            "--allow-explain".into(),
         ];
         for e in &engines {
             router_args.push("--instance".into());

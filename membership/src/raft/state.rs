@@ -78,6 +78,9 @@ pub struct TenantSpec {
     /// Requests per second allowed across all routers; null = unlimited; otherwise finite
     /// and positive.
     pub rate_limit_rps: Option<f64>,
+    /// Whether this tenant's clients may ask for routing explanations
+    /// (`x-warmpath-explain: 1`), which name instances and their loads; off by default.
+    pub allow_explain: bool,
 }
 
 impl TenantSpec {
@@ -132,6 +135,7 @@ impl Default for TenantSpec {
             api_key_hashes: Vec::new(),
             cache_salt: String::new(),
             rate_limit_rps: None,
+            allow_explain: false,
         }
     }
 }

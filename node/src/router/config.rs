@@ -140,7 +140,8 @@ pub struct RouterSection {
     /// First passive ejection of a failing instance; doubles per consecutive failure.
     pub eject_base_ms: u64,
     pub eject_max_ms: u64,
-    /// Whether `x-tenant-id` names the tenant when no API key does.
+    /// Whether `x-tenant-id` may name the tenant when no API key does (only tenants
+    /// without API keys; off by default).
     pub allow_tenant_header: bool,
     /// Tenant used when a request names none; empty: such requests get 401.
     pub default_tenant: String,
@@ -166,7 +167,7 @@ impl Default for RouterSection {
             health_interval_ms: 1_000,
             eject_base_ms: 1_000,
             eject_max_ms: 30_000,
-            allow_tenant_header: true,
+            allow_tenant_header: false,
             default_tenant: "default".into(),
             index_capacity_blocks: 1 << 20,
             predicted_ttl_ms: 120_000,
@@ -223,6 +224,8 @@ pub struct Tenant {
     pub cache_salt: String,
     /// Requests per second across all routers; `None`: unlimited.
     pub rate_limit_rps: Option<f64>,
+    /// Whether `x-warmpath-explain: 1` is answered for this tenant.
+    pub allow_explain: bool,
 }
 
 impl Tenant {
@@ -250,6 +253,7 @@ impl Tenant {
             temperature: spec.temperature,
             cache_salt: spec.cache_salt.clone(),
             rate_limit_rps: spec.rate_limit_rps,
+            allow_explain: spec.allow_explain,
         }
     }
 }

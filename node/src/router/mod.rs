@@ -50,6 +50,10 @@ pub struct RouterArgs {
     /// Prefix length (tokens) of the default tenant.
     #[arg(long)]
     pub prefix_length: Option<u32>,
+    /// Answer `x-warmpath-explain: 1` for the default tenant (explanations name instances
+    /// and their loads; off by default).
+    #[arg(long)]
+    pub allow_explain: bool,
     /// This router's node id in a cluster of replicas (turns gossip on).
     #[arg(long, requires = "gossip_listen")]
     pub node_id: Option<String>,
@@ -206,6 +210,7 @@ impl RouterArgs {
         if self.strategy.is_some()
             || self.concurrency_threshold.is_some()
             || self.prefix_length.is_some()
+            || self.allow_explain
         {
             let id = file.router.default_tenant.clone();
             if !file.tenants.iter().any(|t| t.id == id) {
@@ -225,6 +230,7 @@ impl RouterArgs {
             if let Some(p) = self.prefix_length {
                 t.spec.prefix_length = p;
             }
+            t.spec.allow_explain |= self.allow_explain;
         }
         file.validate()
     }

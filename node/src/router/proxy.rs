@@ -74,6 +74,14 @@ pub struct TenantTable {
 }
 
 impl TenantTable {
+    /// Whether any tenant has an API key: without any, every request is the default
+    /// tenant's whatever key it sends (as vLLM without `--api-key` behaves).
+    fn keyed(&self) -> bool {
+        !self.by_key.is_empty()
+    }
+}
+
+impl TenantTable {
     pub fn new(
         tenants: &[(String, TenantSpec)],
         default_tenant: Option<String>,
@@ -180,8 +188,22 @@ impl App {
         *self.tenants.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
     }
 
+    /// The tenant of a request:
+    /// - an `Authorization: Bearer <key>` naming a tenant's key selects that tenant; an
+    ///   unknown key is refused (401), unless no tenant has any key, when every request is
+    ///   the default tenant's (clients such as `openai` always send some key);
+    /// - otherwise `x-tenant-id`, only when `allow_tenant_header` is on, and only for a
+    ///   tenant without API keys (a keyed tenant is never reachable without its key);
+    /// - otherwise the default tenant, if it has no API keys.
     fn identify(&self, headers: &HeaderMap) -> Result<Arc<TenantEntry>, ProxyError> {
         let table = self.tenants();
+        let keyless = |id: &str| {
+            table
+                .by_id
+                .get(id)
+                .filter(|e| e.tenant.api_key_hashes.is_empty())
+                .cloned()
+        };
         if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
             let auth = auth.to_str().map_err(|_| {
                 ProxyError::Unauthorized("the Authorization header is not text".into())
@@ -189,32 +211,32 @@ impl App {
             let key = auth.strip_prefix("Bearer ").ok_or_else(|| {
                 ProxyError::Unauthorized("Authorization must be `Bearer <api key>`".into())
             })?;
-            let id = table
+            if let Some(entry) = table
                 .by_key
                 .get(&hash_api_key(key.trim()))
-                .ok_or_else(|| ProxyError::Unauthorized("unknown API key".into()))?;
-            return table
-                .by_id
-                .get(id)
-                .cloned()
-                .ok_or_else(|| ProxyError::Unauthorized("unknown API key".into()));
-        }
-        if self.config.allow_tenant_header {
-            if let Some(id) = headers.get(TENANT_HEADER) {
-                let id = id.to_str().unwrap_or_default();
-                return table
-                    .by_id
-                    .get(id)
-                    .cloned()
-                    .ok_or_else(|| ProxyError::Unauthorized(format!("unknown tenant {id:?}")));
+                .and_then(|id| table.by_id.get(id))
+            {
+                return Ok(entry.clone());
+            }
+            if table.keyed() {
+                return Err(ProxyError::Unauthorized("unknown API key".into()));
             }
         }
-        match table
-            .default_tenant
-            .as_ref()
-            .and_then(|id| table.by_id.get(id))
-        {
-            Some(entry) => Ok(entry.clone()),
+        if let Some(id) = headers.get(TENANT_HEADER) {
+            if !self.config.allow_tenant_header {
+                return Err(ProxyError::Unauthorized(format!(
+                    "{TENANT_HEADER} is not accepted here: send `Authorization: Bearer <api key>`"
+                )));
+            }
+            let id = id.to_str().unwrap_or_default();
+            return keyless(id).ok_or_else(|| {
+                ProxyError::Unauthorized(format!(
+                    "no tenant {id:?} without API keys: send `Authorization: Bearer <api key>`"
+                ))
+            });
+        }
+        match table.default_tenant.as_deref().and_then(keyless) {
+            Some(entry) => Ok(entry),
             None => Err(ProxyError::Unauthorized(
                 "no API key: send `Authorization: Bearer <api key>`".into(),
             )),
@@ -510,10 +532,12 @@ async fn handle(
     let prompt_tokens = tokens.len() as u32;
     let keys = token_block_keys(&tenant.key, &tokens, tenant.tenant.block_tokens as usize);
     let upstream_body = with_cache_salt(&body, &tenant.tenant.cache_salt, parsed.own_salt)?;
-    let explain = parts
-        .headers
-        .get(EXPLAIN_HEADER)
-        .is_some_and(|v| v.as_bytes() == b"1");
+    // Explanations name instances and their loads: only for tenants allowed to see them.
+    let explain = tenant.tenant.allow_explain
+        && parts
+            .headers
+            .get(EXPLAIN_HEADER)
+            .is_some_and(|v| v.as_bytes() == b"1");
     let deadline = started + app.config.request_timeout;
 
     let mut tried: Vec<InstanceId> = Vec::new();
