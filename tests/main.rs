@@ -48,8 +48,25 @@ pub struct Proc {
 impl Proc {
     /// Starts `warmpath args…` and waits for its "listening on URL" line.
     pub fn start(args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
-            .args(args)
+        Self::spawn(
+            Command::new(env!("CARGO_BIN_EXE_warmpath")).args(args),
+            args,
+        )
+    }
+
+    /// [`Proc::start`] under an open-file limit of `files` (set by `sh`'s `ulimit -n`).
+    pub fn start_with_file_limit(files: u32, args: &[&str]) -> Proc {
+        let mut command = Command::new("sh");
+        command
+            .args(["-c", "ulimit -n \"$0\" && exec \"$@\""])
+            .arg(files.to_string())
+            .arg(env!("CARGO_BIN_EXE_warmpath"))
+            .args(args);
+        Self::spawn(&mut command, args)
+    }
+
+    fn spawn(command: &mut Command, args: &[&str]) -> Proc {
+        let mut child = command
             .env("WARMPATH_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

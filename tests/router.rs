@@ -625,3 +625,97 @@ async fn tenant_header_never_stands_in_for_an_api_key() {
         );
     }
 }
+
+/// The client port is bounded: a half-sent request line and an idle connection are closed
+/// after the header read timeout, a body that does not arrive is answered 408, and 1,100
+/// idle connections against a router limited to 1,024 open files leave it answering (503
+/// with Retry-After for connections over its limit, then serving once the idle ones time
+/// out) instead of unreachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_idle_clients_cannot_take_the_client_port() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let e = engine("1000");
+    let dir = scratch_dir("router-bounded");
+    let config = dir.join("router.toml");
+    std::fs::write(
+        &config,
+        "version = 1\n[router]\nheader_read_timeout_ms = 1500\nbody_read_timeout_ms = 1500\n",
+    )
+    .unwrap();
+    let args = [
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--instance",
+        &e.url,
+        "--config",
+        config.to_str().unwrap(),
+    ];
+    let r = Proc::start_with_file_limit(1024, &args);
+    let host = r.url.trim_start_matches("http://").to_string();
+    // Reads until the server closes the connection; what it sent, or None on a timeout.
+    let drain = |mut tcp: tokio::net::TcpStream, within: Duration| async move {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        tokio::time::timeout(within, async {
+            loop {
+                match tcp.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+        })
+        .await
+        .ok()
+        .map(|_| String::from_utf8_lossy(&got).to_string())
+    };
+    // Half a request line: closed after the header timeout.
+    let mut half = tokio::net::TcpStream::connect(&host).await.unwrap();
+    half.write_all(b"POST /v1/compl").await.unwrap();
+    let closed = drain(half, Duration::from_secs(5)).await;
+    assert!(closed.is_some(), "a half request line kept its connection");
+    // A body that never comes: 408 after the body timeout.
+    let mut slow = tokio::net::TcpStream::connect(&host).await.unwrap();
+    slow.write_all(
+        format!("POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"model\"").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let answer = drain(slow, Duration::from_secs(5))
+        .await
+        .expect("an answer");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    // 1,100 idle connections under a 1,024-file limit.
+    let mut idle = Vec::new();
+    for _ in 0..1100 {
+        match tokio::net::TcpStream::connect(&host).await {
+            Ok(t) => idle.push(t),
+            Err(e) => panic!("connect failed: {e}"),
+        }
+    }
+    let c = client();
+    let body = completion("hello", 1, false);
+    let during = tokio::time::timeout(
+        Duration::from_secs(3),
+        post(&c, &r.url, "/v1/completions", body.clone(), &[]),
+    )
+    .await
+    .expect("an answer while flooded");
+    assert!(
+        during.status == 200
+            || (during.status == 503 && during.headers.contains_key("retry-after")),
+        "{} {:?}",
+        during.status,
+        String::from_utf8_lossy(&during.body)
+    );
+    // The idle connections time out; the router serves again.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let after = post(&c, &r.url, "/v1/completions", body, &[]).await;
+    assert_eq!(
+        after.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&after.body)
+    );
+    drop(idle);
+}

@@ -134,6 +134,14 @@ pub struct RouterSection {
     pub first_byte_timeout_ms: u64,
     /// Time allowed for a whole request, streaming included.
     pub request_timeout_ms: u64,
+    /// Longest wait for a request's headers, and for the next request on an idle
+    /// keep-alive connection, ms.
+    pub header_read_timeout_ms: u64,
+    /// Longest wait for a request's whole body, ms.
+    pub body_read_timeout_ms: u64,
+    /// Most client connections served at once (beyond: 503 and close); 0 = the soft
+    /// open-file limit less 256.
+    pub max_connections: usize,
     /// Further instances tried after a failure before the first response byte.
     pub retries: u32,
     pub health_interval_ms: u64,
@@ -163,6 +171,9 @@ impl Default for RouterSection {
             connect_timeout_ms: 2_000,
             first_byte_timeout_ms: 60_000,
             request_timeout_ms: 600_000,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            max_connections: 0,
             retries: 2,
             health_interval_ms: 1_000,
             eject_base_ms: 1_000,
@@ -270,6 +281,9 @@ pub struct Pool {
 pub struct RouterConfig {
     pub listen: SocketAddr,
     pub max_body_bytes: usize,
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub max_connections: usize,
     pub connect_timeout: Duration,
     pub first_byte_timeout: Duration,
     pub request_timeout: Duration,
@@ -356,6 +370,8 @@ impl FileConfig {
             ("connect_timeout_ms", r.connect_timeout_ms),
             ("first_byte_timeout_ms", r.first_byte_timeout_ms),
             ("request_timeout_ms", r.request_timeout_ms),
+            ("header_read_timeout_ms", r.header_read_timeout_ms),
+            ("body_read_timeout_ms", r.body_read_timeout_ms),
             ("health_interval_ms", r.health_interval_ms),
             ("eject_base_ms", r.eject_base_ms),
             ("predicted_ttl_ms", r.predicted_ttl_ms),
@@ -582,6 +598,12 @@ impl FileConfig {
         Ok(RouterConfig {
             listen: listen.expect("no problems means it parsed"),
             max_body_bytes: r.max_body_bytes,
+            header_read_timeout: Duration::from_millis(r.header_read_timeout_ms),
+            body_read_timeout: Duration::from_millis(r.body_read_timeout_ms),
+            max_connections: match r.max_connections {
+                0 => super::listener::default_max_connections(),
+                n => n,
+            },
             connect_timeout: Duration::from_millis(r.connect_timeout_ms),
             first_byte_timeout: Duration::from_millis(r.first_byte_timeout_ms),
             request_timeout: Duration::from_millis(r.request_timeout_ms),

@@ -7,6 +7,7 @@
 pub mod cluster;
 pub mod config;
 pub mod engines;
+pub mod listener;
 pub mod proxy;
 pub mod ratelimit;
 pub mod state;
@@ -522,14 +523,11 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let health = tokio::spawn(health_loop(app.clone()));
-    use axum::serve::ListenerExt;
-    // Streamed tokens are small writes: never hold them back for Nagle's algorithm.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let result = axum::serve(listener, routes(app, fault_injection))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let limits = listener::Limits {
+        header_read_timeout: app.config.header_read_timeout,
+        max_connections: app.config.max_connections,
+    };
+    let result = listener::serve(listener, routes(app, fault_injection), limits, shutdown).await;
     health.abort();
     result.context("router server failed")
 }

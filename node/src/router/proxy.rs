@@ -291,6 +291,9 @@ pub enum ProxyError {
     /// The request ran out of time.
     #[error("timed out: {0}")]
     Timeout(String),
+    /// The client did not send its body in time.
+    #[error("{0}")]
+    SlowClient(String),
 }
 
 impl ProxyError {
@@ -304,12 +307,15 @@ impl ProxyError {
             ProxyError::NoHealthyInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::SlowClient(_) => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
     fn kind(&self) -> &'static str {
         match self {
-            ProxyError::BadRequest(_) | ProxyError::TooLarge(_) => "invalid_request_error",
+            ProxyError::BadRequest(_) | ProxyError::TooLarge(_) | ProxyError::SlowClient(_) => {
+                "invalid_request_error"
+            }
             ProxyError::Unauthorized(_) => "authentication_error",
             ProxyError::RateLimited { .. } => "rate_limit_error",
             ProxyError::UnknownModel(_) => "not_found_error",
@@ -394,13 +400,30 @@ pub async fn dry_run(
 ) -> Result<Response<Body>, ProxyError> {
     let (parts, body) = req.into_parts();
     let tenant = app.identify(&parts.headers)?;
-    let limit = app.config.max_body_bytes;
-    let body = Limited::new(body, limit)
-        .collect()
-        .await
-        .map_err(|_| ProxyError::TooLarge(limit))?
-        .to_bytes();
+    let body = read_body(&app, body).await?;
     Ok(axum::Json(explain_with(&app, &tenant, &body)?).into_response())
+}
+
+/// The whole request body, within the size limit and the body read timeout.
+async fn read_body(app: &App, body: Body) -> Result<Bytes, ProxyError> {
+    let limit = app.config.max_body_bytes;
+    let within = app.config.body_read_timeout;
+    match tokio::time::timeout(within, Limited::new(body, limit).collect()).await {
+        Err(_) => Err(ProxyError::SlowClient(format!(
+            "the request body did not arrive within {} s",
+            within.as_secs_f64()
+        ))),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(ProxyError::TooLarge(limit))
+        }
+        Ok(Err(e)) => Err(ProxyError::BadRequest(format!(
+            "could not read the request body: {e}"
+        ))),
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+    }
 }
 
 pub async fn completions(
@@ -515,17 +538,7 @@ async fn handle(
         }
     }
     let config_version = tenant.config_version;
-    let limit = app.config.max_body_bytes;
-    let body = Limited::new(body, limit).collect().await.map_err(|e| {
-        if e.downcast_ref::<http_body_util::LengthLimitError>()
-            .is_some()
-        {
-            ProxyError::TooLarge(limit)
-        } else {
-            ProxyError::BadRequest(format!("could not read the request body: {e}"))
-        }
-    })?;
-    let body = body.to_bytes();
+    let body = read_body(&app, body).await?;
     let parsed = parse(endpoint, &body)?;
     // The prompt is tokenized and hashed once; every attempt reuses the keys.
     let tokens = tokenize(&parsed.prompt);
