@@ -283,3 +283,105 @@ async fn a_new_router_catches_up() {
         slowest.as_secs_f64() * 1e3
     );
 }
+
+/// Starts a gossiping router with `extra` flags under an open-file limit of `files`; its
+/// HTTP URL and gossip address.
+fn gossiping_router(engine: &Proc, files: u32, extra: &[&str]) -> (Proc, String) {
+    let mut args = vec![
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--node-id",
+        "lone",
+        "--gossip-listen",
+        "127.0.0.1:0",
+        "--instance",
+        &engine.url,
+    ];
+    args.extend_from_slice(extra);
+    let mut proc = Proc::start_with_file_limit(files, &args);
+    let line = proc.read_line();
+    let gossip = line
+        .split("gossip on ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no gossip line: {line:?}"))
+        .trim()
+        .to_string();
+    (proc, gossip)
+}
+
+async fn metrics_text(c: &HttpClient, url: &str) -> String {
+    let resp = c
+        .get(format!("{url}/metrics").parse().expect("uri"))
+        .await
+        .expect("metrics answer");
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    String::from_utf8_lossy(&body).to_string()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// With a cluster secret, an anonymous chitchat Syn gets no reply and is counted as dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anonymous_gossip_syn_gets_no_reply() {
+    let e = engine();
+    let dir = crate::scratch_dir("gossip-anonymous");
+    let secret = dir.join("gossip.secret");
+    std::fs::write(&secret, "a cluster secret of thirty-two bytes").unwrap();
+    let (r, gossip) = gossiping_router(
+        &e,
+        4096,
+        &["--gossip-secret-file", secret.to_str().unwrap()],
+    );
+    let spy = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    // A chitchat Syn is its magic number, a message kind and a digest: 16 bytes will do.
+    let mut syn = 45_139u16.to_le_bytes().to_vec();
+    syn.extend_from_slice(&[0u8; 14]);
+    for _ in 0..5 {
+        spy.send_to(&syn, &gossip).await.unwrap();
+    }
+    let mut buf = [0u8; 65_536];
+    let reply = tokio::time::timeout(Duration::from_millis(800), spy.recv_from(&mut buf)).await;
+    assert!(reply.is_err(), "an anonymous Syn was answered");
+    let c = client();
+    let text = metrics_text(&c, &r.url).await;
+    assert!(
+        metric(
+            &text,
+            "warmpath_gossip_unauthenticated_datagrams_dropped_total"
+        ) >= 5.0,
+        "{text}"
+    );
+}
+
+/// Without a secret (loopback only), 2,000 spoofed gossip sources leave a router under a
+/// 1,024-file limit serving HTTP: per-source state is bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spoofed_gossip_sources_leave_the_http_port_serving() {
+    let e = engine();
+    let (r, gossip) = gossiping_router(&e, 1024, &[]);
+    let mut syn = 45_139u16.to_le_bytes().to_vec();
+    syn.extend_from_slice(&[0u8; 14]);
+    for _ in 0..2000 {
+        let spoof = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        spoof.send_to(&syn, &gossip).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c = client();
+    let req = hyper::Request::post(format!("{}/v1/completions", r.url))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(
+            json!({"model": "sim-llama", "prompt": "still here?", "max_tokens": 1}).to_string(),
+        )))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(5), c.request(req))
+        .await
+        .expect("an answer in time")
+        .expect("an answer");
+    assert_eq!(resp.status(), 200);
+}

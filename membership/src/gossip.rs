@@ -73,8 +73,11 @@ const FRAGMENT_HEADER: usize = 4 + 4 + 1 + 1;
 const MAX_FRAGMENTS: u8 = 4;
 /// First two bytes of every chitchat datagram (its magic number, LE).
 const CHITCHAT_MAGIC: [u8; 2] = 45_139u16.to_le_bytes();
-/// Most peers with a shadow socket at once; the least recently used is closed first.
-const MAX_SHADOWS: usize = 1024;
+/// Most peers with a shadow socket (one open file each) at once; the least recently used
+/// is closed first. A cluster's routers are far fewer; the bound keeps spoofed sources
+/// (possible only without a cluster secret: with one, unauthenticated datagrams are dropped
+/// before any shadow exists) from taking the process's file descriptors.
+pub const MAX_SHADOWS: usize = 256;
 /// Most fragmented messages being reassembled at once.
 const MAX_REASSEMBLIES: usize = 64;
 /// How long the adapter waits for chitchat's serialized datagram on loopback.

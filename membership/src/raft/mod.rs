@@ -309,7 +309,7 @@ impl RaftNode {
             .map(|(id, u)| (*id, BasicNode::new(normalise_base(u))))
             .collect();
         let dir = config.data_dir.clone();
-        let store = tokio::task::spawn_blocking(move || Store::open(&dir))
+        let store = store::blocking(move || Ok(Store::open(&dir)))
             .await
             .map_err(|e| StartError::Raft(format!("store open task: {e}")))??;
         let state_rx = store.subscribe();
@@ -646,7 +646,7 @@ impl RaftNode {
             tracing::warn!(node_id = self.node_id, error = %e, "raft shutdown failed");
         }
         let db = self.db.clone();
-        match tokio::task::spawn_blocking(move || store::flush(&db)).await {
+        match store::blocking(move || Ok(store::flush(&db))).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 tracing::warn!(node_id = self.node_id, error = %e, "raft store flush failed")

@@ -134,15 +134,68 @@ fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, AnyError> {
     serde_json::from_slice(b).map_err(any)
 }
 
-/// Runs blocking database work off the async reactor.
-async fn blocking<T, F>(f: F) -> Result<T, AnyError>
+/// A storage job for the storage threads.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Threads that run the store's blocking database work, and nothing else. They are not
+/// tokio's blocking pool: that pool also runs name lookups (every HTTP connection to a
+/// host name resolves there), and thousands of slow lookups queued on it once kept Raft's
+/// storage waiting until every router lost its leader.
+struct StorageThreads {
+    jobs: std::sync::Mutex<std::sync::mpsc::Sender<Job>>,
+}
+
+/// How many storage threads run (redb takes one writer at a time and many readers).
+const STORAGE_THREADS: usize = 2;
+
+fn storage_threads() -> &'static StorageThreads {
+    static THREADS: std::sync::OnceLock<StorageThreads> = std::sync::OnceLock::new();
+    THREADS.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let rx = Arc::new(std::sync::Mutex::new(rx));
+        for n in 0..STORAGE_THREADS {
+            let rx = rx.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("raft-store-{n}"))
+                .spawn(move || loop {
+                    let job = match rx.lock() {
+                        Ok(guard) => guard.recv(),
+                        Err(_) => return,
+                    };
+                    match job {
+                        Ok(job) => job(),
+                        Err(_) => return,
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start a raft storage thread");
+            }
+        }
+        StorageThreads {
+            jobs: std::sync::Mutex::new(tx),
+        }
+    })
+}
+
+/// Runs blocking database work on the storage threads, off the async reactor and off
+/// tokio's blocking pool.
+pub(crate) async fn blocking<T, F>(f: F) -> Result<T, AnyError>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, AnyError> + Send + 'static,
 {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| any(format!("storage task failed: {e}")))?
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let job: Job = Box::new(move || {
+        let _ = tx.send(f());
+    });
+    let sent = storage_threads()
+        .jobs
+        .lock()
+        .map_err(|_| any("storage threads poisoned"))?
+        .send(job);
+    sent.map_err(|_| any("storage threads stopped"))?;
+    rx.await
+        .map_err(|_| any("storage task failed: it panicked"))?
 }
 
 fn write_txn(db: &Database, durability: Durability) -> Result<redb::WriteTransaction, AnyError> {

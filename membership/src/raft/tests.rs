@@ -451,3 +451,39 @@ async fn isolated_follower_rejects_writes_and_linearizable_reads() {
     );
     c.stop_all().await;
 }
+
+/// Raft's storage does not share tokio's blocking pool: with that pool full of slow work
+/// (as thousands of slow name lookups once filled it), the cluster keeps its leader and
+/// writes still commit.
+#[test]
+fn a_full_blocking_pool_does_not_stall_raft_storage() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(4)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut c = Cluster::start(3, 0).await;
+        let leader = c.leader().await;
+        // Every blocking thread busy for 8 s, and more work queued behind them.
+        for _ in 0..16 {
+            tokio::task::spawn_blocking(|| std::thread::sleep(Duration::from_secs(8)));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let started = Instant::now();
+        for i in 0..5 {
+            let v = applied_version(c.node(leader).write(pool(&format!("m{i}"), None)).await);
+            wait_version(c.node(leader), v).await;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "writes waited {:?} for the blocking pool",
+            started.elapsed()
+        );
+        assert_eq!(c.leader().await, leader);
+        c.stop_all().await;
+    });
+    // Do not wait for the sleeping blocking tasks.
+    runtime.shutdown_timeout(Duration::from_millis(100));
+}

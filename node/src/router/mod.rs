@@ -458,7 +458,7 @@ async fn health_loop(app: Arc<App>) {
                 })
                 .collect()
         };
-        let checks = urls.iter().map(|(id, url, known)| {
+        let checks = urls.into_iter().map(|(id, url, known)| {
             let i = id.0 as usize;
             let app = app.clone();
             async move {
@@ -478,7 +478,14 @@ async fn health_loop(app: Arc<App>) {
                 (i, ok, capacity)
             }
         });
-        for (i, ok, capacity) in futures_util::future::join_all(checks).await {
+        // Bounded: a pool of thousands of instances named by host name would otherwise
+        // queue thousands of name lookups on the runtime's blocking pool at once.
+        use futures_util::StreamExt;
+        let results: Vec<_> = futures_util::stream::iter(checks)
+            .buffer_unordered(HEALTH_CHECK_CONCURRENCY)
+            .collect()
+            .await;
+        for (i, ok, capacity) in results {
             let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
             let was = core.instances()[i].healthy;
             if was != ok {
@@ -495,6 +502,9 @@ async fn health_loop(app: Arc<App>) {
         }
     }
 }
+
+/// Health checks in flight at once.
+const HEALTH_CHECK_CONCURRENCY: usize = 32;
 
 /// GET `url` within `timeout`: whether it answered 2xx, and its body (at most 1 MiB).
 async fn fetch(app: &App, url: &str, timeout: Duration) -> Option<(bool, bytes::Bytes)> {
