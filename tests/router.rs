@@ -719,3 +719,41 @@ async fn slow_and_idle_clients_cannot_take_the_client_port() {
     );
     drop(idle);
 }
+
+/// `/metrics` names instances, loads and tenants: a client port beyond loopback does not
+/// serve it; `--metrics-listen` serves it on a port of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_stay_off_a_public_client_port() {
+    let e = engine("1000");
+    let mut r = Proc::start(&[
+        "router",
+        "--listen",
+        "0.0.0.0:0",
+        "--instance",
+        &e.url,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let metrics_line = r.read_line();
+    let metrics_url = metrics_line
+        .split("metrics on ")
+        .nth(1)
+        .expect("a metrics line")
+        .trim()
+        .to_string();
+    let c = client();
+    let get = |url: String| {
+        let c = c.clone();
+        async move {
+            let resp = c.get(url.parse().unwrap()).await.expect("an answer");
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8_lossy(&body).to_string())
+        }
+    };
+    let client_port = r.url.replace("0.0.0.0", "127.0.0.1");
+    assert_eq!(get(format!("{client_port}/metrics")).await.0, 404);
+    let (status, text) = get(metrics_url).await;
+    assert_eq!(status, 200);
+    assert!(text.contains("warmpath_router_instance_healthy"), "{text}");
+}

@@ -142,6 +142,11 @@ pub struct RouterSection {
     /// Most client connections served at once (beyond: 503 and close); 0 = the soft
     /// open-file limit less 256.
     pub max_connections: usize,
+    /// Address of a separate `/metrics` listener, for Prometheus on a private network.
+    pub metrics_listen: Option<String>,
+    /// Whether the client port serves `/metrics` (which names instances, their loads and
+    /// tenants). Default: only when it listens on loopback and no `metrics_listen` is set.
+    pub client_metrics: Option<bool>,
     /// Further instances tried after a failure before the first response byte.
     pub retries: u32,
     pub health_interval_ms: u64,
@@ -174,6 +179,8 @@ impl Default for RouterSection {
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 30_000,
             max_connections: 0,
+            metrics_listen: None,
+            client_metrics: None,
             retries: 2,
             health_interval_ms: 1_000,
             eject_base_ms: 1_000,
@@ -284,6 +291,9 @@ pub struct RouterConfig {
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
     pub max_connections: usize,
+    pub metrics_listen: Option<SocketAddr>,
+    /// Whether the client port serves `/metrics`.
+    pub client_metrics: bool,
     pub connect_timeout: Duration,
     pub first_byte_timeout: Duration,
     pub request_timeout: Duration,
@@ -362,6 +372,16 @@ impl FileConfig {
                 problems.push(format!("router.listen {:?}: {e}", r.listen));
                 None
             }
+        };
+        let metrics_listen = match &r.metrics_listen {
+            None => None,
+            Some(a) => match a.parse::<SocketAddr>() {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    problems.push(format!("router.metrics_listen {a:?}: {e}"));
+                    None
+                }
+            },
         };
         if r.max_body_bytes == 0 {
             problems.push("router.max_body_bytes must be positive".into());
@@ -604,6 +624,10 @@ impl FileConfig {
                 0 => super::listener::default_max_connections(),
                 n => n,
             },
+            metrics_listen,
+            client_metrics: r.client_metrics.unwrap_or_else(|| {
+                metrics_listen.is_none() && listen.is_some_and(|l| l.ip().is_loopback())
+            }),
             connect_timeout: Duration::from_millis(r.connect_timeout_ms),
             first_byte_timeout: Duration::from_millis(r.first_byte_timeout_ms),
             request_timeout: Duration::from_millis(r.request_timeout_ms),

@@ -36,6 +36,10 @@ pub struct RouterArgs {
     /// Address to listen on (overrides the file); port 0 picks a free port.
     #[arg(long)]
     pub listen: Option<String>,
+    /// Serve `/metrics` on this address of its own (for Prometheus on a private network)
+    /// instead of the client port.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
     /// Model served by the `--instance` URLs (when no config file names pools).
     #[arg(long, default_value = "sim-llama")]
     pub model: String,
@@ -116,6 +120,9 @@ impl RouterArgs {
         };
         if let Some(listen) = &self.listen {
             file.router.listen = listen.clone();
+        }
+        if let Some(metrics) = &self.metrics_listen {
+            file.router.metrics_listen = Some(metrics.clone());
         }
         if let (Some(node_id), Some(listen)) = (&self.node_id, &self.gossip_listen) {
             let section = file.cluster.get_or_insert_with(|| config::ClusterSection {
@@ -338,13 +345,19 @@ fn routes(app: Arc<App>, fault_injection: bool) -> Router {
     } else {
         Router::new()
     };
+    // /metrics names instances, their loads and tenants: on the client port only where
+    // that port is private (loopback) or the operator said so (see RouterSection).
+    let router = if app.config.client_metrics {
+        router.route("/metrics", get(metrics_text))
+    } else {
+        router
+    };
     router
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat))
         .route("/v1/models", get(models))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
         // The gateway applies its own body limit, with an OpenAI-style 413.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(app)
@@ -557,6 +570,28 @@ pub fn run(args: RouterArgs) -> Result<()> {
         let decision_ttl = config.predicted_ttl;
         let app = app(config)?;
         println!("warmpath router listening on http://{addr}");
+        let limits = listener::Limits {
+            header_read_timeout: app.config.header_read_timeout,
+            max_connections: app.config.max_connections,
+        };
+        let mut metrics_task = None;
+        if let Some(at) = app.config.metrics_listen {
+            let metrics_listener = tokio::net::TcpListener::bind(at)
+                .await
+                .with_context(|| format!("cannot listen on {at} (metrics)"))?;
+            println!("warmpath router metrics on http://{}/metrics", metrics_listener.local_addr()?);
+            let metrics_app = Router::new()
+                .route("/metrics", get(metrics_text))
+                .with_state(app.clone());
+            metrics_task = Some(tokio::spawn(listener::serve(
+                metrics_listener,
+                metrics_app,
+                limits,
+                std::future::pending(),
+            )));
+        } else if !app.config.client_metrics {
+            tracing::warn!("no /metrics: the client port is not on loopback; give --metrics-listen ADDR (or router.client_metrics = true)");
+        }
         let mut cluster_task = None;
         if let Some(settings) = cluster {
             let (gossip, gossip_addr) =
@@ -599,7 +634,10 @@ pub fn run(args: RouterArgs) -> Result<()> {
             });
             let admin_app = crate::admin::routes(deps).merge(raft.router());
             raft_tasks.push(tokio::spawn(async move {
-                if let Err(error) = axum::serve(admin_listener, admin_app).await {
+                let served =
+                    listener::serve(admin_listener, admin_app, limits, std::future::pending())
+                        .await;
+                if let Err(error) = served {
                     tracing::error!(%error, "admin server failed");
                 }
             }));
@@ -627,6 +665,9 @@ pub fn run(args: RouterArgs) -> Result<()> {
         )
         .await;
         if let Some(task) = cluster_task {
+            task.abort();
+        }
+        if let Some(task) = metrics_task {
             task.abort();
         }
         for task in raft_tasks {
