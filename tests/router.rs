@@ -757,3 +757,58 @@ async fn metrics_stay_off_a_public_client_port() {
     assert_eq!(status, 200);
     assert!(text.contains("warmpath_router_instance_healthy"), "{text}");
 }
+
+/// A body the router accepts but the engine refuses (between their limits) comes back as
+/// an OpenAI-style 413 from the router, not the engine's own words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_engines_limit_gets_an_openai_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // An engine whose body limit is tiny: every POST gets a plain-text 413; GETs are healthy.
+    let fake = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fake_url = format!("http://{}", fake.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = fake.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tcp.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let answer: &[u8] = if head.starts_with(b"GET") {
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                } else {
+                    b"HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\ncontent-length: 9\r\n\r\ntoo large"
+                };
+                let _ = tcp.write_all(answer).await;
+            });
+        }
+    });
+    let r = Proc::start(&["router", "--listen", "127.0.0.1:0", "--instance", &fake_url]);
+    let c = client();
+    let reply = post(
+        &c,
+        &r.url,
+        "/v1/completions",
+        completion("hello", 1, false),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        reply.status,
+        413,
+        "{:?}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let err = reply.json();
+    assert_eq!(err["error"]["type"], "invalid_request_error");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("over the serving instance's limit"),
+        "{err}"
+    );
+}

@@ -140,6 +140,25 @@ impl Default for TenantSpec {
     }
 }
 
+/// Why `id` cannot name a new tenant: tenant ids are 1 to 64 characters of ASCII letters,
+/// digits, `.`, `_` and `-`, starting with a letter or digit. They travel in headers, logs,
+/// metric labels and URLs, where anything else needs quoting. Enforced where tenants are
+/// made (the config file, the admin API), not when the log is replayed, so that a log
+/// written before the rule still applies the same way.
+pub fn check_tenant_id(id: &str) -> Result<(), String> {
+    let ok_start = id.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
+    let ok_chars = id
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if id.is_empty() || id.len() > 64 || !ok_start || !ok_chars {
+        return Err(format!(
+            "tenant id {id:?}: use 1 to 64 ASCII letters, digits, '.', '_' or '-', \
+             starting with a letter or digit"
+        ));
+    }
+    Ok(())
+}
+
 /// The stored form of a plain API key: its blake3 digest in lowercase hex.
 pub fn api_key_hash(key: &str) -> String {
     blake3::hash(key.as_bytes()).to_hex().to_string()

@@ -634,6 +634,12 @@ async fn put_tenant(
 ) -> ApiResult {
     let id = path(id)?;
     let expected = precondition(&uri, &headers)?;
+    if let Err(why) = warmpath_membership::raft::state::check_tenant_id(&id) {
+        return Err(AdminError::Invalid {
+            what: "tenant",
+            problems: vec![why],
+        });
+    }
     let spec = parse_strict::<TenantInput>(body, "tenant")?.into_spec(&id)?;
     // Created or replaced, as far as this node had seen before the write.
     let created = !d.raft.local_state().tenants.contains_key(&id);

@@ -997,12 +997,14 @@ mod tests {
                 expected_version: None,
             }))
         };
-        // A new tenant needs a pool; the id needs encoding (and is refused by the state machine).
+        // A new tenant needs a pool; the id needs encoding (and is refused: tenant ids are
+        // letters, digits, '.', '_' and '-').
         let e = execute(&args(&h.base, false, put(None, None, None)), token()).await;
         assert!(format!("{e:?}").contains("--pool is required"), "{e:?}");
         let e = execute(&args(&h.base, false, put(None, Some("m"), None)), token()).await;
         assert!(
-            format!("{e:?}").contains("HTTP 400 Bad Request: invalid tenant: id \"acme co\""),
+            format!("{e:?}")
+                .contains("HTTP 400 Bad Request: invalid tenant: tenant id \"acme co\""),
             "{e:?}"
         );
         let ok = |c: AdminCommand| {

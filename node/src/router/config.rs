@@ -27,7 +27,7 @@ use std::path::Path;
 use std::time::Duration;
 use warmpath_index::policy::Strategy;
 use warmpath_membership::raft::state::{
-    api_key_hash, check_plain_key, validate_tenant, TenantSpec,
+    api_key_hash, check_plain_key, check_tenant_id, validate_tenant, TenantSpec,
 };
 
 /// The only config file version this build reads.
@@ -442,8 +442,8 @@ impl FileConfig {
         let mut tenants = Vec::new();
         for (i, t) in self.tenants.iter().chain(implicit.iter()).enumerate() {
             let at = format!("tenants[{i}] ({:?})", t.id);
-            if t.id.is_empty() {
-                problems.push(format!("tenants[{i}].id is empty"));
+            if let Err(why) = check_tenant_id(&t.id) {
+                problems.push(format!("tenants[{i}].id: {why}"));
             }
             if !ids.insert(t.id.clone()) {
                 problems.push(format!("{at}: id listed twice"));

@@ -294,6 +294,11 @@ pub enum ProxyError {
     /// The client did not send its body in time.
     #[error("{0}")]
     SlowClient(String),
+    /// The instance refused the body as too large (its limit is below the router's).
+    #[error(
+        "the request body ({0} bytes) is over the serving instance's limit; send a smaller one"
+    )]
+    UpstreamTooLarge(usize),
 }
 
 impl ProxyError {
@@ -302,7 +307,9 @@ impl ProxyError {
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ProxyError::UnknownModel(_) => StatusCode::NOT_FOUND,
-            ProxyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::TooLarge(_) | ProxyError::UpstreamTooLarge(_) => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
             ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::NoHealthyInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
@@ -313,9 +320,10 @@ impl ProxyError {
 
     fn kind(&self) -> &'static str {
         match self {
-            ProxyError::BadRequest(_) | ProxyError::TooLarge(_) | ProxyError::SlowClient(_) => {
-                "invalid_request_error"
-            }
+            ProxyError::BadRequest(_)
+            | ProxyError::TooLarge(_)
+            | ProxyError::UpstreamTooLarge(_)
+            | ProxyError::SlowClient(_) => "invalid_request_error",
             ProxyError::Unauthorized(_) => "authentication_error",
             ProxyError::RateLimited { .. } => "rate_limit_error",
             ProxyError::UnknownModel(_) => "not_found_error",
@@ -676,6 +684,7 @@ async fn attempt_once(
     deadline: Instant,
 ) -> Result<Response<Body>, AttemptError> {
     let prompt_tokens = chosen.pending_tokens();
+    let body_len = body.len();
     let uri = format!("{}{}", chosen.url, endpoint.path());
     let request = Request::post(uri)
         .header(axum::http::header::CONTENT_TYPE, "application/json")
@@ -699,6 +708,12 @@ async fn attempt_once(
     let status = resp.status();
     if status.is_server_error() {
         return Err(AttemptError::Failed(format!("instance answered {status}")));
+    }
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        // Engines answer this in their own words (often plain text): say it in OpenAI's.
+        guard.first_byte();
+        guard.finish();
+        return Ok(ProxyError::UpstreamTooLarge(body_len).into_response());
     }
     let (parts, incoming) = resp.into_parts();
     let mut builder = Response::builder().status(parts.status);
