@@ -6,13 +6,23 @@
 use crate::text::{render_chat, ChatMessage};
 use serde::{Deserialize, Serialize};
 
-/// `prompt` of a completions request: a string or a list of strings (a batch is not
-/// supported by warmpath; a one-element list is accepted).
+/// `prompt` of a completions request: a string, token ids, or a list of either (a batch is
+/// not supported by warmpath; a one-element list is accepted).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// A prompt as routing and the engine model read it: text to tokenize, or the client's own
+/// token ids (hashed as they are).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
 }
 
 /// `POST /v1/completions`.
@@ -68,21 +78,25 @@ pub enum RequestError {
 }
 
 impl CompletionRequest {
-    /// The prompt text.
-    pub fn prompt_text(&self) -> Result<&str, RequestError> {
+    /// The prompt: text, or token ids.
+    pub fn prompt_input(&self) -> Result<PromptInput, RequestError> {
         if self.model.is_empty() {
             return Err(RequestError::NoModel);
         }
-        let text = match &self.prompt {
-            Prompt::Text(t) => t.as_str(),
-            Prompt::Texts(ts) if ts.len() == 1 => ts[0].as_str(),
-            Prompt::Texts(ts) if ts.is_empty() => "",
+        let input = match &self.prompt {
+            Prompt::Text(t) => PromptInput::Text(t.clone()),
+            Prompt::Texts(ts) if ts.len() == 1 => PromptInput::Text(ts[0].clone()),
+            Prompt::Texts(ts) if ts.is_empty() => return Err(RequestError::EmptyPrompt),
             Prompt::Texts(ts) => return Err(RequestError::Batch(ts.len())),
+            Prompt::Tokens(ids) => PromptInput::Tokens(ids.clone()),
+            Prompt::TokenLists(ls) if ls.len() == 1 => PromptInput::Tokens(ls[0].clone()),
+            Prompt::TokenLists(ls) => return Err(RequestError::Batch(ls.len())),
         };
-        if text.is_empty() {
-            return Err(RequestError::EmptyPrompt);
+        match &input {
+            PromptInput::Text(t) if t.is_empty() => Err(RequestError::EmptyPrompt),
+            PromptInput::Tokens(ids) if ids.is_empty() => Err(RequestError::EmptyPrompt),
+            _ => Ok(input),
         }
-        Ok(text)
     }
 }
 
@@ -224,22 +238,45 @@ mod tests {
             ignore_eos: None,
             cache_salt: None,
         };
-        assert_eq!(req(Prompt::Text("hi".into())).prompt_text(), Ok("hi"));
+        let text = |t: &str| Ok(PromptInput::Text(t.into()));
+        assert_eq!(req(Prompt::Text("hi".into())).prompt_input(), text("hi"));
         assert_eq!(
-            req(Prompt::Texts(vec!["hi".into()])).prompt_text(),
-            Ok("hi")
+            req(Prompt::Texts(vec!["hi".into()])).prompt_input(),
+            text("hi")
         );
         assert_eq!(
-            req(Prompt::Texts(vec![])).prompt_text(),
+            req(Prompt::Texts(vec![])).prompt_input(),
             Err(RequestError::EmptyPrompt)
         );
         assert_eq!(
-            req(Prompt::Text(String::new())).prompt_text(),
+            req(Prompt::Text(String::new())).prompt_input(),
             Err(RequestError::EmptyPrompt)
         );
         assert_eq!(
-            req(Prompt::Texts(vec!["a".into(), "b".into()])).prompt_text(),
+            req(Prompt::Texts(vec!["a".into(), "b".into()])).prompt_input(),
             Err(RequestError::Batch(2))
+        );
+        // Token ids, as OpenAI's clients send them.
+        let parsed = |json: &str| {
+            serde_json::from_str::<CompletionRequest>(json)
+                .expect("parses")
+                .prompt_input()
+        };
+        assert_eq!(
+            parsed(r#"{"model":"m","prompt":[1,2,3]}"#),
+            Ok(PromptInput::Tokens(vec![1, 2, 3]))
+        );
+        assert_eq!(
+            parsed(r#"{"model":"m","prompt":[[4,5]]}"#),
+            Ok(PromptInput::Tokens(vec![4, 5]))
+        );
+        assert_eq!(
+            parsed(r#"{"model":"m","prompt":[[4],[5]]}"#),
+            Err(RequestError::Batch(2))
+        );
+        assert_eq!(
+            parsed(r#"{"model":"m","prompt":[]}"#),
+            Err(RequestError::EmptyPrompt)
         );
     }
 
@@ -247,10 +284,7 @@ mod tests {
     fn chat_limits_and_rendering() {
         let mut chat = ChatRequest {
             model: "m".into(),
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: "hi".into(),
-            }],
+            messages: vec![ChatMessage::text("user", "hi")],
             max_tokens: Some(5),
             max_completion_tokens: None,
             stream: true,

@@ -141,27 +141,84 @@ fn char_at(text: &str, i: usize) -> (bool, usize) {
     }
 }
 
-/// One message of a chat request.
+/// One message of a chat request, as OpenAI's clients send it: `content` a string, a list
+/// of parts (`{"type": "text", "text": …}`, images and others) or null (an assistant
+/// message that only calls tools); `tool_calls` on assistant messages, `tool_call_id` on
+/// tool results, an optional `name`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     pub role: String,
-    pub content: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
-/// The prompt text of a chat request (see the module docs).
+/// A message's `content`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    /// Parts, each an object with a `type`; text parts carry `text`.
+    Parts(Vec<serde_json::Value>),
+}
+
+impl ChatMessage {
+    /// A message with text content.
+    pub fn text(role: &str, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.to_string(),
+            content: Some(Content::Text(content.into())),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
+}
+
+/// The prompt text of a chat request (see the module docs). Text parts render as their
+/// text; any other part (an image, audio) as its type and its canonical JSON, so two
+/// different images never render alike; tool calls and tool results render with their
+/// ids and arguments.
 pub fn render_chat(messages: &[ChatMessage]) -> String {
-    let mut out = String::with_capacity(
-        messages
-            .iter()
-            .map(|m| m.content.len() + m.role.len() + 8)
-            .sum::<usize>()
-            + 16,
-    );
+    let mut out = String::with_capacity(256);
     for m in messages {
         out.push_str("<|");
         out.push_str(&m.role);
+        if let Some(name) = &m.name {
+            out.push(' ');
+            out.push_str(name);
+        }
+        if let Some(id) = &m.tool_call_id {
+            out.push_str(" tool_call_id=");
+            out.push_str(id);
+        }
         out.push_str("|>\n");
-        out.push_str(&m.content);
+        match &m.content {
+            None => {}
+            Some(Content::Text(t)) => out.push_str(t),
+            Some(Content::Parts(parts)) => {
+                for part in parts {
+                    match (part.get("type").and_then(|t| t.as_str()), part.get("text")) {
+                        (Some("text"), Some(serde_json::Value::String(t))) => out.push_str(t),
+                        (kind, _) => {
+                            out.push_str("<|");
+                            out.push_str(kind.unwrap_or("part"));
+                            out.push_str("|>");
+                            out.push_str(&part.to_string());
+                        }
+                    }
+                }
+            }
+        }
+        for call in m.tool_calls.iter().flatten() {
+            out.push_str("\n<|tool_call|>");
+            out.push_str(&call.to_string());
+        }
         out.push('\n');
     }
     out.push_str("<|assistant|>\n");
@@ -261,14 +318,30 @@ mod tests {
 
     #[test]
     fn chat_rendering() {
-        let m = |role: &str, content: &str| ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        };
+        let m = ChatMessage::text;
         assert_eq!(
             render_chat(&[m("system", "be brief"), m("user", "hi")]),
             "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
         );
         assert_eq!(render_chat(&[]), "<|assistant|>\n");
+        // Parts, a tool call with null content, and its result, as OpenAI's clients send.
+        let parsed: Vec<ChatMessage> = serde_json::from_str(
+            r#"[{"role":"user","content":[{"type":"text","text":"look: "},
+                  {"type":"image_url","image_url":{"url":"http://x/a.png"}}]},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+                  "function":{"name":"f","arguments":"{}"}}]},
+                {"role":"tool","tool_call_id":"c1","content":"42"}]"#,
+        )
+        .expect("parses");
+        let text = render_chat(&parsed);
+        assert!(text.starts_with("<|user|>\nlook: <|image_url|>{"), "{text}");
+        assert!(text.contains("http://x/a.png"), "{text}");
+        assert!(text.contains("<|assistant|>\n\n<|tool_call|>{"), "{text}");
+        assert!(text.contains("<|tool tool_call_id=c1|>\n42\n"), "{text}");
+        // Plain text and a single text part render alike.
+        let part: Vec<ChatMessage> =
+            serde_json::from_str(r#"[{"role":"user","content":[{"type":"text","text":"hi"}]}]"#)
+                .expect("parses");
+        assert_eq!(render_chat(&part), render_chat(&[m("user", "hi")]));
     }
 }

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use warmpath_index::keys::{token_block_keys, TenantKey};
-use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody};
+use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody, PromptInput};
 use warmpath_index::text::tokenize;
 use warmpath_index::InstanceId;
 use warmpath_membership::raft::state::TenantSpec;
@@ -378,8 +378,8 @@ fn explain_with(
     } else {
         Endpoint::Completions
     };
-    let parsed = parse(endpoint, body)?;
-    let tokens = tokenize(&parsed.prompt);
+    let mut parsed = parse(endpoint, body)?;
+    let tokens = std::mem::take(&mut parsed.tokens);
     let keys = token_block_keys(&entry.key, &tokens, entry.tenant.block_tokens as usize);
     // Bound first: the lock guard must be gone before `explanation` takes it again.
     let chosen = app
@@ -451,7 +451,8 @@ pub async fn chat(
 /// What the router reads of a request body.
 struct Parsed {
     model: String,
-    prompt: String,
+    /// The prompt as routing reads it: the text tokenized, or the client's own token ids.
+    tokens: Vec<u32>,
     stream: bool,
     /// Whether the client set its own `cache_salt`.
     own_salt: bool,
@@ -463,20 +464,23 @@ fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
     match endpoint {
         Endpoint::Completions => {
             let r: CompletionRequest = serde_json::from_slice(body).map_err(bad)?;
-            let prompt = r.prompt_text().map_err(bad_req)?.to_string();
+            let tokens = match r.prompt_input().map_err(bad_req)? {
+                PromptInput::Text(t) => tokenize(&t),
+                PromptInput::Tokens(ids) => ids,
+            };
             Ok(Parsed {
                 model: r.model,
-                prompt,
+                tokens,
                 stream: r.stream,
                 own_salt: r.cache_salt.is_some(),
             })
         }
         Endpoint::Chat => {
             let r: ChatRequest = serde_json::from_slice(body).map_err(bad)?;
-            let prompt = r.prompt_text().map_err(bad_req)?;
+            let tokens = tokenize(&r.prompt_text().map_err(bad_req)?);
             Ok(Parsed {
                 model: r.model,
-                prompt,
+                tokens,
                 stream: r.stream,
                 own_salt: r.cache_salt.is_some(),
             })
@@ -547,9 +551,9 @@ async fn handle(
     }
     let config_version = tenant.config_version;
     let body = read_body(&app, body).await?;
-    let parsed = parse(endpoint, &body)?;
+    let mut parsed = parse(endpoint, &body)?;
     // The prompt is tokenized and hashed once; every attempt reuses the keys.
-    let tokens = tokenize(&parsed.prompt);
+    let tokens = std::mem::take(&mut parsed.tokens);
     let prompt_tokens = tokens.len() as u32;
     let keys = token_block_keys(&tenant.key, &tokens, tenant.tenant.block_tokens as usize);
     let upstream_body = with_cache_salt(&body, &tenant.tenant.cache_salt, parsed.own_salt)?;
@@ -885,6 +889,7 @@ use std::future::Future;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use warmpath_index::text::{render_chat, ChatMessage};
 
     #[test]
     fn cache_salt_cases() {
@@ -925,6 +930,25 @@ mod tests {
         )
         .ok()
         .unwrap();
-        assert!(ok.stream && ok.prompt.contains("hi"));
+        assert!(
+            ok.stream && ok.tokens == tokenize(&render_chat(&[ChatMessage::text("user", "hi")]))
+        );
+        let ids = parse(
+            Endpoint::Completions,
+            br#"{"model":"m","prompt":[[7,8,9]]}"#,
+        )
+        .ok()
+        .unwrap();
+        assert_eq!(ids.tokens, vec![7, 8, 9]);
+        assert!(
+            err(Endpoint::Completions, r#"{"model":"m","prompt":[[1],[2]]}"#).contains("batch")
+        );
+        let parts = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},
+                {"role":"tool","tool_call_id":"c1","content":"42"}]}"#,
+        );
+        assert!(parts.is_ok());
     }
 }

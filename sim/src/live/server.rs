@@ -55,7 +55,8 @@ use tokio::time::Instant;
 use warmpath_index::cost::ModelProfile;
 use warmpath_index::keys::{token_block_keys, TenantKey};
 use warmpath_index::openai::{
-    ChatRequest, CompletionRequest, ErrorBody, PromptTokensDetails, RequestError, Usage,
+    ChatRequest, CompletionRequest, ErrorBody, PromptInput, PromptTokensDetails, RequestError,
+    Usage,
 };
 use warmpath_index::text;
 
@@ -662,7 +663,8 @@ struct StreamOptions {
 #[derive(Debug)]
 struct Generation {
     kind: Kind,
-    prompt: String,
+    /// The prompt's tokens: the text tokenized, or the client's own token ids.
+    tokens: Vec<u32>,
     max_tokens: Option<u32>,
     stream: bool,
     extras: Extras,
@@ -676,13 +678,14 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
     if let Some(resp) = check_model(&shared, &req.model) {
         return resp;
     }
-    let prompt = match req.prompt_text() {
-        Ok(prompt) => prompt.to_string(),
+    let tokens = match req.prompt_input() {
+        Ok(PromptInput::Text(t)) => text::tokenize(&t),
+        Ok(PromptInput::Tokens(ids)) => ids,
         Err(e) => return request_error(&e),
     };
     let generation = Generation {
         kind: Kind::Completion,
-        prompt,
+        tokens,
         max_tokens: req.max_tokens,
         stream: req.stream,
         extras,
@@ -698,13 +701,13 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
     if let Some(resp) = check_model(&shared, &req.model) {
         return resp;
     }
-    let prompt = match req.prompt_text() {
-        Ok(prompt) => prompt,
+    let tokens = match req.prompt_text() {
+        Ok(prompt) => text::tokenize(&prompt),
         Err(e) => return request_error(&e),
     };
     let generation = Generation {
         kind: Kind::Chat,
-        prompt,
+        tokens,
         max_tokens: req.max_tokens(),
         stream: req.stream,
         extras,
@@ -761,8 +764,8 @@ fn engine_stopped() -> Response {
     error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
 }
 
-async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
-    let tokens = text::tokenize(&g.prompt);
+async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
+    let tokens = std::mem::take(&mut g.tokens);
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
     if prompt_tokens > shared.max_prompt_tokens {
         return error(
@@ -1407,14 +1410,8 @@ mod tests {
     async fn chat_completion() {
         let s = TestServer::start(config()).await;
         let messages = vec![
-            ChatMessage {
-                role: "system".into(),
-                content: "be brief".into(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: text::words(5, 20),
-            },
+            ChatMessage::text("system", "be brief"),
+            ChatMessage::text("user", text::words(5, 20)),
         ];
         let body = json!({
             "model": "sim-llama",
@@ -1434,6 +1431,28 @@ mod tests {
         let prompt_tokens = text::count_tokens(&render_chat(&messages));
         assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
         assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 6);
+    }
+
+    #[tokio::test]
+    async fn token_id_prompts_and_structured_messages_are_served() {
+        let s = TestServer::start(config()).await;
+        let ids: Vec<u32> = (1..=40).collect();
+        for prompt in [json!(ids), json!([ids])] {
+            let body = json!({"model": "sim-llama", "prompt": prompt, "max_tokens": 2});
+            let (status, v) = s.post("/v1/completions", &body).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["usage"]["prompt_tokens"], 40);
+        }
+        let body = json!({"model": "sim-llama", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is here?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "look", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
+        ]});
+        let (status, v) = s.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{v}");
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 10);
     }
 
     #[tokio::test]
