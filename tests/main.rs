@@ -4,6 +4,7 @@
 //! One test crate (this file and its modules), built as the `integration` test target of
 //! the `warmpath` package so that Cargo hands it the binary's path.
 
+mod clients;
 mod cluster;
 mod raft;
 mod router;

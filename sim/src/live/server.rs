@@ -21,7 +21,8 @@
 //!   (`max_completion_tokens` for chat) come out, finish reason `length`. Output tokens
 //!   are pseudo-words seeded by the prompt's token ids and the position, so the same
 //!   prompt always gives the same text (like greedy decoding), streamed or not.
-//! - Prompts are tokenized with [`text::tokenize`]; the prefix-cache keys are
+//! - Prompts are tokenized with [`text::tokenize`] (a token-id prompt is used as it is,
+//!   chat messages are rendered by [`text::render_chat`]); the prefix-cache keys are
 //!   [`token_block_keys`] under the tenant [`ENGINE_TENANT`] with the request's optional
 //!   `cache_salt` (vLLM's field), so equal prompts with different salts share nothing.
 //! - `GET /v1/models`, `GET /health`, and `GET /metrics` with vLLM's metric names.

@@ -1,0 +1,76 @@
+//! Clients as users run them: the official `openai` Python client against real routers and
+//! engine-sims (`tests/clients/openai_compat.py` holds the checks).
+
+use crate::{scratch_dir, Proc};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The venv with the pinned client: `WARMPATH_TEST_VENV`, or `target/test-venv` of the
+/// workspace, created by `tests/clients/setup-venv.sh` when missing (as `.ci/run` does).
+fn client_venv() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let venv = std::env::var_os("WARMPATH_TEST_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/test-venv"));
+    let status = Command::new("sh")
+        .arg(root.join("tests/clients/setup-venv.sh"))
+        .arg(&venv)
+        .status()
+        .expect("sh runs");
+    assert!(
+        status.success(),
+        "could not set up {} with the openai client (python3 with venv and pip, and PyPI, \
+         are needed): run tests/clients/setup-venv.sh {0}",
+        venv.display()
+    );
+    venv
+}
+
+#[test]
+fn the_official_openai_client_works_through_the_router() {
+    let venv = client_venv();
+    let engine = Proc::start(&["engine-sim", "--listen", "127.0.0.1:0", "--speedup", "1000"]);
+    // The README's "Run a gateway": instances by flag, no keys, nothing else.
+    let open = Proc::start(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--instance",
+        &engine.url,
+    ]);
+    // A keyed router: a rate-limited tenant, and a tenant whose pool's instance is down.
+    let dir = scratch_dir("openai-client");
+    let config = dir.join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n\
+             [[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\n\
+             [[pools]]\nmodel = \"dead-llama\"\ninstances = [\"http://127.0.0.1:9\"]\n\
+             [[tenants]]\nid = \"acme\"\napi_keys = [\"sk-acme\"]\npool = \"sim-llama\"\n\
+             rate_limit_rps = 0.1\n\
+             [[tenants]]\nid = \"ghost\"\napi_keys = [\"sk-ghost\"]\npool = \"dead-llama\"\n",
+            engine.url
+        ),
+    )
+    .expect("config written");
+    let keyed = Proc::start(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        config.to_str().expect("utf-8 path"),
+    ]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/openai_compat.py");
+    let out = Command::new(venv.join("bin/python"))
+        .arg(script)
+        .arg(&open.url)
+        .arg(&keyed.url)
+        .output()
+        .expect("the venv's python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    print!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+}
