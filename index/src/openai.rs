@@ -37,9 +37,14 @@ pub struct CompletionRequest {
     /// Forces exactly `max_tokens` tokens (vLLM's extension; the simulator always does).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
-    /// vLLM's salt isolating prefix caches; the router prepends the tenant's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_salt: Option<String>,
+    /// vLLM's salt isolating prefix caches; the router prepends the tenant's. `Some(None)`
+    /// when the field is there but null: it is still the client's field to replace.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cache_salt: Option<Option<String>>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -55,9 +60,19 @@ pub struct ChatRequest {
     pub stream: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
-    /// vLLM's salt isolating prefix caches; the router prepends the tenant's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_salt: Option<String>,
+    /// vLLM's salt isolating prefix caches; the router prepends the tenant's. `Some(None)`
+    /// when the field is there but null: it is still the client's field to replace.
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cache_salt: Option<Option<String>>,
+}
+
+/// A field that is present, even as null (serde's `Option` alone reads null as absent).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(d).map(Some)
 }
 
 /// Why a request body is not a usable request.

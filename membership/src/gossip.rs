@@ -800,7 +800,7 @@ impl WarmTransport {
             recv_buf: vec![0u8; MAX_DATAGRAM + 1],
             send_buf: vec![0u8; MAX_DATAGRAM + 1],
             next_message_id: 0,
-            reassembly: HashMap::new(),
+            gate: DatagramGate::new(self.shared.mac_key),
         }))
     }
 }
@@ -847,7 +847,7 @@ struct WarmSocket {
     recv_buf: Vec<u8>,
     send_buf: Vec<u8>,
     next_message_id: u32,
-    reassembly: HashMap<SocketAddr, Reassembly>,
+    gate: DatagramGate,
 }
 
 fn is_transient(err: &std::io::Error) -> bool {
@@ -909,11 +909,7 @@ impl WarmSocket {
             .await
             .context("chitchat's datagram did not arrive on loopback")??;
         self.next_message_id = self.next_message_id.wrapping_add(1);
-        let frames = seal(
-            self.shared.mac_key.as_ref(),
-            &self.send_buf[..n],
-            self.next_message_id,
-        );
+        let frames = self.gate.seal(&self.send_buf[..n], self.next_message_id);
         let mut sent = 0;
         for frame in &frames {
             sent += self
@@ -942,33 +938,20 @@ impl WarmSocket {
         c.bytes_received.fetch_add(len as u64, Ordering::Relaxed);
         c.datagrams_received.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("warmpath_gossip_received_bytes_total").increment(len as u64);
-        let datagram = &self.recv_buf[..len];
-        let payload: Vec<u8> = match self.shared.mac_key.as_ref() {
-            None => datagram.to_vec(),
-            Some(key) => match open(key, datagram) {
-                None => {
-                    self.shared.unauthenticated();
-                    debug!(%from, len, "dropping unauthenticated gossip datagram");
-                    return;
-                }
-                Some(body) if body.starts_with(&FRAGMENT_MAGIC) => {
-                    match reassemble(&mut self.reassembly, from, body) {
-                        Ok(Some(whole)) => whole,
-                        Ok(None) => return,
-                        Err(()) => {
-                            self.shared.decode_error();
-                            return;
-                        }
-                    }
-                }
-                Some(body) => body.to_vec(),
-            },
+        let payload = match self.gate.accept(from, &self.recv_buf[..len]) {
+            Ok(Some(payload)) => payload,
+            Ok(None) => return,
+            Err(Rejected::Unauthenticated) => {
+                self.shared.unauthenticated();
+                debug!(%from, len, "dropping unauthenticated gossip datagram");
+                return;
+            }
+            Err(Rejected::Malformed) => {
+                self.shared.decode_error();
+                debug!(%from, len, "dropping a datagram that is not chitchat");
+                return;
+            }
         };
-        if !payload.starts_with(&CHITCHAT_MAGIC) {
-            self.shared.decode_error();
-            debug!(%from, len, "dropping a datagram that is not chitchat");
-            return;
-        }
         let shadow_addr = match self.shadow_addr(from).await {
             Ok(addr) => addr,
             Err(error) => {
@@ -1036,6 +1019,75 @@ impl Socket for WarmSocket {
         Self: 'async_trait,
     {
         Box::pin(self.recv_envelope())
+    }
+}
+
+/// Why [`DatagramGate::accept`] refused a datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rejected {
+    /// Its MAC does not verify (or it has none while the cluster has a secret).
+    Unauthenticated,
+    /// Authenticated, but not a well-formed fragment or chitchat message.
+    Malformed,
+}
+
+/// The check every gossip datagram passes before chitchat sees it, and the framing of
+/// what this node sends: pure (no sockets), so the fuzz targets drive this very code.
+pub struct DatagramGate {
+    key: Option<[u8; 32]>,
+    reassembly: HashMap<SocketAddr, Reassembly>,
+}
+
+impl std::fmt::Debug for DatagramGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key stays out of logs.
+        f.debug_struct("DatagramGate")
+            .field("authenticated", &self.key.is_some())
+            .field("reassemblies", &self.reassembly.len())
+            .finish()
+    }
+}
+
+impl DatagramGate {
+    /// A gate for the cluster's MAC key (`None`: no secret, nothing authenticated).
+    pub fn new(key: Option<[u8; 32]>) -> Self {
+        DatagramGate {
+            key,
+            reassembly: HashMap::new(),
+        }
+    }
+
+    /// The datagrams that carry `payload` (see [`seal`]).
+    pub fn seal(&self, payload: &[u8], message_id: u32) -> Vec<Vec<u8>> {
+        seal(self.key.as_ref(), payload, message_id)
+    }
+
+    /// The chitchat message a datagram from `from` completes: `Ok(None)` while a
+    /// fragmented message is incomplete.
+    pub fn accept(
+        &mut self,
+        from: SocketAddr,
+        datagram: &[u8],
+    ) -> Result<Option<Vec<u8>>, Rejected> {
+        let payload = match self.key.as_ref() {
+            None => datagram.to_vec(),
+            Some(key) => match open(key, datagram) {
+                None => return Err(Rejected::Unauthenticated),
+                Some(body) if body.starts_with(&FRAGMENT_MAGIC) => {
+                    match reassemble(&mut self.reassembly, from, body) {
+                        Ok(Some(whole)) => whole,
+                        Ok(None) => return Ok(None),
+                        Err(()) => return Err(Rejected::Malformed),
+                    }
+                }
+                Some(body) => body.to_vec(),
+            },
+        };
+        if payload.starts_with(&CHITCHAT_MAGIC) {
+            Ok(Some(payload))
+        } else {
+            Err(Rejected::Malformed)
+        }
     }
 }
 

@@ -7,12 +7,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-mod admin;
-mod demo;
-mod engine_sim;
-mod loadgen;
-mod router;
-mod simulate;
+use warmpath::{admin, demo, engine_sim, loadgen, router, simulate};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -39,26 +34,6 @@ enum Command {
     Loadgen(loadgen::LoadgenArgs),
     /// Manage tenants, pools and API keys through a router's admin API.
     Admin(admin::AdminArgs),
-}
-
-/// Resolves on SIGINT or SIGTERM: the start of a graceful shutdown.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
-    tracing::info!("shutting down: draining open requests");
 }
 
 /// Logs to stderr; `WARMPATH_LOG` sets the filter (default `info,openraft=warn`).

@@ -70,6 +70,13 @@ pub struct AdminDeps {
     pub router: Arc<dyn RouterInfo>,
 }
 
+impl std::fmt::Debug for AdminDeps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token hash stays out of logs.
+        f.debug_struct("AdminDeps").finish_non_exhaustive()
+    }
+}
+
 /// Facts only the running router knows.
 pub trait RouterInfo: Send + Sync {
     fn index_stats(&self) -> serde_json::Value;
@@ -475,19 +482,28 @@ fn parse_body<T: DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     what: &str,
 ) -> Result<T, AdminError> {
-    let body = body.map_err(|e| {
+    decode_body(&received(body)?, what)
+}
+
+/// The body as read, or why it could not be.
+fn received(body: Result<Bytes, BytesRejection>) -> Result<Bytes, AdminError> {
+    body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             AdminError::TooLarge
         } else {
             AdminError::BadRequest(format!("request body: {}", e.body_text()))
         }
-    })?;
+    })
+}
+
+/// A JSON body as `T`, or a 400 naming `what` was expected.
+pub(crate) fn decode_body<T: DeserializeOwned>(body: &[u8], what: &str) -> Result<T, AdminError> {
     if body.is_empty() {
         return Err(AdminError::BadRequest(format!(
             "empty request body: send {what} as JSON"
         )));
     }
-    serde_json::from_slice(&body)
+    serde_json::from_slice(body)
         .map_err(|e| AdminError::BadRequest(format!("{what}: malformed JSON: {e}")))
 }
 
@@ -499,7 +515,15 @@ fn parse_strict<T: DeserializeOwned + Serialize + Default>(
     body: Result<Bytes, BytesRejection>,
     what: &str,
 ) -> Result<T, AdminError> {
-    let value: Value = parse_body(body, what)?;
+    decode_strict(&received(body)?, what)
+}
+
+/// [`parse_strict`] of bytes already read.
+pub(crate) fn decode_strict<T: DeserializeOwned + Serialize + Default>(
+    body: &[u8],
+    what: &str,
+) -> Result<T, AdminError> {
+    let value: Value = decode_body(body, what)?;
     let known = serde_json::to_value(T::default()).unwrap_or_default();
     let Some(object) = value.as_object() else {
         return Err(AdminError::BadRequest(format!(
@@ -543,7 +567,7 @@ pub struct TenantInput {
 }
 
 impl TenantInput {
-    fn into_spec(self, id: &str) -> Result<TenantSpec, AdminError> {
+    pub(crate) fn into_spec(self, id: &str) -> Result<TenantSpec, AdminError> {
         let mut spec = self.spec.complete(id);
         spec.api_key_hashes = spec
             .api_key_hashes
@@ -573,7 +597,7 @@ impl TenantInput {
 #[serde(deny_unknown_fields)]
 pub struct KeyInput {
     /// The plain API key; only its hash is stored.
-    key: String,
+    pub(crate) key: String,
 }
 
 /// An instance to add to a pool.
@@ -581,7 +605,7 @@ pub struct KeyInput {
 #[serde(deny_unknown_fields)]
 pub struct InstanceInput {
     /// `http://host:port`.
-    url: String,
+    pub(crate) url: String,
 }
 
 /// A routing dry run.

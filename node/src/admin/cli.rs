@@ -230,6 +230,15 @@ pub struct AdminClient {
     http: Client<HttpConnector, Full<Bytes>>,
 }
 
+impl std::fmt::Debug for AdminClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token stays out of logs.
+        f.debug_struct("AdminClient")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
 impl AdminClient {
     /// A client of the API at `base` (`http://host:port`).
     pub fn new(base: &str, token: Option<String>) -> Result<AdminClient> {

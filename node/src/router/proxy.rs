@@ -65,12 +65,29 @@ pub struct TenantEntry {
     config_version: u64,
 }
 
+impl std::fmt::Debug for TenantEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TenantEntry")
+            .field("tenant", &self.tenant.id)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Tenants by id and by API key, with their key material derived once; each entry carries
 /// the configuration version it comes from.
 pub struct TenantTable {
     by_id: HashMap<String, Arc<TenantEntry>>,
     by_key: HashMap<[u8; 32], String>,
     default_tenant: Option<String>,
+}
+
+impl std::fmt::Debug for TenantTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TenantTable")
+            .field("tenants", &self.by_id.len())
+            .field("default_tenant", &self.default_tenant)
+            .finish_non_exhaustive()
+    }
 }
 
 impl TenantTable {
@@ -449,21 +466,26 @@ pub async fn chat(
 }
 
 /// What the router reads of a request body.
-struct Parsed {
-    model: String,
+#[derive(Debug)]
+pub(crate) struct Parsed {
+    pub(crate) model: String,
     /// The prompt as routing reads it: the text tokenized, or the client's own token ids.
-    tokens: Vec<u32>,
-    stream: bool,
-    /// Whether the client set its own `cache_salt`.
-    own_salt: bool,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) stream: bool,
+    /// Whether the body has a `cache_salt` field of its own (a string or null).
+    pub(crate) own_salt: bool,
 }
 
-fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
+pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
     let bad = |e: serde_json::Error| ProxyError::BadRequest(format!("invalid request body: {e}"));
     let bad_req = |e: warmpath_index::openai::RequestError| ProxyError::BadRequest(e.to_string());
+    // JSON is UTF-8 throughout; serde skips the fields it ignores without checking them, and
+    // the engine would refuse what the router forwarded.
+    let body = std::str::from_utf8(body)
+        .map_err(|e| ProxyError::BadRequest(format!("invalid request body: not UTF-8 ({e})")))?;
     match endpoint {
         Endpoint::Completions => {
-            let r: CompletionRequest = serde_json::from_slice(body).map_err(bad)?;
+            let r: CompletionRequest = serde_json::from_str(body).map_err(bad)?;
             let tokens = match r.prompt_input().map_err(bad_req)? {
                 PromptInput::Text(t) => tokenize(&t),
                 PromptInput::Tokens(ids) => ids,
@@ -476,7 +498,7 @@ fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
             })
         }
         Endpoint::Chat => {
-            let r: ChatRequest = serde_json::from_slice(body).map_err(bad)?;
+            let r: ChatRequest = serde_json::from_str(body).map_err(bad)?;
             let tokens = tokenize(&r.prompt_text().map_err(bad_req)?);
             Ok(Parsed {
                 model: r.model,
@@ -490,19 +512,19 @@ fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
 
 /// The body with the tenant's cache salt as the engine's `cache_salt`, so two tenants
 /// never share an engine's prefix cache. A client's own salt is kept, after the tenant's.
-fn with_cache_salt(body: &Bytes, salt: &str, has_own: bool) -> Result<Bytes, ProxyError> {
+pub(crate) fn with_cache_salt(
+    body: &Bytes,
+    salt: &str,
+    has_own: bool,
+) -> Result<Bytes, ProxyError> {
     if has_own {
         let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
             .map_err(|e| ProxyError::BadRequest(format!("invalid request body: {e}")))?;
-        let own = v
-            .get("cache_salt")
-            .and_then(|s| s.as_str())
-            .unwrap_or_default()
-            .to_string();
-        v.insert(
-            "cache_salt".into(),
-            serde_json::Value::String(format!("{salt}:{own}")),
-        );
+        let salted = match v.get("cache_salt").and_then(|s| s.as_str()) {
+            Some(own) => format!("{salt}:{own}"),
+            None => salt.to_string(),
+        };
+        v.insert("cache_salt".into(), serde_json::Value::String(salted));
         return Ok(Bytes::from(serde_json::to_vec(&v).unwrap_or_default()));
     }
     // Splice the field in after the opening brace: no second parse on the hot path.
@@ -911,6 +933,16 @@ mod tests {
         .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&own).unwrap();
         assert_eq!(v["cache_salt"], "s:mine");
+        // A null salt is the client's field too: replaced, never left beside the tenant's
+        // (an engine keeping the last duplicate key would read null and share the cache).
+        let body = Bytes::from(r#"{"model":"m","prompt":"p","cache_salt":null}"#);
+        let parsed = parse(Endpoint::Completions, &body).ok().unwrap();
+        assert!(parsed.own_salt);
+        let salted = with_cache_salt(&body, "s", parsed.own_salt).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&salted).unwrap(),
+            r#"{"cache_salt":"s","model":"m","prompt":"p"}"#
+        );
         assert!(with_cache_salt(&Bytes::from("[1]"), "s", false).is_err());
     }
 

@@ -201,6 +201,12 @@ pub struct Info {
     pub app: Arc<App>,
 }
 
+impl std::fmt::Debug for Info {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Info").finish_non_exhaustive()
+    }
+}
+
 impl crate::admin::RouterInfo for Info {
     fn index_stats(&self) -> serde_json::Value {
         let stats = self
