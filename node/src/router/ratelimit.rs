@@ -56,10 +56,15 @@ impl TokenBucket {
             self.tokens -= 1.0;
             return Ok(());
         }
+        // A tiny positive rate (1e-300 is valid input) would overflow a Duration: a wait is
+        // capped at a day, which a client reads as "not today".
+        const MAX_WAIT_S: f64 = 86_400.0;
         if per_s <= 0.0 {
             return Err(Duration::from_secs(60));
         }
-        Err(Duration::from_secs_f64((1.0 - self.tokens) / per_s))
+        Err(Duration::from_secs_f64(
+            ((1.0 - self.tokens) / per_s).min(MAX_WAIT_S),
+        ))
     }
 }
 
@@ -93,5 +98,9 @@ mod tests {
             "the first token of the minimum burst"
         );
         assert!(none.admit(at(10_000)).is_err());
+        // A vanishing rate waits at most a day instead of overflowing.
+        let mut tiny = TokenBucket::new(1e-300);
+        assert!(tiny.admit(at(0)).is_ok());
+        assert_eq!(tiny.admit(at(1)).unwrap_err(), Duration::from_secs(86_400));
     }
 }
