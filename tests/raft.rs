@@ -3,7 +3,7 @@
 //! Voters' admin addresses must be known before they start, so their ports are picked by
 //! binding port 0 and closing it; everything else is polled with deadlines.
 
-use crate::{scratch_dir, Proc};
+use crate::{free_addr, scratch_dir, Proc};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Method;
@@ -24,14 +24,6 @@ const POOL: &str = "sim-llama";
 
 fn client() -> HttpClient {
     Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new())
-}
-
-/// A free loopback address: bind port 0, note it, close.
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("local address")
 }
 
 #[derive(Debug)]

@@ -9,9 +9,9 @@ use hyper_util::client::legacy::Client;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-fn client() -> HttpClient {
+pub(crate) fn client() -> HttpClient {
     Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new())
 }
 
@@ -36,14 +36,14 @@ fn router(engines: &[&Proc], extra: &[&str]) -> Proc {
     Proc::start(&args)
 }
 
-struct Reply {
-    status: u16,
-    headers: hyper::HeaderMap,
-    body: Bytes,
+pub(crate) struct Reply {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
 }
 
 impl Reply {
-    fn json(&self) -> Value {
+    pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
     }
@@ -58,7 +58,7 @@ impl Reply {
     }
 }
 
-async fn post(
+pub(crate) async fn post(
     client: &HttpClient,
     url: &str,
     path: &str,
@@ -89,12 +89,12 @@ async fn post(
     }
 }
 
-fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
+pub(crate) fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
     json!({"model": "sim-llama", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
         .to_string()
 }
 
-fn long_prompt(seed: u64) -> String {
+pub(crate) fn long_prompt(seed: u64) -> String {
     warmpath_index::text::words(seed, 600)
 }
 

@@ -3,7 +3,9 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use warmpath_cache_agent::client::AgentAddr;
 use warmpath_sim::engine::EngineConfig;
+use warmpath_sim::live::offload::{layout_of, AgentSettings};
 use warmpath_sim::live::server::{serve, EngineSimConfig};
 
 #[derive(Args, Debug, Clone)]
@@ -32,6 +34,17 @@ pub struct EngineSimArgs {
     /// Model profile (builtin name).
     #[arg(long, default_value = "default")]
     pub profile: String,
+    /// The host's cache-agent (HOST:PORT or unix:PATH): GPU evictions are offloaded to it
+    /// as real payloads and a GPU miss loads the following blocks from it.
+    #[arg(long)]
+    pub agent: Option<AgentAddr>,
+    /// File holding the agent's block API token.
+    #[arg(long, requires = "agent")]
+    pub agent_token_file: Option<std::path::PathBuf>,
+    /// Payload bytes per block = the profile's KV bytes per token × block tokens × this
+    /// (1 moves real sizes; tests use less).
+    #[arg(long, default_value_t = 1.0, requires = "agent")]
+    pub agent_block_scale: f64,
 }
 
 pub fn run(args: EngineSimArgs) -> Result<()> {
@@ -47,6 +60,34 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
             args.block_tokens
         );
     }
+    if args.agent.is_some() && args.l1_kv_tokens > 0 {
+        bail!("--l1-kv-tokens models an L1 inside the engine; with --agent the agent is the L1");
+    }
+    if !(args.agent_block_scale.is_finite() && args.agent_block_scale > 0.0) {
+        bail!("--agent-block-scale must be a positive number");
+    }
+    let profile = warmpath_index::profiles::builtin(&args.profile)?;
+    let agent = match &args.agent {
+        Some(addr) => {
+            let token = match &args.agent_token_file {
+                Some(p) => {
+                    warmpath_cache_agent::config::read_token(p).map_err(anyhow::Error::msg)?
+                }
+                None => String::new(),
+            };
+            let bytes = profile.kv_bytes_per_token as f64
+                * f64::from(args.block_tokens)
+                * args.agent_block_scale;
+            Some(AgentSettings {
+                addr: addr.clone(),
+                token,
+                layout: layout_of(&args.model, args.block_tokens),
+                block_bytes: (bytes.round() as usize).max(1),
+                timeout: std::time::Duration::from_secs(2),
+            })
+        }
+        None => None,
+    };
     let config = EngineSimConfig {
         model: args.model.clone(),
         engine: EngineConfig {
@@ -55,7 +96,8 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
             l1_blocks: args.l1_kv_tokens / u64::from(args.block_tokens),
             ..EngineConfig::default()
         },
-        profile: warmpath_index::profiles::builtin(&args.profile)?,
+        profile,
+        agent,
         speedup: args.speedup,
         default_max_tokens: args.default_max_tokens,
         ..EngineSimConfig::default()

@@ -2,6 +2,7 @@
 //! fuzz targets (`fuzz/`) and benches reach the same code as the binary.
 
 pub mod admin;
+pub mod agent;
 pub mod demo;
 pub mod engine_sim;
 pub mod fuzzing;

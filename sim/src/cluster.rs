@@ -15,7 +15,7 @@
 
 use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use crate::stats::Samples;
-use crate::tiers::BlockLru;
+use crate::tiers::TierSet;
 use crate::workload::Workload;
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -203,7 +203,7 @@ pub fn simulate(
     let mut engines: Vec<Engine> = (0..config.instances)
         .map(|_| Engine::new(config.engine.clone(), config.profile.clone()))
         .collect();
-    let mut l2 = BlockLru::new(config.l2_blocks);
+    let mut l2 = TierSet::lru(config.l2_blocks);
     // Parent of each key, for placing observed blocks in the index tree.
     let mut parent_of: HashMap<BlockKey, BlockKey> = HashMap::new();
     for r in &workload.requests {
@@ -332,6 +332,8 @@ pub fn simulate(
                         keys: req.keys.clone(),
                         prompt_tokens: req.prompt_tokens,
                         output_tokens: req.output_tokens,
+                        offered: Vec::new(),
+                        offered_from: 0,
                     },
                 );
                 if !engine.step_running() {

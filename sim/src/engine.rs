@@ -105,7 +105,7 @@ use std::collections::{HashMap, VecDeque};
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::keys::BlockKey;
 
-use crate::tiers::BlockLru;
+use crate::tiers::{BlockLru, TierSet};
 
 /// Shape and limits of one engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,6 +150,12 @@ pub struct EngineRequest {
     pub prompt_tokens: u32,
     /// Tokens to generate; 0 is treated as 1.
     pub output_tokens: u32,
+    /// Blocks an outside store (the host's cache-agent) already handed over for this
+    /// request: `keys[offered_from..offered_from + offered.len()]`, each with the tier it
+    /// came from. At admission they extend the GPU hit like the engine's own tiers do (with
+    /// their load time); a block the GPU lost in the meantime leaves a gap that ends the run.
+    pub offered: Vec<Tier>,
+    pub offered_from: usize,
 }
 
 /// What the engine reports; times are virtual microseconds.
@@ -218,6 +224,9 @@ struct Seq {
     generated: u64,
     /// Hit tokens (GPU, L1, L2) of the first admission; None before it.
     first_hits: Option<[u32; 3]>,
+    /// See [`EngineRequest::offered`].
+    offered: Vec<Tier>,
+    offered_from: usize,
     // The current run: reset by preemption.
     /// Tokens to be in the KV cache before this run's first output: prompt plus tokens
     /// generated before the run began.
@@ -264,7 +273,7 @@ pub struct Engine {
     /// GPU blocks never used or holding freed anonymous data.
     free_blocks: u64,
     /// This host's CPU-memory tier.
-    l1: BlockLru,
+    l1: TierSet,
     /// The step in flight, if any.
     step: Option<Step>,
     /// Rejected at submission, not yet reported: (id, submitted at).
@@ -282,7 +291,7 @@ impl Engine {
         };
         Engine {
             free_blocks: u64::from(config.gpu_blocks),
-            l1: BlockLru::new(config.l1_blocks),
+            l1: TierSet::lru(config.l1_blocks),
             config,
             profile,
             waiting: VecDeque::new(),
@@ -301,7 +310,7 @@ impl Engine {
     }
 
     /// This host's L1 tier.
-    pub fn l1(&self) -> &BlockLru {
+    pub fn l1(&self) -> &TierSet {
         &self.l1
     }
 
@@ -325,6 +334,8 @@ impl Engine {
             output_tokens,
             generated: 0,
             first_hits: None,
+            offered: req.offered,
+            offered_from: req.offered_from,
             prefill_len: 0,
             prefilled: 0,
             named: 0,
@@ -339,7 +350,7 @@ impl Engine {
     pub fn start_step(
         &mut self,
         now_us: u64,
-        l2: &mut BlockLru,
+        l2: &mut TierSet,
         events: &mut Vec<EngineEvent>,
     ) -> Option<u64> {
         self.flush_rejects(events);
@@ -433,7 +444,7 @@ impl Engine {
     /// Completes the running step at its end time (the value `start_step` returned),
     /// pushing the tokens, first tokens, finishes and block events it produced. Does nothing
     /// (beyond reporting rejections) when no step is running.
-    pub fn complete_step(&mut self, now_us: u64, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+    pub fn complete_step(&mut self, now_us: u64, l2: &mut TierSet, events: &mut Vec<EngineEvent>) {
         let _ = l2; // Completion frees and names blocks but never evicts.
         self.flush_rejects(events);
         let Some(step) = self.step.take() else { return };
@@ -532,6 +543,13 @@ impl Engine {
         u32::try_from(self.waiting.len() + self.running.len()).unwrap_or(u32::MAX)
     }
 
+    /// How many leading blocks of `keys` are on the GPU now.
+    pub fn gpu_prefix(&self, keys: &[BlockKey]) -> usize {
+        keys.iter()
+            .take_while(|k| self.resident.contains_key(k))
+            .count()
+    }
+
     /// Referenced GPU blocks / gpu_blocks (cached but unreferenced blocks count as free).
     pub fn kv_usage(&self) -> f64 {
         let total = u64::from(self.config.gpu_blocks);
@@ -564,7 +582,7 @@ impl Engine {
 
     /// Tries to admit the head of the waiting queue; on success pushes it onto `running`
     /// and returns the milliseconds of its tier loads.
-    fn try_admit(&mut self, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) -> Option<f64> {
+    fn try_admit(&mut self, l2: &mut TierSet, events: &mut Vec<EngineEvent>) -> Option<f64> {
         let bt = u64::from(self.config.block_tokens);
         let head = self.waiting.front()?;
         let prefill_len = head.prompt_tokens + head.generated;
@@ -586,7 +604,12 @@ impl Engine {
         let mut loaded = gpu;
         while loaded < max_hit {
             let key = head.keys[loaded];
-            if self.resident.contains_key(&key) || !(self.l1.contains(key) || l2.contains(key)) {
+            let offered = loaded
+                .checked_sub(head.offered_from)
+                .and_then(|i| head.offered.get(i));
+            if self.resident.contains_key(&key)
+                || !(self.l1.contains(key) || l2.contains(key) || offered.is_some())
+            {
                 break;
             }
             loaded += 1;
@@ -603,12 +626,19 @@ impl Engine {
         // Touch the blocks to load first, so that offloads made room for below do not push
         // them out of their tier before they are read.
         let (mut l1_blocks, mut l2_blocks) = (0u64, 0u64);
-        for &key in &seq.keys[gpu..loaded] {
+        for (i, &key) in seq.keys.iter().enumerate().take(loaded).skip(gpu) {
             if self.l1.touch(key) {
                 l1_blocks += 1;
-            } else {
-                l2.touch(key);
+            } else if l2.touch(key) {
                 l2_blocks += 1;
+            } else {
+                match i
+                    .checked_sub(seq.offered_from)
+                    .and_then(|i| seq.offered.get(i))
+                {
+                    Some(Tier::L1) => l1_blocks += 1,
+                    _ => l2_blocks += 1,
+                }
             }
         }
         for _ in 0..new_blocks {
@@ -682,7 +712,7 @@ impl Engine {
     /// Takes one block for the caller (who counts it as anonymous): a free one, else the
     /// least recently used evictable one, which is offloaded. The caller checked that one
     /// is available; if none is, nothing is taken.
-    fn take_block(&mut self, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+    fn take_block(&mut self, l2: &mut TierSet, events: &mut Vec<EngineEvent>) {
         if self.free_blocks > 0 {
             self.free_blocks -= 1;
             return;
@@ -698,7 +728,7 @@ impl Engine {
     }
 
     /// A named block left the GPU: keep it in L1, or in L2 when there is no L1.
-    fn offload(&mut self, key: BlockKey, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+    fn offload(&mut self, key: BlockKey, l2: &mut TierSet, events: &mut Vec<EngineEvent>) {
         if self.l1.capacity() > 0 {
             let was_there = self.l1.contains(key);
             let mut evicted = Vec::new();
@@ -756,7 +786,7 @@ impl Engine {
 }
 
 /// Puts `key` in the global L2, reporting what it displaced and, when new there, the store.
-fn store_l2(key: BlockKey, l2: &mut BlockLru, events: &mut Vec<EngineEvent>) {
+fn store_l2(key: BlockKey, l2: &mut TierSet, events: &mut Vec<EngineEvent>) {
     let was_there = l2.contains(key);
     let mut evicted = Vec::new();
     l2.insert(key, &mut evicted);
@@ -795,6 +825,8 @@ mod tests {
             keys,
             prompt_tokens,
             output_tokens,
+            offered: Vec::new(),
+            offered_from: 0,
         }
     }
 
@@ -813,7 +845,7 @@ mod tests {
     /// What a drive produced.
     struct Run {
         engine: Engine,
-        l2: BlockLru,
+        l2: TierSet,
         events: Vec<EngineEvent>,
         /// (start, end) of every step.
         steps: Vec<(u64, u64)>,
@@ -868,7 +900,7 @@ mod tests {
     /// Drives one engine over `arrivals` (sorted by time) until it is idle, checking the
     /// block accounting after every call and that the block events replay to the tiers'
     /// real contents.
-    fn drive(config: EngineConfig, arrivals: Vec<(u64, EngineRequest)>, l2: BlockLru) -> Run {
+    fn drive(config: EngineConfig, arrivals: Vec<(u64, EngineRequest)>, l2: TierSet) -> Run {
         let mut run = Run {
             engine: Engine::new(config, ModelProfile::dynamo_default()),
             l2,
@@ -944,7 +976,7 @@ mod tests {
             }
         }
 
-        fn check(&self, engine: &Engine, l2: &BlockLru) {
+        fn check(&self, engine: &Engine, l2: &TierSet) {
             let gpu: BTreeSet<BlockKey> = engine.resident.keys().copied().collect();
             assert_eq!(self.gpu, gpu);
             assert_eq!(self.l1, engine.l1.keys_lru_first().into_iter().collect());
@@ -1005,7 +1037,7 @@ mod tests {
             let run = drive(
                 config(16, 1000),
                 one_by_one(vec![req(0, ka, ta, 2), req(1, kb, tb, 2)]),
-                BlockLru::new(0),
+                TierSet::lru(0),
             );
             assert_eq!(run.first_token(0).1, [0, 0, 0], "case {i}");
             assert_eq!(run.first_token(1).1, [want, 0, 0], "case {i}");
@@ -1028,7 +1060,7 @@ mod tests {
         let run = drive(
             config(4, 6),
             one_by_one(vec![p(1), p(2), p(3), p(1)]),
-            BlockLru::new(0),
+            TierSet::lru(0),
         );
         assert_eq!(run.removed(Tier::Gpu), vec![keys(1, 2)[1], keys(2, 2)[1]]);
         let hits: Vec<u32> = run
@@ -1049,11 +1081,7 @@ mod tests {
             max_batch_tokens: 100,
             ..config(16, 1000)
         };
-        let run = drive(
-            cfg,
-            vec![(0, req(7, keys(1, 15), 250, 3))],
-            BlockLru::new(0),
-        );
+        let run = drive(cfg, vec![(0, req(7, keys(1, 15), 250, 3))], TierSet::lru(0));
         // 250 tokens in chunks of 100, 100, 50; then two decode steps holding 16 blocks.
         let u = 16.0 / 1000.0;
         let want = [
@@ -1109,7 +1137,7 @@ mod tests {
         let run = drive(
             config(16, 100),
             vec![(0, req(0, vec![], 10, 3)), (1, req(1, keys(2, 1), 20, 1))],
-            BlockLru::new(0),
+            TierSet::lru(0),
         );
         let got: Vec<u64> = run.steps.iter().map(|(s, e)| e - s).collect();
         let want = [
@@ -1137,7 +1165,7 @@ mod tests {
                 .enumerate()
                 .map(|(id, (k, p, o))| (0, req(id as u64, k, p, o)))
                 .collect();
-            let run = drive(config(4, gpu), arrivals, BlockLru::new(0));
+            let run = drive(config(4, gpu), arrivals, TierSet::lru(0));
             let s = run.engine.stats();
             assert!(s.preemptions > 0, "case {i}: no preemption");
             assert_eq!((s.finished, s.rejected), (n, 0), "case {i}");
@@ -1190,7 +1218,7 @@ mod tests {
                 req(1, keys(2, 4), 65, 1),
                 req(2, keys(1, 4), 65, 1),
             ]);
-            let run = drive(cfg, workload.clone(), BlockLru::new(1000));
+            let run = drive(cfg, workload.clone(), TierSet::lru(1000));
             assert_eq!(run.first_token(2).1, want, "case {i}");
             // B evicts A3, A2; A's return evicts B3, B2 for the blocks it loads or computes.
             let evicted = [1 << 32 | 3, 1 << 32 | 2, 2 << 32 | 3, 2 << 32 | 2].map(BlockKey);
@@ -1220,7 +1248,7 @@ mod tests {
             ..config(16, 7)
         };
         let workload = one_by_one(vec![req(0, keys(1, 4), 65, 1), req(1, keys(2, 4), 65, 1)]);
-        let run = drive(cfg, workload, BlockLru::new(1));
+        let run = drive(cfg, workload, TierSet::lru(1));
         assert_eq!(run.removed(Tier::L2), vec![BlockKey(1 << 32 | 3)]);
         assert_eq!(run.l2.keys_lru_first(), vec![BlockKey(1 << 32 | 2)]);
     }
@@ -1242,7 +1270,7 @@ mod tests {
             let run = drive(
                 config(16, gpu),
                 vec![(5, req(9, keys(1, 100), prompt, output))],
-                BlockLru::new(0),
+                TierSet::lru(0),
             );
             let want = if rejected {
                 vec![EngineEvent::Rejected { id: 9, at_us: 5 }]
@@ -1268,7 +1296,7 @@ mod tests {
         let run = drive(
             config(16, 10),
             vec![(0, req(3, vec![], 0, 0))],
-            BlockLru::new(0),
+            TierSet::lru(0),
         );
         let end = run.steps[0].1;
         let first = EngineEvent::FirstToken {
@@ -1295,7 +1323,7 @@ mod tests {
         let run = drive(
             cfg,
             vec![(0, req(0, vec![], 10, 2)), (0, req(1, vec![], 10, 2))],
-            BlockLru::new(0),
+            TierSet::lru(0),
         );
         let ids: Vec<u64> = run
             .tokens()
@@ -1312,7 +1340,7 @@ mod tests {
 
     #[test]
     fn cancel_frees_blocks_like_a_finish() {
-        let mut l2 = BlockLru::new(0);
+        let mut l2 = TierSet::lru(0);
         let mut events = Vec::new();
         let cfg = EngineConfig {
             max_running: 1,
@@ -1396,7 +1424,7 @@ mod tests {
                 .iter()
                 .map(|(_, r)| u64::from(r.prompt_tokens.max(1)))
                 .sum();
-            let run = drive(cfg, workload, BlockLru::new(300));
+            let run = drive(cfg, workload, TierSet::lru(300));
             let s = run.engine.stats().clone();
             assert_eq!(s.preemptions > 0, preempts, "case {i}: {s:?}");
             assert_eq!(s.finished + s.rejected, 300, "case {i}");
@@ -1434,8 +1462,8 @@ mod tests {
             offload_to_l2: true,
             ..config(16, 120)
         };
-        let a = drive(cfg.clone(), mixed_workload(7, 200, 6), BlockLru::new(300));
-        let b = drive(cfg, mixed_workload(7, 200, 6), BlockLru::new(300));
+        let a = drive(cfg.clone(), mixed_workload(7, 200, 6), TierSet::lru(300));
+        let b = drive(cfg, mixed_workload(7, 200, 6), TierSet::lru(300));
         assert_eq!(a.events, b.events);
         assert_eq!(a.steps, b.steps);
     }

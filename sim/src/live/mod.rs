@@ -3,7 +3,9 @@
 //!
 //! - [`server`]: `warmpath engine-sim`, an OpenAI-compatible server around one
 //!   [`crate::engine::Engine`], paced by the wall clock with a speed-up factor.
+//! - [`offload`]: engine-sim's link to the host's cache-agent.
 //! - [`loadgen`]: the load generator.
 
 pub mod loadgen;
+pub mod offload;
 pub mod server;

@@ -1,7 +1,7 @@
 //! `warmpath engine-sim`: the engine model served live over HTTP, so that a router and a
 //! load generator can drive it like a real vLLM server.
 //!
-//! One tokio task, the *engine loop*, owns the [`Engine`] and the L2 store ([`BlockLru`]);
+//! One tokio task, the *engine loop*, owns the [`Engine`] and the L2 store ([`TierSet`]);
 //! HTTP handlers talk to it only through a command channel and get their tokens back on a
 //! per-request channel, so no lock is ever held across an await. The loop is a
 //! discrete-event simulation chasing the wall clock: virtual time is the wall time since
@@ -53,7 +53,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-use warmpath_index::cost::ModelProfile;
+use warmpath_index::cost::{ModelProfile, Tier};
+use warmpath_index::keys::BlockKey;
 use warmpath_index::keys::{token_block_keys, TenantKey};
 use warmpath_index::openai::{
     ChatRequest, CompletionRequest, ErrorBody, PromptInput, PromptTokensDetails, RequestError,
@@ -62,7 +63,9 @@ use warmpath_index::openai::{
 use warmpath_index::text;
 
 use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats};
-use crate::tiers::BlockLru;
+use crate::tiers::TierSet;
+
+use super::offload::{AgentSettings, AgentSide};
 
 /// Tenant id under which the engine derives its block keys (with the request's
 /// `cache_salt`). Engines hash their own way; this one hashes warmpath's way.
@@ -94,6 +97,10 @@ pub struct EngineSimConfig {
     /// `engine.offload_to_l2`) and loads from; 0 = none. This server's own store: in live
     /// mode L2 is not shared between engine-sim processes.
     pub l2_blocks: u64,
+    /// The host's cache-agent: GPU evictions are offloaded to it and a GPU miss asks it for
+    /// the following blocks (`offload.rs`). Set `engine.l1_blocks` and `l2_blocks` to 0
+    /// with it: the agent is the L1 and L2.
+    pub agent: Option<AgentSettings>,
 }
 
 impl Default for EngineSimConfig {
@@ -109,6 +116,7 @@ impl Default for EngineSimConfig {
             default_max_tokens: 64,
             max_prompt_tokens: 131_072,
             l2_blocks: 0,
+            agent: None,
         }
     }
 }
@@ -133,9 +141,11 @@ pub async fn serve(
     let engine = Engine::new(config.engine.clone(), config.profile.clone());
     let block_tokens = engine.config().block_tokens as usize;
     let (commands, inbox) = mpsc::unbounded_channel();
+    let agent = config.agent.clone().map(AgentSide::start);
     let engine_loop = EngineLoop {
+        agent: agent.clone(),
         engine,
-        l2: BlockLru::new(config.l2_blocks),
+        l2: TierSet::lru(config.l2_blocks),
         clock: Clock {
             start: Instant::now(),
             speedup: config.speedup,
@@ -157,6 +167,7 @@ pub async fn serve(
         created: unix_now(),
         commands,
         next_id: AtomicU64::new(1),
+        agent,
     });
     let app = Router::new()
         .route("/v1/completions", post(completions))
@@ -194,6 +205,8 @@ struct Shared {
     commands: mpsc::UnboundedSender<Command>,
     /// Next engine request id.
     next_id: AtomicU64,
+    /// The host's cache-agent, when there is one.
+    agent: Option<Arc<AgentSide>>,
 }
 
 /// What handlers ask of the engine loop.
@@ -209,6 +222,11 @@ enum Command {
     Cancel { id: u64 },
     /// A copy of what `/metrics` shows.
     Metrics { reply: oneshot::Sender<Snapshot> },
+    /// How many leading blocks of `keys` the GPU holds now.
+    GpuPrefix {
+        keys: Vec<BlockKey>,
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// What the engine loop tells one request's handler.
@@ -218,10 +236,21 @@ enum Update {
     Accepted,
     /// The engine can never run it; says why.
     Rejected(String),
-    /// The first output token; `cached_tokens` is the prompt's GPU + L1 + L2 hit tokens.
-    First { cached_tokens: u32 },
+    /// The first output token; `hits` are the prompt's hit tokens from the GPU, L1 and L2
+    /// (their sum is `cached_tokens`).
+    First { hits: Hits },
     /// A later output token.
     Token,
+}
+
+/// Prompt tokens found in the GPU prefix cache, loaded from L1, loaded from L2.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Hits([u32; 3]);
+
+impl Hits {
+    fn total(self) -> u32 {
+        self.0.iter().fold(0u32, |a, &b| a.saturating_add(b))
+    }
 }
 
 /// Sends a cancel for request `id` when dropped while armed: the client went away before
@@ -280,8 +309,10 @@ struct Route {
 #[derive(Debug)]
 struct EngineLoop {
     engine: Engine,
+    /// Where GPU evictions are offloaded, when there is an agent.
+    agent: Option<Arc<AgentSide>>,
     /// This server's L2 store.
-    l2: BlockLru,
+    l2: TierSet,
     clock: Clock,
     /// Virtual end of the step in flight.
     step_end: Option<u64>,
@@ -371,6 +402,9 @@ impl EngineLoop {
                 self.advance(now);
             }
             Command::Cancel { id } => self.cancel(now, id),
+            Command::GpuPrefix { keys, reply } => {
+                let _ = reply.send(self.engine.gpu_prefix(&keys));
+            }
             Command::Metrics { reply } => {
                 let _ = reply.send(Snapshot {
                     gpu_blocks: self.engine.config().gpu_blocks,
@@ -409,6 +443,7 @@ impl EngineLoop {
     fn route_events(&mut self) {
         let mut events = std::mem::take(&mut self.events);
         let mut gone = Vec::new();
+        let mut evicted = Vec::new();
         for event in events.drain(..) {
             let (id, update) = match event {
                 EngineEvent::FirstToken {
@@ -422,10 +457,8 @@ impl EngineLoop {
                         let ttft_s = at_us.saturating_sub(route.arrived_us) as f64 / 1e6;
                         self.ttft.observe(ttft_s);
                     }
-                    let cached_tokens = gpu_hit_tokens
-                        .saturating_add(l1_hit_tokens)
-                        .saturating_add(l2_hit_tokens);
-                    (id, Update::First { cached_tokens })
+                    let hits = Hits([gpu_hit_tokens, l1_hit_tokens, l2_hit_tokens]);
+                    (id, Update::First { hits })
                 }
                 EngineEvent::Token { id, .. } => (id, Update::Token),
                 EngineEvent::Finished { id, .. } => {
@@ -440,6 +473,13 @@ impl EngineLoop {
                     }
                     continue;
                 }
+                EngineEvent::Removed {
+                    key,
+                    tier: Tier::Gpu,
+                } => {
+                    evicted.push(key);
+                    continue;
+                }
                 // Block residency is not published by the live server (yet).
                 EngineEvent::Stored { .. } | EngineEvent::Removed { .. } => continue,
             };
@@ -451,6 +491,9 @@ impl EngineLoop {
             }
         }
         self.events = events;
+        if let (Some(agent), false) = (&self.agent, evicted.is_empty()) {
+            agent.offload(evicted);
+        }
         let now = self.last_us;
         for id in gone {
             self.cancel(now, id);
@@ -495,7 +538,7 @@ struct Snapshot {
 }
 
 /// Prometheus text exposition of `s` with vLLM's metric names.
-fn render_metrics(model: &str, s: &Snapshot) -> String {
+fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> String {
     use std::fmt::Write as _;
     let label = format!("model_name=\"{}\"", escape_label(model));
     let mut out = String::with_capacity(4096);
@@ -507,6 +550,37 @@ fn render_metrics(model: &str, s: &Snapshot) -> String {
         }
     };
     let stats = &s.stats;
+    metric(
+        "warmpath_engine_prefix_hit_tokens_total",
+        "counter",
+        "Prompt tokens not computed, by where they were found: the GPU prefix cache, or loaded from L1 or L2.",
+        &[
+            (",tier=\"gpu\"", stats.gpu_hit_tokens.to_string()),
+            (",tier=\"l1\"", stats.l1_hit_tokens.to_string()),
+            (",tier=\"l2\"", stats.l2_hit_tokens.to_string()),
+        ],
+    );
+    if let Some(agent) = agent {
+        let c = &agent.counters;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed).to_string();
+        metric(
+            "warmpath_engine_agent_blocks_total",
+            "counter",
+            "Blocks exchanged with the host's cache-agent: offloaded, fetched, bad (other bytes, recomputed), dropped (offload queue full or agent down).",
+            &[
+                (",op=\"offloaded\"", get(&c.offloaded_blocks)),
+                (",op=\"fetched\"", get(&c.fetched_blocks)),
+                (",op=\"bad\"", get(&c.bad_blocks)),
+                (",op=\"dropped\"", get(&c.dropped_offloads)),
+            ],
+        );
+        metric(
+            "warmpath_engine_agent_errors_total",
+            "counter",
+            "Failed calls to the host's cache-agent (the engine recomputed instead).",
+            &[("", get(&c.errors))],
+        );
+    }
     metric(
         "vllm:cache_config_info",
         "gauge",
@@ -787,6 +861,25 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         &tokens,
         shared.block_tokens,
     );
+    // Past what the GPU holds, ask the host's agent for the prompt's next blocks (only
+    // blocks ending before the last prompt token can hit, as in the engine).
+    let (mut offered, mut offered_from) = (Vec::new(), 0);
+    if let Some(agent) = &shared.agent {
+        let hit_max = keys
+            .len()
+            .min((prompt_tokens.max(1) as usize - 1) / shared.block_tokens.max(1));
+        let (reply, answer) = oneshot::channel();
+        let asked = Command::GpuPrefix {
+            keys: keys[..hit_max].to_vec(),
+            reply,
+        };
+        if shared.commands.send(asked).is_ok() {
+            if let Ok(gpu) = answer.await {
+                offered = agent.fetch(&keys[gpu..hit_max]).await;
+                offered_from = gpu;
+            }
+        }
+    }
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (updates, mut rx) = mpsc::unbounded_channel();
     // From here on, dropping this future (the client went away) cancels the request.
@@ -800,6 +893,8 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         keys,
         prompt_tokens,
         output_tokens,
+        offered,
+        offered_from,
     };
     if shared
         .commands
@@ -852,10 +947,10 @@ async fn full_response(
     mut guard: CancelGuard,
 ) -> Response {
     let mut text = String::new();
-    let mut cached = 0;
+    let mut cached = Hits::default();
     for pos in 0..reply.output_tokens {
         match rx.recv().await {
-            Some(Update::First { cached_tokens }) => cached = cached_tokens,
+            Some(Update::First { hits }) => cached = hits,
             Some(Update::Token) => {}
             _ => return engine_stopped(),
         }
@@ -883,7 +978,7 @@ struct StreamState {
     include_usage: bool,
     /// Tokens sent so far.
     sent: u32,
-    cached: u32,
+    cached: Hits,
     phase: Phase,
 }
 
@@ -899,7 +994,7 @@ fn stream_response(
         guard,
         include_usage,
         sent: 0,
-        cached: 0,
+        cached: Hits::default(),
         phase: Phase::Tokens,
     };
     let body = Body::from_stream(futures_util::stream::unfold(state, next_event));
@@ -915,7 +1010,7 @@ async fn next_event(mut st: StreamState) -> Option<(Result<Bytes, Infallible>, S
     let event = match st.phase {
         Phase::Tokens => {
             match st.rx.recv().await {
-                Some(Update::First { cached_tokens }) => st.cached = cached_tokens,
+                Some(Update::First { hits }) => st.cached = hits,
                 Some(Update::Token) => {}
                 // The engine stopped: end the stream without [DONE], so the client sees
                 // it was cut short.
@@ -971,16 +1066,21 @@ impl Reply {
         text::words(seed, 1)
     }
 
-    fn usage(&self, cached: u32) -> Value {
+    /// OpenAI's usage, plus where the cached tokens came from
+    /// (`prompt_tokens_details.kv_tier_tokens`: gpu, l1, l2), which clients ignore.
+    fn usage(&self, cached: Hits) -> Value {
         let usage = Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.output_tokens,
             total_tokens: self.prompt_tokens.saturating_add(self.output_tokens),
             prompt_tokens_details: Some(PromptTokensDetails {
-                cached_tokens: cached,
+                cached_tokens: cached.total(),
             }),
         };
-        serde_json::to_value(usage).unwrap_or(Value::Null)
+        let mut v = serde_json::to_value(usage).unwrap_or(Value::Null);
+        let [gpu, l1, l2] = cached.0;
+        v["prompt_tokens_details"]["kv_tier_tokens"] = json!({"gpu": gpu, "l1": l1, "l2": l2});
+        v
     }
 
     fn object(&self, chunk: bool) -> &'static str {
@@ -992,7 +1092,7 @@ impl Reply {
     }
 
     /// The non-streaming response.
-    fn full(&self, text: &str, cached: u32) -> Value {
+    fn full(&self, text: &str, cached: Hits) -> Value {
         let choice = match self.kind {
             Kind::Completion => json!({
                 "index": 0, "text": text, "logprobs": null, "finish_reason": "length",
@@ -1042,7 +1142,7 @@ impl Reply {
     }
 
     /// The last chunk of a stream that asked for usage.
-    fn usage_chunk(&self, cached: u32) -> Value {
+    fn usage_chunk(&self, cached: Hits) -> Value {
         json!({
             "id": self.id,
             "object": self.object(true),
@@ -1103,7 +1203,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        render_metrics(&shared.model, &snapshot),
+        render_metrics(&shared.model, &snapshot, shared.agent.as_deref()),
     )
         .into_response()
 }
@@ -1291,7 +1391,10 @@ mod tests {
             "prompt_tokens": 40,
             "completion_tokens": 7,
             "total_tokens": 47,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {
+                "cached_tokens": 0,
+                "kv_tier_tokens": {"gpu": 0, "l1": 0, "l2": 0},
+            },
         });
         assert_eq!(v["usage"], usage);
         // Without max_tokens: the default.
@@ -1654,7 +1757,7 @@ mod tests {
             generation_tokens: 0,
             ttft,
         };
-        let text = render_metrics("m\"x", &snapshot);
+        let text = render_metrics("m\"x", &snapshot, None);
         let name = "vllm:time_to_first_token_seconds";
         let label = "model_name=\"m\\\"x\"";
         // (le, cumulative count)

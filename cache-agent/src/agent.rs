@@ -1,0 +1,579 @@
+//! The agent's service: answers block API requests from L1 and L2, writes L2 in the
+//! background, promotes L2 reads into L1, expires leases, and counts everything.
+//!
+//! The L1 mutex is held for one request's L1 work (a put's inserts, a lookup's walk over its
+//! keys, a get's copies of reference-counted payload handles): never across an await, never
+//! over the whole store. L2 calls run outside it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use metrics::{counter, gauge, histogram};
+use tokio::sync::mpsc;
+
+use crate::block::{decode_object, encode_object, Block};
+use crate::config::{AgentConfig, L2Config, WritePolicy};
+use crate::l1::{own, Evicted, L1};
+use crate::l2::{AnyL2, DirL2, L2Backend, L2Error, RedisL2};
+use crate::policy::{BlockId, Refused};
+use crate::proto::{
+    AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
+};
+
+/// Counters kept here as well as in metrics, for `Stats` and the tests.
+#[derive(Debug, Default)]
+struct Counters {
+    l1_hits: AtomicU64,
+    l2_hits: AtomicU64,
+    misses: AtomicU64,
+    l2_errors: AtomicU64,
+    l2_damaged: AtomicU64,
+}
+
+/// One agent.
+#[derive(Debug)]
+pub struct Agent {
+    config: AgentConfig,
+    l1: Mutex<L1>,
+    l2: Option<Arc<AnyL2>>,
+    /// Background L2 writes; full means dropped (counted), never a stalled put.
+    l2_writes: Option<mpsc::Sender<(BlockId, Block)>>,
+    /// Lease times are microseconds since this instant.
+    epoch: Instant,
+    counters: Counters,
+}
+
+impl Agent {
+    /// Builds the agent and, with an L2, starts its background writer (call inside a tokio
+    /// runtime). A directory L2 is opened here; Redis is connected lazily.
+    pub fn start(config: AgentConfig) -> Result<Arc<Agent>, L2Error> {
+        describe_metrics();
+        let l2 = match &config.l2 {
+            L2Config::None => None,
+            L2Config::Dir { path, bytes } => {
+                Some(Arc::new(AnyL2::Dir(Box::new(DirL2::open(path, *bytes)?))))
+            }
+            L2Config::Redis { url, prefix } => Some(Arc::new(AnyL2::Redis(RedisL2::new(
+                url,
+                prefix,
+                config.l2_deadline,
+            )?))),
+        };
+        let l2_writes = l2.as_ref().map(|l2| {
+            let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
+            tokio::spawn(write_l2(l2.clone(), rx));
+            tx
+        });
+        let agent = Arc::new(Agent {
+            l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),
+            config,
+            l2,
+            l2_writes,
+            epoch: Instant::now(),
+            counters: Counters::default(),
+        });
+        gauge!("warmpath_agent_capacity_bytes", "tier" => "l1").set(agent.config.l1_bytes as f64);
+        if let L2Config::Dir { bytes, .. } = &agent.config.l2 {
+            gauge!("warmpath_agent_capacity_bytes", "tier" => "l2").set(*bytes as f64);
+        }
+        // Leases end on time even when no request comes.
+        let weak = Arc::downgrade(&agent);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tick.tick().await;
+                let Some(agent) = weak.upgrade() else { return };
+                let now = agent.now_us();
+                let expired = agent.lock_l1().expire(now);
+                if expired > 0 {
+                    counter!("warmpath_agent_leases_total", "result" => "expired")
+                        .increment(expired as u64);
+                }
+                agent.publish_l1();
+            }
+        });
+        Ok(agent)
+    }
+
+    pub fn config(&self) -> &AgentConfig {
+        &self.config
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    fn lock_l1(&self) -> MutexGuard<'_, L1> {
+        self.l1.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Answers one request; `payloads` are the bytes after its header. The answer's
+    /// payloads follow its header on the wire.
+    pub async fn handle(&self, request: Request, payloads: Bytes) -> (Response, Vec<Bytes>) {
+        let started = Instant::now();
+        let (op, answer) = match request {
+            Request::Put { layout, blocks } => ("put", self.put(layout, &blocks, payloads)),
+            Request::Lookup {
+                layout,
+                keys,
+                lease_ms,
+            } => ("lookup", self.lookup(layout, &keys, lease_ms).await),
+            Request::Get { layout, keys } => ("get", self.get(layout, &keys).await),
+            Request::Release { lease } => ("release", self.release(lease)),
+            Request::Unpin { layout, keys } => ("unpin", self.unpin(layout, &keys)),
+            Request::Stats => ("stats", (Response::Stats(self.stats()), Vec::new())),
+        };
+        histogram!("warmpath_agent_op_duration_seconds", "op" => op)
+            .record(started.elapsed().as_secs_f64());
+        if let Response::Error { kind, .. } = &answer.0 {
+            counter!("warmpath_agent_request_errors_total", "op" => op, "kind" => error_label(*kind))
+                .increment(1);
+        }
+        answer
+    }
+
+    fn too_many(&self, n: usize) -> Option<(Response, Vec<Bytes>)> {
+        (n > self.config.max_keys).then(|| {
+            error(
+                ErrorKind::BadRequest,
+                format!(
+                    "{n} blocks in one request; at most {}",
+                    self.config.max_keys
+                ),
+            )
+        })
+    }
+
+    fn put(&self, layout: u64, items: &[PutItem], payloads: Bytes) -> (Response, Vec<Bytes>) {
+        if let Some(e) = self.too_many(items.len()) {
+            return e;
+        }
+        let parts = match crate::proto::split_payloads(payloads, items.iter().map(|i| i.bytes)) {
+            Ok(p) => p,
+            Err(e) => return error(ErrorKind::Malformed, e.to_string()),
+        };
+        let mut refused = Vec::new();
+        // Copies and checksums outside the lock.
+        let owned: Vec<Option<Block>> = items
+            .iter()
+            .zip(&parts)
+            .enumerate()
+            .map(|(i, (item, p))| {
+                if u64::from(item.bytes) > self.config.max_block_bytes {
+                    refused.push((i as u32, PutRefusal::TooLarge));
+                    None
+                } else {
+                    Some(own(p))
+                }
+            })
+            .collect();
+        let mut evicted: Evicted = Vec::new();
+        let mut stored_blocks = Vec::new();
+        {
+            let mut l1 = self.lock_l1();
+            // Last block first: within a chain the first block is the last to be evicted.
+            for (i, (item, block)) in items.iter().zip(owned).enumerate().rev() {
+                let Some(block) = block else { continue };
+                let id = BlockId::new(layout, item.key);
+                match l1.put(id, block.clone(), item.pin, &mut evicted) {
+                    Ok(()) => stored_blocks.push((id, block)),
+                    Err(Refused::TooLarge { .. }) => refused.push((i as u32, PutRefusal::TooLarge)),
+                    Err(Refused::Full) => refused.push((i as u32, PutRefusal::Full)),
+                }
+            }
+        }
+        refused.sort_unstable();
+        let bytes_in: u64 = stored_blocks
+            .iter()
+            .map(|(_, b)| b.payload.len() as u64)
+            .sum();
+        counter!("warmpath_agent_bytes_total", "tier" => "l1", "direction" => "in")
+            .increment(bytes_in);
+        counter!("warmpath_agent_evictions_total", "tier" => "l1").increment(evicted.len() as u64);
+        for (_, why) in &refused {
+            let reason = match why {
+                PutRefusal::TooLarge => "too_large",
+                PutRefusal::Full => "full",
+            };
+            counter!("warmpath_agent_put_refused_total", "reason" => reason).increment(1);
+        }
+        match self.config.l2_write {
+            WritePolicy::Through => self.queue_l2(stored_blocks.iter().cloned()),
+            WritePolicy::OnEvict => {}
+        }
+        self.queue_l2_evicted(evicted);
+        self.publish_l1();
+        (
+            Response::Put {
+                stored: stored_blocks.len() as u32,
+                refused,
+            },
+            Vec::new(),
+        )
+    }
+
+    /// Blocks L1 evicted go to L2 under write-on-evict; under write-through they are there.
+    fn queue_l2_evicted(&self, evicted: Evicted) {
+        if self.config.l2_write == WritePolicy::OnEvict {
+            self.queue_l2(evicted.into_iter());
+        }
+    }
+
+    fn queue_l2(&self, blocks: impl Iterator<Item = (BlockId, Block)>) {
+        let Some(tx) = &self.l2_writes else { return };
+        for (id, block) in blocks {
+            if tx.try_send((id, block)).is_err() {
+                counter!("warmpath_agent_l2_write_dropped_total").increment(1);
+            }
+        }
+    }
+
+    async fn lookup(&self, layout: u64, keys: &[u64], lease_ms: u32) -> (Response, Vec<Bytes>) {
+        if let Some(e) = self.too_many(keys.len()) {
+            return e;
+        }
+        let ids: Vec<BlockId> = keys.iter().map(|&k| BlockId::new(layout, k)).collect();
+        let in_l1: Vec<bool> = {
+            let l1 = self.lock_l1();
+            ids.iter().map(|id| l1.contains(id)).collect()
+        };
+        let first_gap = in_l1.iter().position(|&h| !h).unwrap_or(ids.len());
+        // Only what L1 lacks after the leading run is asked of L2, in one round trip.
+        let mut in_l2 = vec![false; ids.len()];
+        if first_gap < ids.len() {
+            if let Some(l2) = &self.l2 {
+                let ask: Vec<usize> = (first_gap..ids.len()).filter(|&i| !in_l1[i]).collect();
+                let asked: Vec<BlockId> = ask.iter().map(|&i| ids[i]).collect();
+                // An error is counted and the lookup falls back to L1 alone.
+                if let Ok(found) = self.timed_l2("contains", l2.contains(&asked)).await {
+                    for (i, f) in ask.into_iter().zip(found) {
+                        in_l2[i] = f;
+                    }
+                }
+            }
+        }
+        let ttl_us = (u64::from(lease_ms) * 1000).min(self.config.max_lease.as_micros() as u64);
+        let now = self.now_us();
+        let mut tiers = Vec::new();
+        let lease = {
+            let mut l1 = self.lock_l1();
+            // L1 may have changed while L2 answered: what left it counts only if L2 has it.
+            for (i, id) in ids.iter().enumerate() {
+                if l1.contains(id) {
+                    tiers.push(StoreTier::L1);
+                } else if in_l2[i] {
+                    tiers.push(StoreTier::L2);
+                } else {
+                    break;
+                }
+            }
+            let leased: Vec<BlockId> = ids[..tiers.len()]
+                .iter()
+                .zip(&tiers)
+                .filter(|(_, t)| **t == StoreTier::L1)
+                .map(|(id, _)| *id)
+                .collect();
+            l1.touch_chain(&leased);
+            l1.lease(&leased, now, ttl_us)
+        };
+        counter!("warmpath_agent_leases_total", "result" => "granted").increment(1);
+        for t in &tiers {
+            counter!("warmpath_agent_lookup_blocks_total", "tier" => t.name()).increment(1);
+        }
+        if tiers.len() < ids.len() {
+            counter!("warmpath_agent_lookup_blocks_total", "tier" => "miss")
+                .increment((ids.len() - tiers.len()) as u64);
+        }
+        self.publish_l1();
+        (Response::Lookup { lease, tiers }, Vec::new())
+    }
+
+    async fn get(&self, layout: u64, keys: &[u64]) -> (Response, Vec<Bytes>) {
+        if let Some(e) = self.too_many(keys.len()) {
+            return e;
+        }
+        let ids: Vec<BlockId> = keys.iter().map(|&k| BlockId::new(layout, k)).collect();
+        let mut found: Vec<Option<(Block, StoreTier)>> = {
+            let mut l1 = self.lock_l1();
+            ids.iter()
+                .map(|id| l1.get(id).map(|b| (b, StoreTier::L1)))
+                .collect()
+        };
+        if let Some(l2) = &self.l2 {
+            let missing: Vec<usize> = (0..ids.len()).filter(|&i| found[i].is_none()).collect();
+            let reads = join_all(missing.iter().map(|&i| self.read_l2(l2, ids[i]))).await;
+            let mut promoted = Vec::new();
+            for (i, got) in missing.into_iter().zip(reads) {
+                if let Some(block) = got {
+                    promoted.push((ids[i], block.clone()));
+                    found[i] = Some((block, StoreTier::L2));
+                }
+            }
+            if !promoted.is_empty() {
+                let mut evicted = Vec::new();
+                {
+                    let mut l1 = self.lock_l1();
+                    for (id, block) in promoted.iter().rev() {
+                        let _ = l1.put(*id, block.clone(), false, &mut evicted);
+                    }
+                }
+                counter!("warmpath_agent_evictions_total", "tier" => "l1")
+                    .increment(evicted.len() as u64);
+                counter!("warmpath_agent_promotions_total").increment(promoted.len() as u64);
+                self.queue_l2_evicted(evicted);
+                self.publish_l1();
+            }
+        }
+        let mut blocks = Vec::with_capacity(ids.len());
+        let mut payloads = Vec::new();
+        for f in found {
+            match f {
+                Some((block, tier)) => {
+                    let c = match tier {
+                        StoreTier::L1 => &self.counters.l1_hits,
+                        StoreTier::L2 => &self.counters.l2_hits,
+                    };
+                    c.fetch_add(1, Ordering::Relaxed);
+                    counter!("warmpath_agent_hits_total", "tier" => tier.name()).increment(1);
+                    counter!("warmpath_agent_bytes_total", "tier" => tier.name(), "direction" => "out")
+                        .increment(block.payload.len() as u64);
+                    blocks.push(Some(GotBlock {
+                        bytes: block.payload.len() as u32,
+                        checksum: block.checksum,
+                        tier,
+                    }));
+                    payloads.push(block.payload);
+                }
+                None => {
+                    self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                    counter!("warmpath_agent_misses_total").increment(1);
+                    blocks.push(None);
+                }
+            }
+        }
+        (Response::Get { blocks }, payloads)
+    }
+
+    /// One block from L2, checked; damage and errors are counted misses.
+    async fn read_l2(&self, l2: &AnyL2, id: BlockId) -> Option<Block> {
+        let raw = self.timed_l2("get", l2.get(id)).await.ok()??;
+        let len = raw.len() as u64;
+        match decode_object(&id, raw) {
+            Ok(block) => {
+                counter!("warmpath_agent_bytes_total", "tier" => "l2", "direction" => "in")
+                    .increment(len);
+                Some(block)
+            }
+            Err(damage) => {
+                self.counters.l2_damaged.fetch_add(1, Ordering::Relaxed);
+                let kind = match damage {
+                    crate::block::Damage::NotABlock => "not_a_block",
+                    crate::block::Damage::Foreign(_) => "foreign",
+                    crate::block::Damage::Truncated { .. } => "truncated",
+                    crate::block::Damage::Checksum => "checksum",
+                };
+                counter!("warmpath_agent_l2_damaged_total", "kind" => kind).increment(1);
+                tracing::warn!(layout = id.layout, key = id.key.0, %damage, "l2 block damaged; dropped");
+                let _ = l2.remove(id).await;
+                None
+            }
+        }
+    }
+
+    async fn timed_l2<T>(
+        &self,
+        op: &'static str,
+        f: impl std::future::Future<Output = Result<T, L2Error>>,
+    ) -> Result<T, L2Error> {
+        let started = Instant::now();
+        let r = f.await;
+        histogram!("warmpath_agent_l2_op_duration_seconds", "op" => op)
+            .record(started.elapsed().as_secs_f64());
+        if let Err(e) = &r {
+            self.counters.l2_errors.fetch_add(1, Ordering::Relaxed);
+            counter!("warmpath_agent_l2_errors_total", "op" => op).increment(1);
+            tracing::debug!(op, error = %e, "l2 operation failed");
+        }
+        r
+    }
+
+    fn release(&self, lease: u64) -> (Response, Vec<Bytes>) {
+        match self.lock_l1().release(lease) {
+            Some(n) => {
+                counter!("warmpath_agent_leases_total", "result" => "released").increment(1);
+                (Response::Released { blocks: n as u32 }, Vec::new())
+            }
+            None => error(
+                ErrorKind::BadRequest,
+                format!("lease {lease} is unknown (released or expired)"),
+            ),
+        }
+    }
+
+    fn unpin(&self, layout: u64, keys: &[u64]) -> (Response, Vec<Bytes>) {
+        if let Some(e) = self.too_many(keys.len()) {
+            return e;
+        }
+        let mut l1 = self.lock_l1();
+        let n = keys
+            .iter()
+            .filter(|&&k| l1.unpin(&BlockId::new(layout, k)))
+            .count();
+        (Response::Unpinned { blocks: n as u32 }, Vec::new())
+    }
+
+    pub fn stats(&self) -> AgentStats {
+        AgentStats {
+            l1: self.lock_l1().stats(),
+            l1_hits: self.counters.l1_hits.load(Ordering::Relaxed),
+            l2_hits: self.counters.l2_hits.load(Ordering::Relaxed),
+            misses: self.counters.misses.load(Ordering::Relaxed),
+            l2_errors: self.counters.l2_errors.load(Ordering::Relaxed),
+            l2_damaged: self.counters.l2_damaged.load(Ordering::Relaxed),
+        }
+    }
+
+    fn publish_l1(&self) {
+        let s = self.lock_l1().stats();
+        gauge!("warmpath_agent_occupancy_bytes", "tier" => "l1").set(s.bytes as f64);
+        gauge!("warmpath_agent_blocks", "tier" => "l1").set(s.blocks as f64);
+        gauge!("warmpath_agent_leases").set(s.leases as f64);
+        gauge!("warmpath_agent_leased_blocks").set(s.leased_blocks as f64);
+        gauge!("warmpath_agent_pinned_blocks").set(s.pinned_blocks as f64);
+        if let Some(AnyL2::Dir(d)) = self.l2.as_deref() {
+            gauge!("warmpath_agent_occupancy_bytes", "tier" => "l2").set(d.used_bytes() as f64);
+        }
+    }
+}
+
+fn error(kind: ErrorKind, message: String) -> (Response, Vec<Bytes>) {
+    (Response::Error { kind, message }, Vec::new())
+}
+
+fn error_label(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::Malformed => "malformed",
+        ErrorKind::BadRequest => "bad_request",
+        ErrorKind::Internal => "internal",
+    }
+}
+
+/// Writes queued blocks to L2, a few at a time; failures are counted, never retried (the
+/// block may still be in L1, and a later eviction writes it again).
+async fn write_l2(l2: Arc<AnyL2>, mut rx: mpsc::Receiver<(BlockId, Block)>) {
+    const CONCURRENT: usize = 8;
+    let mut in_flight = tokio::task::JoinSet::new();
+    // The same block queued twice while a write is in flight is written once.
+    let mut pending: HashMap<BlockId, ()> = HashMap::new();
+    while let Some((id, block)) = rx.recv().await {
+        while in_flight.len() >= CONCURRENT {
+            if let Some(Ok(done)) = in_flight.join_next().await {
+                pending.remove(&done);
+            }
+        }
+        while let Some(Ok(done)) = in_flight.try_join_next() {
+            pending.remove(&done);
+        }
+        if pending.insert(id, ()).is_some() {
+            continue;
+        }
+        let l2 = l2.clone();
+        in_flight.spawn(async move {
+            let started = Instant::now();
+            let len = block.payload.len() as u64;
+            let object = encode_object(&id, &block);
+            match l2.put(id, object).await {
+                Ok(()) => {
+                    counter!("warmpath_agent_bytes_total", "tier" => "l2", "direction" => "out")
+                        .increment(len);
+                }
+                Err(e) => {
+                    counter!("warmpath_agent_l2_errors_total", "op" => "put").increment(1);
+                    tracing::debug!(error = %e, "l2 write failed");
+                }
+            }
+            histogram!("warmpath_agent_l2_op_duration_seconds", "op" => "put")
+                .record(started.elapsed().as_secs_f64());
+            id
+        });
+    }
+}
+
+/// Declares every agent metric once.
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "warmpath_agent_hits_total",
+        "Blocks served by a get, by tier."
+    );
+    describe_counter!(
+        "warmpath_agent_misses_total",
+        "Blocks a get found in no tier."
+    );
+    describe_counter!(
+        "warmpath_agent_lookup_blocks_total",
+        "Blocks of looked-up chains, by the tier that holds them (miss: none, or after a gap)."
+    );
+    describe_counter!(
+        "warmpath_agent_bytes_total",
+        Unit::Bytes,
+        "Payload bytes into and out of each tier."
+    );
+    describe_counter!("warmpath_agent_evictions_total", "Blocks evicted, by tier.");
+    describe_counter!(
+        "warmpath_agent_promotions_total",
+        "Blocks read from L2 and put into L1."
+    );
+    describe_counter!(
+        "warmpath_agent_put_refused_total",
+        "Blocks of puts not stored, by reason."
+    );
+    describe_counter!(
+        "warmpath_agent_l2_errors_total",
+        "Failed L2 operations, by operation."
+    );
+    describe_counter!(
+        "warmpath_agent_l2_damaged_total",
+        "L2 objects read back damaged (never served), by kind."
+    );
+    describe_counter!(
+        "warmpath_agent_l2_write_dropped_total",
+        "Background L2 writes dropped because the queue was full."
+    );
+    describe_counter!(
+        "warmpath_agent_leases_total",
+        "Leases granted, released and expired."
+    );
+    describe_counter!(
+        "warmpath_agent_request_errors_total",
+        "Requests answered with an error."
+    );
+    describe_gauge!(
+        "warmpath_agent_occupancy_bytes",
+        Unit::Bytes,
+        "Bytes held, by tier."
+    );
+    describe_gauge!(
+        "warmpath_agent_capacity_bytes",
+        Unit::Bytes,
+        "Byte bound, by tier."
+    );
+    describe_gauge!("warmpath_agent_blocks", "Blocks held, by tier.");
+    describe_gauge!("warmpath_agent_leases", "Open leases.");
+    describe_gauge!("warmpath_agent_leased_blocks", "L1 blocks held by a lease.");
+    describe_gauge!("warmpath_agent_pinned_blocks", "L1 blocks pinned.");
+    describe_histogram!(
+        "warmpath_agent_op_duration_seconds",
+        Unit::Seconds,
+        "Block API request handling time, by operation."
+    );
+    describe_histogram!(
+        "warmpath_agent_l2_op_duration_seconds",
+        Unit::Seconds,
+        "L2 operation time, by operation."
+    );
+}

@@ -1,0 +1,434 @@
+//! The engines' side of the block API: an async, pipelined client over TCP or a Unix socket.
+//!
+//! One connection carries many requests at once: each call gets a request id, its frame is
+//! queued to a writer task, and a reader task hands each answer to the call waiting on its
+//! id. When the connection dies every waiting call fails with [`ClientError::Closed`] and
+//! the client stays dead; [`AgentLink`] reconnects for engines that must never stop on it.
+//! Payloads a get returns are checked against their checksums here: a block whose bytes
+//! do not match is reported missing, never handed to the engine.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::block::checksum;
+use crate::proto::{
+    self, AgentStats, ErrorKind, Outgoing, ProtoError, PutItem, PutRefusal, Request, Response,
+    StoreTier,
+};
+use crate::server::write_frame;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("agent connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("agent handshake refused: {0}")]
+    Refused(String),
+    #[error("agent protocol: {0}")]
+    Proto(#[from] ProtoError),
+    #[error("agent connection closed")]
+    Closed,
+    #[error("agent answered {kind:?}: {message}")]
+    Agent { kind: ErrorKind, message: String },
+    #[error("agent answered {0} where {1} was expected")]
+    Unexpected(&'static str, &'static str),
+    #[error("agent did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Where an agent listens: `unix:PATH`, or `HOST:PORT` for TCP.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentAddr {
+    Tcp(String),
+    Unix(std::path::PathBuf),
+}
+
+impl std::str::FromStr for AgentAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.strip_prefix("unix:") {
+            Some(p) if !p.is_empty() => Ok(AgentAddr::Unix(p.into())),
+            Some(_) => Err("unix: needs a path".into()),
+            None if s.contains(':') => Ok(AgentAddr::Tcp(s.to_string())),
+            None => Err(format!("{s:?} is not HOST:PORT or unix:PATH")),
+        }
+    }
+}
+
+impl std::fmt::Display for AgentAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgentAddr::Tcp(a) => write!(f, "{a}"),
+            AgentAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+type Answer = Result<(Response, Bytes), ClientError>;
+type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>>;
+
+/// A connection to an agent.
+#[derive(Debug)]
+pub struct AgentClient {
+    tx: mpsc::Sender<Outgoing>,
+    waiters: Waiters,
+    next_id: AtomicU64,
+    timeout: Duration,
+    /// Set when the reader saw the connection end.
+    closed: Arc<AtomicBool>,
+}
+
+/// A block a get returned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fetched {
+    pub payload: Bytes,
+    pub tier: StoreTier,
+}
+
+/// What a put did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutResult {
+    pub stored: u32,
+    pub refused: Vec<(u32, PutRefusal)>,
+}
+
+impl AgentClient {
+    /// Connects and shakes hands; `token` is sent as the agent's token (empty: none).
+    pub async fn connect(
+        addr: &AgentAddr,
+        token: &str,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let deadline = tokio::time::timeout(timeout, async {
+            match addr {
+                AgentAddr::Tcp(a) => {
+                    let s = tokio::net::TcpStream::connect(a).await?;
+                    s.set_nodelay(true)?;
+                    Self::handshake(s, token, timeout).await
+                }
+                AgentAddr::Unix(p) => {
+                    let s = tokio::net::UnixStream::connect(p).await?;
+                    Self::handshake(s, token, timeout).await
+                }
+            }
+        });
+        deadline.await.map_err(|_| ClientError::Timeout(timeout))?
+    }
+
+    async fn handshake<S>(mut s: S, token: &str, timeout: Duration) -> Result<Self, ClientError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        s.write_all(&proto::encode_hello(token.as_bytes())?).await?;
+        let mut prefix = [0u8; 9];
+        s.read_exact(&mut prefix).await?;
+        let (_version, status, len) = proto::decode_welcome_prefix(&prefix)?;
+        let mut msg = vec![0u8; len];
+        s.read_exact(&mut msg).await?;
+        if status != proto::HELLO_OK {
+            return Err(ClientError::Refused(
+                String::from_utf8_lossy(&msg).into_owned(),
+            ));
+        }
+        Ok(Self::start(s, timeout))
+    }
+
+    fn start<S>(s: S, timeout: Duration) -> Self
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (mut rd, mut wr) = tokio::io::split(s);
+        let (tx, mut rx) = mpsc::channel::<Outgoing>(256);
+        let waiters: Waiters = Arc::default();
+        tokio::spawn(async move {
+            while let Some(out) = rx.recv().await {
+                if write_frame(&mut wr, &out).await.is_err() {
+                    return;
+                }
+                if rx.is_empty() && wr.flush().await.is_err() {
+                    return;
+                }
+            }
+        });
+        let w = waiters.clone();
+        let closed = Arc::new(AtomicBool::new(false));
+        let closed_by_reader = closed.clone();
+        tokio::spawn(async move {
+            let limit = u64::from(u32::MAX);
+            loop {
+                let mut len = [0u8; 4];
+                if rd.read_exact(&mut len).await.is_err() {
+                    break;
+                }
+                let Ok(len) = proto::frame_len(len, limit) else {
+                    break;
+                };
+                let mut body = BytesMut::zeroed(len);
+                if rd.read_exact(&mut body).await.is_err() {
+                    break;
+                }
+                let body = body.freeze();
+                let Some(id) = proto::frame_id(&body) else {
+                    break;
+                };
+                let answer = proto::decode_body::<Response>(body)
+                    .map(|f| (f.header, f.payloads))
+                    .map_err(ClientError::from);
+                let waiter = w.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                match waiter {
+                    Some(tx) => {
+                        let _ = tx.send(answer);
+                    }
+                    // An answer to id 0 is the agent's last word before it closes.
+                    None => {
+                        if let Ok((Response::Error { kind, message }, _)) = answer {
+                            tracing::warn!(?kind, %message, "agent closed the connection");
+                        }
+                    }
+                }
+            }
+            // Dead: fail everything still waiting.
+            closed_by_reader.store(true, Ordering::Release);
+            let pending: Vec<_> = w
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain()
+                .collect();
+            for (_, tx) in pending {
+                let _ = tx.send(Err(ClientError::Closed));
+            }
+        });
+        AgentClient {
+            tx,
+            waiters,
+            next_id: AtomicU64::new(1),
+            timeout,
+            closed,
+        }
+    }
+
+    /// Whether the connection can still carry calls.
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed() || self.closed.load(Ordering::Acquire)
+    }
+
+    async fn call(&self, request: &Request, payloads: Vec<Bytes>) -> Answer {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, tx);
+        let out = proto::encode_frame(id, request, payloads);
+        let sent = self.tx.send(out).await;
+        let answer = match sent {
+            Err(_) => Err(ClientError::Closed),
+            Ok(()) => match tokio::time::timeout(self.timeout, rx).await {
+                Ok(Ok(a)) => a,
+                Ok(Err(_)) => Err(ClientError::Closed),
+                Err(_) => Err(ClientError::Timeout(self.timeout)),
+            },
+        };
+        if answer.is_err() {
+            self.waiters
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+        }
+        match answer? {
+            (Response::Error { kind, message }, _) => Err(ClientError::Agent { kind, message }),
+            ok => Ok(ok),
+        }
+    }
+
+    /// Stores blocks `(key, payload, pin)` of `layout`.
+    pub async fn put(
+        &self,
+        layout: u64,
+        blocks: Vec<(u64, Bytes, bool)>,
+    ) -> Result<PutResult, ClientError> {
+        let items = blocks
+            .iter()
+            .map(|(key, p, pin)| PutItem {
+                key: *key,
+                bytes: p.len() as u32,
+                pin: *pin,
+            })
+            .collect();
+        let payloads = blocks.into_iter().map(|(_, p, _)| p).collect();
+        match self
+            .call(
+                &Request::Put {
+                    layout,
+                    blocks: items,
+                },
+                payloads,
+            )
+            .await?
+        {
+            (Response::Put { stored, refused }, _) => Ok(PutResult { stored, refused }),
+            (other, _) => Err(unexpected(&other, "Put")),
+        }
+    }
+
+    /// The leading available blocks of a chain and their tiers, the L1 ones leased.
+    pub async fn lookup(
+        &self,
+        layout: u64,
+        keys: Vec<u64>,
+        lease: Duration,
+    ) -> Result<(u64, Vec<StoreTier>), ClientError> {
+        let lease_ms = lease.as_millis().min(u32::MAX as u128) as u32;
+        match self
+            .call(
+                &Request::Lookup {
+                    layout,
+                    keys,
+                    lease_ms,
+                },
+                Vec::new(),
+            )
+            .await?
+        {
+            (Response::Lookup { lease, tiers }, _) => Ok((lease, tiers)),
+            (other, _) => Err(unexpected(&other, "Lookup")),
+        }
+    }
+
+    /// The blocks of `keys`, each checked against its checksum (a mismatch is a miss).
+    pub async fn get(
+        &self,
+        layout: u64,
+        keys: Vec<u64>,
+    ) -> Result<Vec<Option<Fetched>>, ClientError> {
+        let (blocks, payloads) = match self
+            .call(&Request::Get { layout, keys }, Vec::new())
+            .await?
+        {
+            (Response::Get { blocks }, payloads) => (blocks, payloads),
+            (other, _) => return Err(unexpected(&other, "Get")),
+        };
+        let lens = blocks.iter().flatten().map(|b| b.bytes);
+        let mut parts = proto::split_payloads(payloads, lens)?.into_iter();
+        Ok(blocks
+            .into_iter()
+            .map(|b| {
+                let b = b?;
+                let payload = parts.next()?;
+                (checksum(&payload) == b.checksum).then_some(Fetched {
+                    payload,
+                    tier: b.tier,
+                })
+            })
+            .collect())
+    }
+
+    pub async fn release(&self, lease: u64) -> Result<u32, ClientError> {
+        match self.call(&Request::Release { lease }, Vec::new()).await? {
+            (Response::Released { blocks }, _) => Ok(blocks),
+            (other, _) => Err(unexpected(&other, "Released")),
+        }
+    }
+
+    pub async fn unpin(&self, layout: u64, keys: Vec<u64>) -> Result<u32, ClientError> {
+        match self
+            .call(&Request::Unpin { layout, keys }, Vec::new())
+            .await?
+        {
+            (Response::Unpinned { blocks }, _) => Ok(blocks),
+            (other, _) => Err(unexpected(&other, "Unpinned")),
+        }
+    }
+
+    pub async fn stats(&self) -> Result<AgentStats, ClientError> {
+        match self.call(&Request::Stats, Vec::new()).await? {
+            (Response::Stats(s), _) => Ok(s),
+            (other, _) => Err(unexpected(&other, "Stats")),
+        }
+    }
+}
+
+fn unexpected(r: &Response, want: &'static str) -> ClientError {
+    let got = match r {
+        Response::Put { .. } => "Put",
+        Response::Lookup { .. } => "Lookup",
+        Response::Get { .. } => "Get",
+        Response::Released { .. } => "Released",
+        Response::Unpinned { .. } => "Unpinned",
+        Response::Stats(_) => "Stats",
+        Response::Error { .. } => "Error",
+    };
+    ClientError::Unexpected(got, want)
+}
+
+/// A client that reconnects: an engine holds one per agent and never fails on it. While
+/// the agent is unreachable, [`AgentLink::client`] answers None at once (no call waits on
+/// a dead agent) and a reconnect is tried at most once per `retry` interval.
+#[derive(Debug)]
+pub struct AgentLink {
+    addr: AgentAddr,
+    token: String,
+    timeout: Duration,
+    retry: Duration,
+    state: tokio::sync::Mutex<LinkState>,
+}
+
+#[derive(Debug, Default)]
+struct LinkState {
+    client: Option<Arc<AgentClient>>,
+    last_try: Option<Instant>,
+}
+
+impl AgentLink {
+    pub fn new(addr: AgentAddr, token: String, timeout: Duration) -> Self {
+        AgentLink {
+            addr,
+            token,
+            timeout,
+            retry: Duration::from_millis(500),
+            state: tokio::sync::Mutex::default(),
+        }
+    }
+
+    pub fn addr(&self) -> &AgentAddr {
+        &self.addr
+    }
+
+    /// A live client, reconnecting if it is time to try.
+    pub async fn client(&self) -> Option<Arc<AgentClient>> {
+        let mut st = self.state.lock().await;
+        if let Some(c) = &st.client {
+            if !c.is_closed() {
+                return Some(c.clone());
+            }
+            st.client = None;
+        }
+        if st.last_try.is_some_and(|t| t.elapsed() < self.retry) {
+            return None;
+        }
+        st.last_try = Some(Instant::now());
+        match AgentClient::connect(&self.addr, &self.token, self.timeout).await {
+            Ok(c) => {
+                tracing::info!(agent = %self.addr, "connected to the cache agent");
+                let c = Arc::new(c);
+                st.client = Some(c.clone());
+                Some(c)
+            }
+            Err(e) => {
+                tracing::debug!(agent = %self.addr, error = %e, "cache agent unreachable");
+                None
+            }
+        }
+    }
+
+    /// Drops the current connection (after a call failed on it).
+    pub async fn reset(&self) {
+        self.state.lock().await.client = None;
+    }
+}

@@ -1,0 +1,391 @@
+//! The agent's configuration: `agent.toml` (versioned, unknown fields rejected), validated
+//! into [`AgentConfig`]. Flags of `warmpath agent` override the file's values one way
+//! (`node/src/agent.rs`); a token given both ways is an error there.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::policy::Eviction;
+
+/// When L1 writes to L2.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WritePolicy {
+    /// Every block put into L1 is also written to L2, in the background.
+    Through,
+    /// A block goes to L2 when L1 evicts it (the default: L2 holds what L1 could not).
+    #[default]
+    OnEvict,
+}
+
+impl std::str::FromStr for WritePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "through" => Ok(WritePolicy::Through),
+            "on-evict" | "evict" => Ok(WritePolicy::OnEvict),
+            other => Err(format!(
+                "unknown L2 write policy {other:?}: through or on-evict"
+            )),
+        }
+    }
+}
+
+/// Which L2 backend, and where.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum L2Config {
+    /// No L2: blocks L1 evicts are gone.
+    #[default]
+    None,
+    /// A directory (local disk or a shared mount), bounded at `bytes`.
+    Dir { path: PathBuf, bytes: u64 },
+    /// A Redis or Valkey server; keys get `prefix`.
+    Redis { url: String, prefix: String },
+}
+
+impl std::str::FromStr for L2Config {
+    type Err = String;
+    /// `none`, `dir:PATH` (bounded by `--l2-bytes`) or `redis://HOST:PORT[/DB]`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "none" {
+            Ok(L2Config::None)
+        } else if let Some(path) = s.strip_prefix("dir:") {
+            Ok(L2Config::Dir {
+                path: path.into(),
+                bytes: DEFAULT_L2_DIR_BYTES,
+            })
+        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+            Ok(L2Config::Redis {
+                url: s.to_string(),
+                prefix: DEFAULT_REDIS_PREFIX.to_string(),
+            })
+        } else {
+            Err(format!(
+                "unknown L2 {s:?}: none, dir:PATH or redis://HOST:PORT"
+            ))
+        }
+    }
+}
+
+pub const DEFAULT_L1_BYTES: u64 = 1 << 30;
+pub const DEFAULT_L2_DIR_BYTES: u64 = 16 << 30;
+pub const DEFAULT_REDIS_PREFIX: &str = "wp:b:";
+pub const DEFAULT_MAX_BLOCK_BYTES: u64 = 64 << 20;
+
+/// A validated agent configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// TCP address of the block API ("" for none).
+    pub listen: String,
+    /// Unix socket of the block API.
+    pub unix: Option<PathBuf>,
+    /// The token engines present; required when `listen` is not loopback.
+    pub token: Option<String>,
+    pub metrics_listen: Option<String>,
+    pub l1_bytes: u64,
+    pub l1_eviction: Eviction,
+    pub l2: L2Config,
+    pub l2_write: WritePolicy,
+    /// Deadline of each L2 operation.
+    pub l2_deadline: Duration,
+    /// Blocks queued for background L2 writes at most; more are dropped, counted.
+    pub l2_write_queue: usize,
+    pub max_block_bytes: u64,
+    /// Keys per request at most.
+    pub max_keys: usize,
+    /// Longest lease a lookup may ask for.
+    pub max_lease: Duration,
+    /// Open block API connections at most.
+    pub max_connections: usize,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            listen: "127.0.0.1:7600".into(),
+            unix: None,
+            token: None,
+            metrics_listen: None,
+            l1_bytes: DEFAULT_L1_BYTES,
+            l1_eviction: Eviction::Lru,
+            l2: L2Config::None,
+            l2_write: WritePolicy::OnEvict,
+            l2_deadline: Duration::from_millis(250),
+            l2_write_queue: 4096,
+            max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
+            max_keys: 4096,
+            max_lease: Duration::from_secs(30),
+            max_connections: 256,
+        }
+    }
+}
+
+impl AgentConfig {
+    /// The largest frame a peer may send: a full batch of the largest blocks, bounded.
+    pub fn max_frame_bytes(&self) -> u64 {
+        (self.max_block_bytes.saturating_mul(16)).clamp(1 << 20, u32::MAX as u64)
+    }
+}
+
+/// `agent.toml`.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub version: u32,
+    pub listen: Option<String>,
+    pub unix: Option<PathBuf>,
+    pub token_file: Option<PathBuf>,
+    pub metrics_listen: Option<String>,
+    #[serde(default, deserialize_with = "opt_bytes")]
+    pub max_block_bytes: Option<u64>,
+    pub max_keys: Option<usize>,
+    pub max_lease_ms: Option<u64>,
+    pub max_connections: Option<usize>,
+    #[serde(default)]
+    pub l1: L1Section,
+    #[serde(default)]
+    pub l2: L2Section,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct L1Section {
+    #[serde(default, deserialize_with = "opt_bytes")]
+    pub bytes: Option<u64>,
+    pub eviction: Option<Eviction>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct L2Section {
+    /// none, dir or redis.
+    pub backend: Option<String>,
+    pub path: Option<PathBuf>,
+    #[serde(default, deserialize_with = "opt_bytes")]
+    pub bytes: Option<u64>,
+    pub url: Option<String>,
+    pub prefix: Option<String>,
+    pub write: Option<WritePolicy>,
+    pub deadline_ms: Option<u64>,
+    pub write_queue: Option<usize>,
+}
+
+impl FileConfig {
+    pub fn parse(text: &str) -> Result<FileConfig, String> {
+        let file: FileConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        if file.version != 1 {
+            return Err(format!(
+                "agent config version {} is not supported (this build reads 1)",
+                file.version
+            ));
+        }
+        Ok(file)
+    }
+
+    /// Applies the file over the defaults; the token comes from `token_file`, read here.
+    pub fn into_config(self) -> Result<AgentConfig, String> {
+        let mut c = AgentConfig::default();
+        if let Some(v) = self.listen {
+            c.listen = v;
+        }
+        c.unix = self.unix;
+        if let Some(path) = self.token_file {
+            c.token = Some(read_token(&path)?);
+        }
+        c.metrics_listen = self.metrics_listen;
+        if let Some(v) = self.max_block_bytes {
+            c.max_block_bytes = v;
+        }
+        if let Some(v) = self.max_keys {
+            c.max_keys = v;
+        }
+        if let Some(v) = self.max_lease_ms {
+            c.max_lease = Duration::from_millis(v);
+        }
+        if let Some(v) = self.max_connections {
+            c.max_connections = v;
+        }
+        if let Some(v) = self.l1.bytes {
+            c.l1_bytes = v;
+        }
+        if let Some(v) = self.l1.eviction {
+            c.l1_eviction = v;
+        }
+        let l2 = self.l2;
+        c.l2 = match l2.backend.as_deref().unwrap_or("none") {
+            "none" => L2Config::None,
+            "dir" => L2Config::Dir {
+                path: l2.path.ok_or("l2.backend = \"dir\" needs l2.path")?,
+                bytes: l2.bytes.unwrap_or(DEFAULT_L2_DIR_BYTES),
+            },
+            "redis" => L2Config::Redis {
+                url: l2.url.ok_or("l2.backend = \"redis\" needs l2.url")?,
+                prefix: l2.prefix.unwrap_or_else(|| DEFAULT_REDIS_PREFIX.into()),
+            },
+            other => return Err(format!("unknown l2.backend {other:?}: none, dir or redis")),
+        };
+        if let Some(v) = l2.write {
+            c.l2_write = v;
+        }
+        if let Some(v) = l2.deadline_ms {
+            c.l2_deadline = Duration::from_millis(v);
+        }
+        if let Some(v) = l2.write_queue {
+            c.l2_write_queue = v;
+        }
+        Ok(c)
+    }
+}
+
+impl AgentConfig {
+    /// Checks what no run could fix later: bounds and the token rule.
+    pub fn validate(&self, insecure: bool) -> Result<(), String> {
+        if self.listen.is_empty() && self.unix.is_none() {
+            return Err(
+                "the block API needs a TCP address (--listen) or a Unix socket (--unix)".into(),
+            );
+        }
+        if self.max_block_bytes == 0 || self.max_block_bytes > u32::MAX as u64 {
+            return Err(format!(
+                "max_block_bytes {} must be between 1 and {}",
+                self.max_block_bytes,
+                u32::MAX
+            ));
+        }
+        if self.max_keys == 0 || self.max_connections == 0 || self.l2_deadline.is_zero() {
+            return Err("max_keys, max_connections and l2 deadline must be positive".into());
+        }
+        if !self.listen.is_empty() && self.token.is_none() && !insecure {
+            let addr: std::net::SocketAddr = self
+                .listen
+                .parse()
+                .map_err(|e| format!("--listen {:?}: {e}", self.listen))?;
+            if !addr.ip().is_loopback() {
+                return Err(format!(
+                    "the block API on {addr} (not loopback) needs a token (--token-file): \
+                     anyone who reaches it could read and overwrite KV blocks; \
+                     --insecure-no-token runs it open"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A token file's content, trimmed; empty is an error.
+pub fn read_token(path: &std::path::Path) -> Result<String, String> {
+    let t =
+        std::fs::read_to_string(path).map_err(|e| format!("token file {}: {e}", path.display()))?;
+    let t = t.trim().to_string();
+    if t.is_empty() {
+        return Err(format!("token file {} is empty", path.display()));
+    }
+    if t.len() > crate::proto::MAX_TOKEN_BYTES {
+        return Err(format!("token in {} is over 1024 bytes", path.display()));
+    }
+    Ok(t)
+}
+
+/// A size in bytes: an integer or a string with a unit (`512MiB`, `4GiB`, `1GB`).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (say 1048576, 512MiB or 4GiB)"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+fn opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        N(u64),
+        S(String),
+    }
+    match Option::<Size>::deserialize(d)? {
+        None => Ok(None),
+        Some(Size::N(n)) => Ok(Some(n)),
+        Some(Size::S(s)) => parse_bytes(&s).map(Some).map_err(serde::de::Error::custom),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        for (s, want) in [
+            ("1024", Ok(1024)),
+            ("4GiB", Ok(4 << 30)),
+            ("512 MiB", Ok(512 << 20)),
+            ("1GB", Ok(1_000_000_000)),
+        ] {
+            assert_eq!(parse_bytes(s), want, "{s}");
+        }
+        assert!(parse_bytes("4 GiBs").is_err());
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("99999999999TiB").is_err());
+    }
+
+    #[test]
+    fn files() {
+        let c = FileConfig::parse(
+            r#"
+            version = 1
+            listen = "127.0.0.1:0"
+            [l1]
+            bytes = "64MiB"
+            eviction = "s3fifo"
+            [l2]
+            backend = "redis"
+            url = "redis://127.0.0.1:6379"
+            write = "through"
+            "#,
+        )
+        .unwrap()
+        .into_config()
+        .unwrap();
+        assert_eq!(c.l1_bytes, 64 << 20);
+        assert_eq!(c.l1_eviction, Eviction::S3Fifo);
+        assert_eq!(c.l2_write, WritePolicy::Through);
+        assert!(matches!(c.l2, L2Config::Redis { .. }));
+        assert!(c.validate(false).is_ok());
+
+        for (bad, want) in [
+            ("version = 2", "version 2"),
+            ("version = 1\nlisten_at = \"x\"", "unknown field"),
+            ("version = 1\n[l2]\nbackend = \"dir\"", "needs l2.path"),
+            ("version = 1\n[l2]\nbackend = \"s3\"", "unknown l2.backend"),
+            ("version = 1\n[l1]\nbytes = \"lots\"", "not a size"),
+        ] {
+            let err = FileConfig::parse(bad)
+                .and_then(FileConfig::into_config)
+                .unwrap_err();
+            assert!(err.contains(want), "{bad}: {err}");
+        }
+        let open = AgentConfig {
+            listen: "0.0.0.0:7600".into(),
+            ..AgentConfig::default()
+        };
+        assert!(open.validate(false).unwrap_err().contains("needs a token"));
+        assert!(open.validate(true).is_ok());
+    }
+}

@@ -1,0 +1,441 @@
+//! L2: the remote tier shared by every host, behind one trait, [`L2Backend`].
+//!
+//! Backends store self-checking objects (`block.rs`) and return them raw; the agent checks
+//! them, so a backend never decides what is served. Two backends:
+//!
+//! - [`DirL2`], the embedded default: a directory on local disk or a shared filesystem
+//!   mount. A write goes to a temporary file in the same directory tree, then is renamed
+//!   into place, so a reader sees a whole object or none (a crash leaves only temporary
+//!   files, removed at the next start). Bounded in bytes with LRU by this agent's own
+//!   ledger (the same policy code as L1); on a shared mount each agent bounds what it wrote
+//!   and read, so give each agent its share of the volume. Objects other agents wrote are
+//!   found by path and adopted into the ledger when read.
+//! - [`RedisL2`]: a Redis or Valkey server through the `redis` crate's connection manager
+//!   (reconnects by itself). Bounded by the server's own `maxmemory` and eviction policy
+//!   (`allkeys-lru` is what an operator wants here). Each operation has a deadline; after a
+//!   failure the backend answers "unavailable" at once for a back-off period instead of
+//!   waiting on a dead server again, so a Redis outage costs errors, counted, and never a
+//!   stalled engine.
+
+use std::future::Future;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::policy::{BlockId, Eviction, Ledger};
+
+/// Why an L2 operation failed (a miss is not a failure).
+#[derive(Debug, thiserror::Error)]
+pub enum L2Error {
+    #[error("l2 i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("l2 redis: {0}")]
+    Redis(String),
+    #[error("l2 unavailable after a recent failure (retrying in {0:?})")]
+    Backoff(Duration),
+    #[error("l2 object of {0} bytes does not fit the store's bound")]
+    TooLarge(u64),
+}
+
+/// A remote tier holding self-checking objects by block id.
+pub trait L2Backend: Send + Sync + 'static {
+    /// Stores `object` (an encoded block) under `id`, replacing what was there.
+    fn put(&self, id: BlockId, object: Bytes) -> impl Future<Output = Result<(), L2Error>> + Send;
+    /// The object stored under `id`, if any.
+    fn get(&self, id: BlockId) -> impl Future<Output = Result<Option<Bytes>, L2Error>> + Send;
+    /// Whether each of `ids` is stored (one round trip where the backend allows).
+    fn contains(&self, ids: &[BlockId]) -> impl Future<Output = Result<Vec<bool>, L2Error>> + Send;
+    /// Drops what is stored under `id` (a damaged object, say).
+    fn remove(&self, id: BlockId) -> impl Future<Output = Result<(), L2Error>> + Send;
+    /// A short name for logs and metrics.
+    fn name(&self) -> &'static str;
+}
+
+/// The backends an agent may run, chosen by configuration.
+#[derive(Debug)]
+pub enum AnyL2 {
+    Dir(Box<DirL2>),
+    Redis(RedisL2),
+}
+
+impl L2Backend for AnyL2 {
+    async fn put(&self, id: BlockId, object: Bytes) -> Result<(), L2Error> {
+        match self {
+            AnyL2::Dir(b) => b.put(id, object).await,
+            AnyL2::Redis(b) => b.put(id, object).await,
+        }
+    }
+    async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {
+        match self {
+            AnyL2::Dir(b) => b.get(id).await,
+            AnyL2::Redis(b) => b.get(id).await,
+        }
+    }
+    async fn contains(&self, ids: &[BlockId]) -> Result<Vec<bool>, L2Error> {
+        match self {
+            AnyL2::Dir(b) => b.contains(ids).await,
+            AnyL2::Redis(b) => b.contains(ids).await,
+        }
+    }
+    async fn remove(&self, id: BlockId) -> Result<(), L2Error> {
+        match self {
+            AnyL2::Dir(b) => b.remove(id).await,
+            AnyL2::Redis(b) => b.remove(id).await,
+        }
+    }
+    fn name(&self) -> &'static str {
+        match self {
+            AnyL2::Dir(b) => b.name(),
+            AnyL2::Redis(b) => b.name(),
+        }
+    }
+}
+
+/// The directory backend.
+#[derive(Debug)]
+pub struct DirL2 {
+    root: PathBuf,
+    /// What this agent knows to be stored, with sizes, bounding the directory's bytes.
+    ledger: Mutex<Ledger>,
+    tmp_seq: AtomicU64,
+}
+
+impl DirL2 {
+    /// Opens (creating) `root`, bounded at `capacity_bytes`: removes temporary files a crash
+    /// left and adopts the objects already there.
+    pub fn open(root: &Path, capacity_bytes: u64) -> io::Result<DirL2> {
+        std::fs::create_dir_all(root.join("tmp"))?;
+        for e in std::fs::read_dir(root.join("tmp"))? {
+            let _ = std::fs::remove_file(e?.path());
+        }
+        let mut ledger = Ledger::new(capacity_bytes, Eviction::Lru);
+        let mut evicted = Vec::new();
+        for layout_dir in std::fs::read_dir(root)? {
+            let layout_dir = layout_dir?;
+            let Some(layout) = parse_hex(&layout_dir.file_name()) else {
+                continue;
+            };
+            for fan in std::fs::read_dir(layout_dir.path())? {
+                let fan = fan?;
+                if !fan.file_type()?.is_dir() {
+                    continue;
+                }
+                for f in std::fs::read_dir(fan.path())? {
+                    let f = f?;
+                    let name = f.file_name();
+                    let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(".blk")) else {
+                        continue;
+                    };
+                    let Some(key) = parse_hex(std::ffi::OsStr::new(stem)) else {
+                        continue;
+                    };
+                    let len = f.metadata()?.len();
+                    ledger
+                        .insert(BlockId::new(layout, key), len, false, &mut evicted)
+                        .ok();
+                }
+            }
+        }
+        let dir = DirL2 {
+            root: root.to_path_buf(),
+            ledger: Mutex::new(ledger),
+            tmp_seq: AtomicU64::new(0),
+        };
+        for id in evicted {
+            let _ = std::fs::remove_file(dir.path_of(&id));
+        }
+        Ok(dir)
+    }
+
+    fn path_of(&self, id: &BlockId) -> PathBuf {
+        let key = format!("{:016x}", id.key.0);
+        self.root
+            .join(format!("{:016x}", id.layout))
+            .join(&key[..2])
+            .join(format!("{key}.blk"))
+    }
+
+    /// Bytes this agent counts as stored.
+    pub fn used_bytes(&self) -> u64 {
+        self.lock().used_bytes()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn parse_hex(name: &std::ffi::OsStr) -> Option<u64> {
+    let s = name.to_str()?;
+    (s.len() == 16).then(|| u64::from_str_radix(s, 16).ok())?
+}
+
+impl L2Backend for DirL2 {
+    async fn put(&self, id: BlockId, object: Bytes) -> Result<(), L2Error> {
+        let len = object.len() as u64;
+        let mut evicted = Vec::new();
+        {
+            let mut ledger = self.lock();
+            if len > ledger.capacity_bytes() {
+                return Err(L2Error::TooLarge(len));
+            }
+            // Re-putting replaces: drop the old entry so that its size is counted anew.
+            ledger.remove(&id);
+            ledger
+                .insert(id, len, false, &mut evicted)
+                .map_err(|_| L2Error::TooLarge(len))?;
+        }
+        for old in &evicted {
+            let _ = tokio::fs::remove_file(self.path_of(old)).await;
+        }
+        let path = self.path_of(&id);
+        let tmp = self.root.join("tmp").join(format!(
+            "{}-{}.tmp",
+            std::process::id(),
+            self.tmp_seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        let written = async {
+            if let Some(parent) = path.parent() {
+                tokio::fs::create_dir_all(parent).await?;
+            }
+            tokio::fs::write(&tmp, &object).await?;
+            tokio::fs::rename(&tmp, &path).await
+        }
+        .await;
+        if let Err(e) = written {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            self.lock().remove(&id);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {
+        match tokio::fs::read(self.path_of(&id)).await {
+            Ok(bytes) => {
+                let mut ledger = self.lock();
+                if !ledger.touch(&id) {
+                    // Written by another agent on a shared mount: count it from now on.
+                    let mut evicted = Vec::new();
+                    ledger
+                        .insert(id, bytes.len() as u64, false, &mut evicted)
+                        .ok();
+                    drop(ledger);
+                    for old in &evicted {
+                        let _ = std::fs::remove_file(self.path_of(old));
+                    }
+                }
+                Ok(Some(Bytes::from(bytes)))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.lock().remove(&id);
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn contains(&self, ids: &[BlockId]) -> Result<Vec<bool>, L2Error> {
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let known = self.lock().contains(id);
+            out.push(known || tokio::fs::try_exists(self.path_of(id)).await?);
+        }
+        Ok(out)
+    }
+
+    async fn remove(&self, id: BlockId) -> Result<(), L2Error> {
+        self.lock().remove(&id);
+        match tokio::fs::remove_file(self.path_of(&id)).await {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "dir"
+    }
+}
+
+/// The Redis backend.
+pub struct RedisL2 {
+    conn: redis::aio::ConnectionManager,
+    prefix: String,
+    deadline: Duration,
+    backoff: Duration,
+    /// Until when operations fail at once after a failure.
+    down_until: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for RedisL2 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisL2")
+            .field("prefix", &self.prefix)
+            .field("deadline", &self.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisL2 {
+    /// A backend for the server at `url` (`redis://host:port/db`), connected lazily: the
+    /// agent starts whether or not Redis is up. Keys are `PREFIX{layout:016x}:{key:016x}`.
+    pub fn new(url: &str, prefix: &str, deadline: Duration) -> Result<RedisL2, L2Error> {
+        let client = redis::Client::open(url).map_err(|e| L2Error::Redis(e.to_string()))?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(deadline))
+            .set_response_timeout(Some(deadline))
+            .set_number_of_retries(1)
+            .set_max_delay(deadline);
+        let conn = redis::aio::ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| L2Error::Redis(e.to_string()))?;
+        Ok(RedisL2 {
+            conn,
+            prefix: prefix.to_string(),
+            deadline,
+            backoff: Duration::from_secs(1),
+            down_until: Mutex::new(None),
+        })
+    }
+
+    fn key(&self, id: &BlockId) -> String {
+        format!("{}{:016x}:{:016x}", self.prefix, id.layout, id.key.0)
+    }
+
+    /// Runs one command or pipeline with the deadline and the back-off.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        cmd: impl FnOnce(&mut redis::Pipeline),
+    ) -> Result<T, L2Error> {
+        let now = Instant::now();
+        if let Some(until) = *self.down_until.lock().unwrap_or_else(|p| p.into_inner()) {
+            if now < until {
+                return Err(L2Error::Backoff(until - now));
+            }
+        }
+        let mut pipe = redis::pipe();
+        cmd(&mut pipe);
+        let mut conn = self.conn.clone();
+        let result = tokio::time::timeout(self.deadline, pipe.query_async::<T>(&mut conn)).await;
+        let err = match result {
+            Ok(Ok(v)) => return Ok(v),
+            Ok(Err(e)) => L2Error::Redis(e.to_string()),
+            Err(_) => L2Error::Redis(format!("no answer within {:?}", self.deadline)),
+        };
+        *self.down_until.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(Instant::now() + self.backoff);
+        Err(err)
+    }
+}
+
+impl L2Backend for RedisL2 {
+    async fn put(&self, id: BlockId, object: Bytes) -> Result<(), L2Error> {
+        let key = self.key(&id);
+        self.run::<()>(|p| {
+            p.cmd("SET").arg(key).arg(object.as_ref()).ignore();
+        })
+        .await
+    }
+
+    async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {
+        let key = self.key(&id);
+        let (v,): (Option<Vec<u8>>,) = self
+            .run(|p| {
+                p.cmd("GET").arg(key);
+            })
+            .await?;
+        Ok(v.map(Bytes::from))
+    }
+
+    async fn contains(&self, ids: &[BlockId]) -> Result<Vec<bool>, L2Error> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = ids.iter().map(|id| self.key(id)).collect();
+        self.run(|p| {
+            for k in keys {
+                p.cmd("EXISTS").arg(k);
+            }
+        })
+        .await
+    }
+
+    async fn remove(&self, id: BlockId) -> Result<(), L2Error> {
+        let key = self.key(&id);
+        self.run::<()>(|p| {
+            p.cmd("DEL").arg(key).ignore();
+        })
+        .await
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::{decode_object, encode_object, Block, Damage};
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn dir_stores_bounds_and_survives_restarts() {
+        let tmp = tempfile::tempdir().unwrap();
+        rt().block_on(async {
+            let id = |k| BlockId::new(1, k);
+            let obj = |k: u64| encode_object(&id(k), &Block::new(Bytes::from(vec![k as u8; 64])));
+            let size = obj(0).len() as u64;
+            let dir = DirL2::open(tmp.path(), 3 * size).unwrap();
+            for k in 0..3 {
+                dir.put(id(k), obj(k)).await.unwrap();
+            }
+            assert_eq!(
+                dir.contains(&[id(0), id(9)]).await.unwrap(),
+                vec![true, false]
+            );
+            // Reading 0 makes 1 the least recently used; a fourth object evicts it.
+            assert!(dir.get(id(0)).await.unwrap().is_some());
+            dir.put(id(3), obj(3)).await.unwrap();
+            assert_eq!(dir.get(id(1)).await.unwrap(), None);
+            assert_eq!(dir.used_bytes(), 3 * size);
+            // Bigger than the bound: refused.
+            assert!(matches!(
+                dir.put(id(9), Bytes::from(vec![0; 4 * size as usize]))
+                    .await,
+                Err(L2Error::TooLarge(_))
+            ));
+            // A stray temporary file and a restart: objects adopted, tmp cleaned.
+            std::fs::write(tmp.path().join("tmp").join("crash.tmp"), b"half").unwrap();
+            drop(dir);
+            let dir = DirL2::open(tmp.path(), 3 * size).unwrap();
+            assert_eq!(dir.used_bytes(), 3 * size);
+            assert_eq!(
+                std::fs::read_dir(tmp.path().join("tmp")).unwrap().count(),
+                0
+            );
+            let got = dir.get(id(3)).await.unwrap().unwrap();
+            assert!(decode_object(&id(3), got).is_ok());
+            // A truncated object reads back raw; the check names it.
+            let path = dir.path_of(&id(2));
+            let raw = std::fs::read(&path).unwrap();
+            std::fs::write(&path, &raw[..raw.len() - 5]).unwrap();
+            let got = dir.get(id(2)).await.unwrap().unwrap();
+            assert!(matches!(
+                decode_object(&id(2), got),
+                Err(Damage::Truncated { .. })
+            ));
+            dir.remove(id(2)).await.unwrap();
+            assert_eq!(dir.get(id(2)).await.unwrap(), None);
+        });
+    }
+}

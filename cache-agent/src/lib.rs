@@ -1,0 +1,25 @@
+//! warmpath's cache-agent: one per GPU host. It keeps the host's L1 (KV blocks in CPU
+//! memory) and talks to the shared L2 (a directory or Redis), and serves the engines' block
+//! API (put, lookup-and-lease, get, release) over TCP and a Unix socket.
+//!
+//! A map of the crate, pure core first:
+//!
+//! - [`policy`]: the tier policy, a byte-bounded ledger of block ids with LRU or S3-FIFO
+//!   eviction, pins and leases. No I/O, time passed in; the simulator's tiers use it too.
+//! - [`block`]: checksums and the self-checking L2 object format.
+//! - [`proto`]: the block API's wire format (handshake, frames), encode and decode only.
+//! - [`l1`]: the L1 store, payloads beside the ledger.
+//! - [`config`]: `agent.toml` and its validation.
+//! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
+//! - [`agent`]: the service that answers requests from both tiers (I/O shell).
+//! - [`server`] and [`client`]: the listeners, and the engines' pipelined client.
+
+pub mod agent;
+pub mod block;
+pub mod client;
+pub mod config;
+pub mod l1;
+pub mod l2;
+pub mod policy;
+pub mod proto;
+pub mod server;

@@ -1,0 +1,192 @@
+//! `warmpath agent`: the cache-agent of one GPU host (see `warmpath_cache_agent`), from
+//! `--config agent.toml` and flags. A flag overrides the file's value for that setting;
+//! the token may come from one place only (a token in both is an error, never a silent
+//! choice).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use axum::routing::get;
+use axum::Router;
+use clap::Args;
+use warmpath_cache_agent::agent::Agent;
+use warmpath_cache_agent::config::{
+    parse_bytes, read_token, AgentConfig, FileConfig, L2Config, WritePolicy,
+};
+use warmpath_cache_agent::policy::Eviction;
+use warmpath_cache_agent::server;
+
+use crate::router::listener;
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct AgentArgs {
+    /// agent.toml (version = 1); flags override its values.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// TCP address of the block API (default 127.0.0.1:7600; port 0 picks one, printed).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Unix socket of the block API (mode 0660).
+    #[arg(long)]
+    pub unix: Option<PathBuf>,
+    /// File holding the token engines must present; required off loopback.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Run a non-loopback block API without a token (anyone who reaches it can read and
+    /// overwrite KV blocks).
+    #[arg(long)]
+    pub insecure_no_token: bool,
+    /// Address for /metrics and /healthz over HTTP.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// L1 capacity (bytes, or with a unit: 512MiB, 4GiB).
+    #[arg(long)]
+    pub l1_bytes: Option<String>,
+    /// L1 eviction: lru or s3fifo.
+    #[arg(long)]
+    pub l1_eviction: Option<Eviction>,
+    /// L2: none, dir:PATH or redis://HOST:PORT[/DB].
+    #[arg(long)]
+    pub l2: Option<L2Config>,
+    /// Bound of a directory L2 (bytes or with a unit).
+    #[arg(long)]
+    pub l2_bytes: Option<String>,
+    /// When blocks go to L2: on-evict (default) or through.
+    #[arg(long)]
+    pub l2_write: Option<WritePolicy>,
+    /// Largest block payload accepted (bytes or with a unit).
+    #[arg(long)]
+    pub max_block_bytes: Option<String>,
+}
+
+impl AgentArgs {
+    /// The configuration: defaults, then the file, then the flags.
+    pub fn to_config(&self) -> Result<AgentConfig> {
+        let mut c = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                FileConfig::parse(&text)
+                    .and_then(FileConfig::into_config)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+            }
+            None => AgentConfig::default(),
+        };
+        if let Some(v) = &self.listen {
+            c.listen = v.clone();
+        }
+        if let Some(v) = &self.unix {
+            c.unix = Some(v.clone());
+        }
+        if let Some(path) = &self.token_file {
+            if c.token.is_some() {
+                bail!("the block API token is given twice (token_file in the config and --token-file); give it once");
+            }
+            c.token = Some(read_token(path).map_err(anyhow::Error::msg)?);
+        }
+        if let Some(v) = &self.metrics_listen {
+            c.metrics_listen = Some(v.clone());
+        }
+        if let Some(v) = &self.l1_bytes {
+            c.l1_bytes = parse_bytes(v).map_err(anyhow::Error::msg)?;
+        }
+        if let Some(v) = self.l1_eviction {
+            c.l1_eviction = v;
+        }
+        if let Some(v) = &self.l2 {
+            c.l2 = v.clone();
+        }
+        if let Some(v) = &self.l2_bytes {
+            let bytes = parse_bytes(v).map_err(anyhow::Error::msg)?;
+            match &mut c.l2 {
+                L2Config::Dir { bytes: b, .. } => *b = bytes,
+                _ => bail!("--l2-bytes bounds a directory L2 (--l2 dir:PATH); Redis is bounded by its maxmemory"),
+            }
+        }
+        if let Some(v) = self.l2_write {
+            c.l2_write = v;
+        }
+        if let Some(v) = &self.max_block_bytes {
+            c.max_block_bytes = parse_bytes(v).map_err(anyhow::Error::msg)?;
+        }
+        c.validate(self.insecure_no_token)
+            .map_err(anyhow::Error::msg)?;
+        Ok(c)
+    }
+}
+
+pub fn run(args: AgentArgs) -> Result<()> {
+    let config = args.to_config()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(serve(config, crate::shutdown_signal()))
+}
+
+/// Runs an agent until `shutdown`, printing where it listens.
+pub async fn serve(
+    config: AgentConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let handle = crate::router::metrics_handle();
+    let tcp = if config.listen.is_empty() {
+        None
+    } else {
+        let l = tokio::net::TcpListener::bind(&config.listen)
+            .await
+            .with_context(|| format!("cannot listen on {} (block API)", config.listen))?;
+        let addr = l.local_addr()?;
+        if config.token.is_none() && !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "the block API runs WITHOUT a token (--insecure-no-token): anyone who reaches it can read and overwrite KV blocks");
+        }
+        println!("warmpath agent listening on {addr}");
+        Some(l)
+    };
+    let unix = match &config.unix {
+        Some(path) => {
+            let l = server::bind_unix(path)
+                .with_context(|| format!("cannot listen on {} (block API)", path.display()))?;
+            println!("warmpath agent listening on unix:{}", path.display());
+            Some(l)
+        }
+        None => None,
+    };
+    let agent = Agent::start(config.clone()).context("cannot open the L2 store")?;
+    let l2 = match &config.l2 {
+        L2Config::None => "none".to_string(),
+        L2Config::Dir { path, bytes } => format!("dir {} ({bytes} bytes)", path.display()),
+        L2Config::Redis { url, .. } => format!("redis {url}"),
+    };
+    tracing::info!(
+        l1_bytes = config.l1_bytes,
+        eviction = ?config.l1_eviction,
+        %l2,
+        write = ?config.l2_write,
+        "cache agent started"
+    );
+    if let Some(at) = &config.metrics_listen {
+        let l = tokio::net::TcpListener::bind(at)
+            .await
+            .with_context(|| format!("cannot listen on {at} (metrics)"))?;
+        println!(
+            "warmpath agent metrics on http://{}/metrics",
+            l.local_addr()?
+        );
+        let app = Router::new()
+            .route("/metrics", get(move || std::future::ready(handle.render())))
+            .route("/healthz", get(|| std::future::ready("ok")));
+        let limits = listener::Limits {
+            header_read_timeout: std::time::Duration::from_secs(10),
+            max_connections: 64,
+        };
+        tokio::spawn(listener::serve(l, app, limits, std::future::pending()));
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    server::serve(agent, tcp, unix, shutdown).await;
+    if let Some(path) = &config.unix {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}

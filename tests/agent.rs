@@ -1,0 +1,468 @@
+//! The cache-agent end to end: real `warmpath agent` processes, a real `redis-server`, real
+//! engine-sims offloading to the agent, and the block API spoken over real TCP and Unix
+//! sockets by the crate's own client (and by hand, for the bad input).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use warmpath_cache_agent::client::{AgentAddr, AgentClient};
+use warmpath_cache_agent::proto::{self, PutRefusal, Request, Response, StoreTier};
+
+use crate::router::{client, completion, long_prompt, post};
+use crate::{scratch_dir, Proc, Redis};
+
+const LAYOUT: u64 = 7;
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Starts an agent with `extra` flags on a loopback port; returns it and its address.
+fn agent(extra: &[&str]) -> (Proc, AgentAddr) {
+    let mut args = vec!["agent", "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let p = Proc::start(&args);
+    let addr = AgentAddr::Tcp(p.url.clone());
+    (p, addr)
+}
+
+async fn connect(addr: &AgentAddr) -> AgentClient {
+    AgentClient::connect(addr, "", TIMEOUT)
+        .await
+        .expect("the agent accepts a connection")
+}
+
+/// A block's payload: its key, repeated.
+fn payload(key: u64, len: usize) -> Bytes {
+    key.to_le_bytes()
+        .iter()
+        .copied()
+        .cycle()
+        .take(len)
+        .collect()
+}
+
+async fn put_chain(c: &AgentClient, keys: std::ops::Range<u64>, len: usize) {
+    let blocks = keys.map(|k| (k, payload(k, len), false)).collect();
+    let r = c.put(LAYOUT, blocks).await.expect("put");
+    assert!(r.refused.is_empty(), "{r:?}");
+}
+
+/// Polls `f` until it returns true or 10 s pass.
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_go_through_l1_and_redis_over_tcp_and_unix() {
+    let redis = Redis::start();
+    let dir = scratch_dir("agent-tiers");
+    let sock = dir.join("agent.sock");
+    let (mut agent, addr) = agent(&[
+        "--unix",
+        sock.to_str().unwrap(),
+        "--l1-bytes",
+        "64KiB",
+        "--l2",
+        &redis.url(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let unix_line = agent.read_line();
+    assert!(unix_line.contains("unix:"), "{unix_line}");
+    let metrics_line = agent.read_line();
+    let metrics_url = metrics_line
+        .split("metrics on ")
+        .nth(1)
+        .expect("the metrics address")
+        .trim()
+        .to_string();
+
+    let c = connect(&addr).await;
+    // Eight 16 KiB blocks into a 64 KiB L1: four stay, four go to Redis when evicted.
+    put_chain(&c, 1..9, 16 << 10).await;
+    let keys: Vec<u64> = (1..9).collect();
+    eventually("evicted blocks written to redis", || async {
+        let (lease, tiers) = c.lookup(LAYOUT, keys.clone(), TIMEOUT).await.unwrap();
+        c.release(lease).await.unwrap();
+        tiers.len() == 8
+    })
+    .await;
+    let (lease, tiers) = c.lookup(LAYOUT, keys.clone(), TIMEOUT).await.unwrap();
+    assert_eq!(tiers.iter().filter(|t| **t == StoreTier::L1).count(), 4);
+    // The chain's head outlives its tail in L1: the first blocks were written last.
+    assert_eq!(tiers[..4], [StoreTier::L1; 4], "{tiers:?}");
+    assert_eq!(c.release(lease).await.unwrap(), 4);
+
+    let got = c.get(LAYOUT, keys.clone()).await.unwrap();
+    for (k, g) in keys.iter().zip(&got) {
+        let g = g.as_ref().expect("every block is served");
+        assert_eq!(g.payload, payload(*k, 16 << 10), "block {k}");
+    }
+    assert!(got.iter().flatten().any(|g| g.tier == StoreTier::L2));
+    // A block nobody stored is a miss.
+    assert_eq!(c.get(LAYOUT, vec![99]).await.unwrap(), vec![None]);
+
+    // The same agent over its Unix socket.
+    let u = connect(&AgentAddr::Unix(sock.clone())).await;
+    let got = u.get(LAYOUT, vec![1]).await.unwrap();
+    assert_eq!(got[0].as_ref().unwrap().payload, payload(1, 16 << 10));
+    let stats = u.stats().await.unwrap();
+    assert!(stats.l2_hits >= 4 && stats.l1_hits >= 1, "{stats:?}");
+    assert!(stats.l1.bytes <= 64 << 10, "{stats:?}");
+
+    let text = http_get(&metrics_url).await;
+    for want in [
+        "warmpath_agent_hits_total{tier=\"l2\"}",
+        "warmpath_agent_occupancy_bytes{tier=\"l1\"}",
+        "warmpath_agent_evictions_total{tier=\"l1\"}",
+        "warmpath_agent_op_duration_seconds",
+    ] {
+        assert!(text.contains(want), "{want} missing from\n{text}");
+    }
+    drop(redis);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_costs_counted_errors_and_l2_comes_back() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let (_agent, addr) = agent(&["--l1-bytes", "32KiB", "--l2", &redis.url()]);
+    let c = connect(&addr).await;
+    put_chain(&c, 1..5, 16 << 10).await;
+    eventually("blocks 3 and 4 in redis", || async {
+        let (lease, tiers) = c.lookup(LAYOUT, vec![1, 2, 3, 4], TIMEOUT).await.unwrap();
+        c.release(lease).await.unwrap();
+        tiers.len() == 4
+    })
+    .await;
+
+    redis.stop();
+    // L1 goes on serving; what only Redis had is a fast, counted miss.
+    let started = Instant::now();
+    let got = c.get(LAYOUT, vec![1, 2, 3, 4]).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let served: Vec<bool> = got.iter().map(Option::is_some).collect();
+    assert_eq!(served.iter().filter(|s| **s).count(), 2, "{served:?}");
+    put_chain(&c, 10..12, 16 << 10).await;
+    let stats = c.stats().await.unwrap();
+    assert!(stats.l2_errors > 0, "{stats:?}");
+
+    // Redis returns (empty: no persistence); after the back-off, L2 works again.
+    let _redis = Redis::start_on(port);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut next = 20;
+    eventually("l2 writes and reads after redis came back", || {
+        let c = &c;
+        next += 4;
+        let keys = next..next + 4;
+        async move {
+            put_chain(c, keys.clone(), 16 << 10).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let got = c.get(LAYOUT, keys.collect()).await.unwrap();
+            got.iter().flatten().any(|g| g.tier == StoreTier::L2)
+        }
+    })
+    .await;
+}
+
+/// Runs a raw handshake and returns (status, message).
+async fn raw_hello(addr: &str, hello: &[u8]) -> (u8, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(hello).await.unwrap();
+    let mut prefix = [0u8; 9];
+    s.read_exact(&mut prefix).await.unwrap();
+    let (_, status, len) = proto::decode_welcome_prefix(&prefix).unwrap();
+    let mut msg = vec![0u8; len];
+    s.read_exact(&mut msg).await.unwrap();
+    (status, String::from_utf8(msg).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_errors_and_never_wrong_bytes() {
+    let dir = scratch_dir("agent-bad-input");
+    let l2 = dir.join("l2");
+    let token = dir.join("token");
+    std::fs::write(&token, "block-token\n").unwrap();
+    let (_agent, addr) = agent(&[
+        "--l1-bytes",
+        "32KiB",
+        "--l2",
+        &format!("dir:{}", l2.display()),
+        "--max-block-bytes",
+        "20KiB",
+        "--token-file",
+        token.to_str().unwrap(),
+    ]);
+    let AgentAddr::Tcp(tcp) = &addr else {
+        unreachable!()
+    };
+
+    // Not the protocol, another version, no token, a wrong token.
+    let (status, msg) = raw_hello(tcp, b"GET / HTTP/1.1\r\n\r\n").await;
+    assert_eq!(status, proto::HELLO_VERSION);
+    assert!(msg.contains("bad magic"), "{msg}");
+    let mut v9 = proto::encode_hello(b"block-token").unwrap();
+    v9[4] = 9;
+    let (status, msg) = raw_hello(tcp, &v9).await;
+    assert_eq!(status, proto::HELLO_VERSION);
+    assert!(msg.contains("unsupported protocol version 9"), "{msg}");
+    let (status, _) = raw_hello(tcp, &proto::encode_hello(b"").unwrap()).await;
+    assert_eq!(status, proto::HELLO_TOKEN);
+    let err = AgentClient::connect(&addr, "guess", TIMEOUT)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("token"), "{err}");
+
+    let c = AgentClient::connect(&addr, "block-token", TIMEOUT)
+        .await
+        .unwrap();
+    // A payload over the maximum is refused, the rest stored.
+    let r = c
+        .put(
+            LAYOUT,
+            vec![
+                (1, payload(1, 30 << 10), false),
+                (2, payload(2, 1000), false),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stored, 1);
+    assert_eq!(r.refused, vec![(0, PutRefusal::TooLarge)]);
+
+    // A malformed frame is answered with an error for its id; the connection goes on.
+    let mut s = tokio::net::TcpStream::connect(tcp).await.unwrap();
+    s.write_all(&proto::encode_hello(b"block-token").unwrap())
+        .await
+        .unwrap();
+    let mut welcome = [0u8; 9];
+    s.read_exact(&mut welcome).await.unwrap();
+    let mut bad = Vec::new();
+    bad.extend_from_slice(&13u32.to_le_bytes());
+    bad.extend_from_slice(&77u64.to_le_bytes());
+    bad.extend_from_slice(&1u32.to_le_bytes());
+    bad.push(0xee);
+    s.write_all(&bad).await.unwrap();
+    let (id, answer) = read_response(&mut s).await;
+    assert_eq!(id, 77);
+    assert!(
+        matches!(&answer, Response::Error { message, .. } if message.contains("malformed")),
+        "{answer:?}"
+    );
+    let stats = proto::encode_frame(78, &Request::Stats, Vec::new());
+    s.write_all(&stats.head).await.unwrap();
+    let (id, answer) = read_response(&mut s).await;
+    assert_eq!(id, 78);
+    assert!(matches!(answer, Response::Stats(_)), "{answer:?}");
+    // A frame over the limit: an error, then the agent hangs up.
+    s.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    let (_, answer) = read_response(&mut s).await;
+    assert!(
+        matches!(&answer, Response::Error { message, .. } if message.contains("over the limit")),
+        "{answer:?}"
+    );
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(TIMEOUT, s.read_to_end(&mut rest))
+        .await
+        .expect("the agent closes the connection")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+
+    // Damaged L2 objects: a flipped byte, a truncation, another block's object under this
+    // name. Each is a counted miss; the intact one is served.
+    put_chain(&c, 10..14, 16 << 10).await;
+    put_chain(&c, 20..24, 16 << 10).await;
+    // Block 2 of the put above may be there too: only this chain's files are damaged.
+    let files: Vec<_> = eventually_files(&l2, 5)
+        .await
+        .into_iter()
+        .filter(|f| {
+            let stem = f.file_stem().unwrap().to_str().unwrap();
+            let key = u64::from_str_radix(stem, 16).unwrap();
+            (10..24).contains(&key)
+        })
+        .collect();
+    assert!(files.len() >= 4, "{files:?}");
+    let mut damaged = 0;
+    for (i, f) in files.iter().take(3).enumerate() {
+        let mut bytes = std::fs::read(f).unwrap();
+        match i {
+            0 => *bytes.last_mut().unwrap() ^= 0xff,
+            1 => bytes.truncate(bytes.len() - 100),
+            _ => bytes = std::fs::read(&files[3]).unwrap(),
+        }
+        std::fs::write(f, bytes).unwrap();
+        damaged += 1;
+    }
+    let all: Vec<u64> = (10..14).chain(20..24).collect();
+    let got = c.get(LAYOUT, all.clone()).await.unwrap();
+    for (k, g) in all.iter().zip(&got) {
+        if let Some(g) = g {
+            assert_eq!(
+                g.payload,
+                payload(*k, 16 << 10),
+                "block {k}: wrong bytes served"
+            );
+        }
+    }
+    assert_eq!(got.iter().filter(|g| g.is_none()).count(), damaged);
+    let stats = c.stats().await.unwrap();
+    assert_eq!(stats.l2_damaged, damaged as u64, "{stats:?}");
+}
+
+/// The L2 directory's block files, once there are `n`.
+async fn eventually_files(root: &std::path::Path, n: usize) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while files.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} block files in L2",
+            files.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        files = walk(root)
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "blk"))
+            .collect();
+    }
+    files.sort();
+    files
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+async fn read_response(s: &mut tokio::net::TcpStream) -> (u64, Response) {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await.unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).await.unwrap();
+    let frame = proto::decode_body::<Response>(Bytes::from(body)).unwrap();
+    (frame.id, frame.header)
+}
+
+async fn http_get(url: &str) -> String {
+    use http_body_util::BodyExt;
+    let resp = client()
+        .get(url.parse().unwrap())
+        .await
+        .expect("the metrics port answers");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// Tokens of a prompt's KV found in each tier, from engine-sim's usage.
+fn tier_tokens(v: &Value) -> (u64, u64, u64) {
+    let t = &v["usage"]["prompt_tokens_details"]["kv_tier_tokens"];
+    let n = |k: &str| t[k].as_u64().unwrap_or(0);
+    (n("gpu"), n("l1"), n("l2"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
+    let (mut agent_proc, addr) = agent(&["--l1-bytes", "4MiB"]);
+    let agent_at = addr.to_string();
+    // 64 GPU blocks of 16 tokens; prompts of 600 words hold about 40 blocks each.
+    let engine = Proc::start(&[
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        "50",
+        "--gpu-kv-tokens",
+        "1024",
+        "--agent",
+        &agent_at,
+        "--agent-block-scale",
+        "0.001",
+    ]);
+    let http = client();
+    let ask = |seed: u64| {
+        let http = http.clone();
+        let url = engine.url.clone();
+        async move {
+            let r = post(
+                &http,
+                &url,
+                "/v1/completions",
+                completion(&long_prompt(seed), 2, false),
+                &[],
+            )
+            .await;
+            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+            r.json()
+        }
+    };
+    // Prompt 1, then others that push it out of GPU memory, then prompt 1 again: loaded
+    // from the agent's L1.
+    ask(1).await;
+    for seed in 2..5 {
+        ask(seed).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let loaded = loop {
+        let loaded = tier_tokens(&ask(1).await);
+        if loaded.1 > 0 {
+            break loaded;
+        }
+        assert!(Instant::now() < deadline, "prompt 1 never loaded from L1");
+        // Push it out again while the offloads land.
+        ask(2).await;
+        ask(3).await;
+    };
+    assert_eq!(loaded.2, 0, "no L2 configured: {loaded:?}");
+    let metrics = http_get(&format!("{}/metrics", engine.url)).await;
+    assert!(
+        metrics.contains(
+            "warmpath_engine_prefix_hit_tokens_total{model_name=\"sim-llama\",tier=\"l1\"}"
+        ),
+        "{metrics}"
+    );
+
+    // The agent dies: the engine recomputes and answers every request.
+    agent_proc.kill();
+    for seed in [1, 2, 3, 1] {
+        let v = ask(seed).await;
+        assert_eq!(tier_tokens(&v).1, 0, "nothing comes from a dead agent");
+    }
+    // A new agent on the same address: the engine reconnects, offloads and loads again.
+    let (_agent2, _) = agent_on(&agent_at);
+    eventually("loads from the restarted agent", || {
+        let ask = &ask;
+        async move {
+            for seed in 2..5 {
+                ask(seed).await;
+            }
+            tier_tokens(&ask(1).await).1 > 0
+        }
+    })
+    .await;
+}
+
+fn agent_on(at: &str) -> (Proc, AgentAddr) {
+    let p = Proc::start(&["agent", "--listen", at, "--l1-bytes", "4MiB"]);
+    (p, AgentAddr::Tcp(at.to_string()))
+}
