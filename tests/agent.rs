@@ -466,3 +466,51 @@ fn agent_on(at: &str) -> (Proc, AgentAddr) {
     let p = Proc::start(&["agent", "--listen", at, "--l1-bytes", "4MiB"]);
     (p, AgentAddr::Tcp(at.to_string()))
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_costs_counted_l2_errors_and_no_half_written_block() {
+    let dir = scratch_dir("agent-full-disk");
+    let l2 = dir.join("l2");
+    std::fs::create_dir_all(&l2).unwrap();
+    // A 256 KiB disk under an L2 bound of 10 MiB: the disk fills first.
+    let agent = Proc::start_with_small_disk(
+        &l2,
+        256 << 10,
+        &[
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--l1-bytes",
+            "32KiB",
+            "--l2",
+            &format!("dir:{}", l2.display()),
+            "--l2-bytes",
+            "10MiB",
+        ],
+    );
+    let c = connect(&AgentAddr::Tcp(agent.url.clone())).await;
+    // 40 blocks of 16 KiB: 38 are evicted towards a disk that holds about 15.
+    for start in (0..40).step_by(4) {
+        put_chain(&c, start..start + 4, 16 << 10).await;
+    }
+    let keys: Vec<u64> = (0..40).collect();
+    eventually("l2 write errors counted", || async {
+        c.stats().await.unwrap().l2_errors > 0
+    })
+    .await;
+    // What is served is right; what did not fit is a miss; the agent goes on.
+    let got = c.get(LAYOUT, keys.clone()).await.unwrap();
+    let served = got.iter().flatten().count();
+    for (k, g) in keys.iter().zip(&got) {
+        if let Some(g) = g {
+            assert_eq!(g.payload, payload(*k, 16 << 10), "block {k}");
+        }
+    }
+    assert!(served > 2 && served < 40, "{served} of 40 served");
+    let stats = c.stats().await.unwrap();
+    assert_eq!(
+        stats.l2_damaged, 0,
+        "a half-written block was visible: {stats:?}"
+    );
+    put_chain(&c, 100..102, 1000).await;
+}

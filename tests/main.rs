@@ -131,6 +131,21 @@ impl Proc {
         Self::spawn(&mut command, args)
     }
 
+    /// [`Proc::start`] with a small tmpfs mounted at `dir` in a mount namespace of its own
+    /// (`unshare`, as the root of a user namespace): a disk that fills up, gone with the
+    /// process.
+    pub fn start_with_small_disk(dir: &std::path::Path, bytes: u64, args: &[&str]) -> Proc {
+        let mut command = Command::new("unshare");
+        command
+            .args(["--map-root-user", "--mount", "sh", "-c"])
+            .arg("mount -t tmpfs -o size=\"$0\" tmpfs \"$1\" && shift && exec \"$@\"")
+            .arg(bytes.to_string())
+            .arg(dir)
+            .arg(env!("CARGO_BIN_EXE_warmpath"))
+            .args(args);
+        Self::spawn(&mut command, args)
+    }
+
     fn spawn(command: &mut Command, args: &[&str]) -> Proc {
         let mut child = command
             .env("WARMPATH_LOG", "warn")

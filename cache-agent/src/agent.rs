@@ -44,7 +44,8 @@ pub struct Agent {
     l2_writes: Option<mpsc::Sender<(BlockId, Block)>>,
     /// Lease times are microseconds since this instant.
     epoch: Instant,
-    counters: Counters,
+    /// Shared with the background L2 writer, which counts its failures here too.
+    counters: Arc<Counters>,
 }
 
 impl Agent {
@@ -63,9 +64,10 @@ impl Agent {
                 config.l2_deadline,
             )?))),
         };
+        let counters = Arc::new(Counters::default());
         let l2_writes = l2.as_ref().map(|l2| {
             let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
-            tokio::spawn(write_l2(l2.clone(), rx));
+            tokio::spawn(write_l2(l2.clone(), rx, counters.clone()));
             tx
         });
         let agent = Arc::new(Agent {
@@ -74,7 +76,7 @@ impl Agent {
             l2,
             l2_writes,
             epoch: Instant::now(),
-            counters: Counters::default(),
+            counters,
         });
         gauge!("warmpath_agent_capacity_bytes", "tier" => "l1").set(agent.config.l1_bytes as f64);
         if let L2Config::Dir { bytes, .. } = &agent.config.l2 {
@@ -464,7 +466,11 @@ fn error_label(kind: ErrorKind) -> &'static str {
 
 /// Writes queued blocks to L2, a few at a time; failures are counted, never retried (the
 /// block may still be in L1, and a later eviction writes it again).
-async fn write_l2(l2: Arc<AnyL2>, mut rx: mpsc::Receiver<(BlockId, Block)>) {
+async fn write_l2(
+    l2: Arc<AnyL2>,
+    mut rx: mpsc::Receiver<(BlockId, Block)>,
+    counters: Arc<Counters>,
+) {
     const CONCURRENT: usize = 8;
     let mut in_flight = tokio::task::JoinSet::new();
     // The same block queued twice while a write is in flight is written once.
@@ -481,7 +487,7 @@ async fn write_l2(l2: Arc<AnyL2>, mut rx: mpsc::Receiver<(BlockId, Block)>) {
         if pending.insert(id, ()).is_some() {
             continue;
         }
-        let l2 = l2.clone();
+        let (l2, counters) = (l2.clone(), counters.clone());
         in_flight.spawn(async move {
             let started = Instant::now();
             let len = block.payload.len() as u64;
@@ -492,6 +498,7 @@ async fn write_l2(l2: Arc<AnyL2>, mut rx: mpsc::Receiver<(BlockId, Block)>) {
                         .increment(len);
                 }
                 Err(e) => {
+                    counters.l2_errors.fetch_add(1, Ordering::Relaxed);
                     counter!("warmpath_agent_l2_errors_total", "op" => "put").increment(1);
                     tracing::debug!(error = %e, "l2 write failed");
                 }

@@ -56,6 +56,29 @@ pub struct DemoArgs {
     /// Leave a prefix-aware cluster running afterwards and print its URLs.
     #[arg(long)]
     pub keep_running: bool,
+    /// Start a cache-agent per simulated host (one per engine-sim), holding this many
+    /// tokens' worth of KV blocks in its L1; 0 runs without agents.
+    #[arg(long, default_value_t = 0)]
+    pub l1_kv_tokens: u64,
+    /// The agents' shared L2: none, dir (a directory in a temp dir) or redis (a
+    /// redis-server started for the demo).
+    #[arg(long, default_value = "none")]
+    pub l2: String,
+    /// Size of the L2 in tokens' worth of KV blocks (dir: the agents' bound; redis: its
+    /// maxmemory).
+    #[arg(long, default_value_t = 2_000_000)]
+    pub l2_kv_tokens: u64,
+    /// Block payloads are the profile's KV bytes × this (1/256 keeps a demo's memory small;
+    /// load times are modeled from the real sizes either way).
+    #[arg(long, default_value_t = 1.0 / 256.0)]
+    pub agent_block_scale: f64,
+}
+
+/// The bytes a demo agent holds for `tokens` tokens of KV (default profile, 16-token blocks,
+/// scaled like the payloads).
+fn kv_bytes(tokens: u64, scale: f64) -> u64 {
+    let profile = warmpath_index::cost::ModelProfile::dynamo_default();
+    (tokens as f64 * profile.kv_bytes_per_token as f64 * scale).ceil() as u64
 }
 
 /// A child process of this binary, killed when dropped.
@@ -103,23 +126,123 @@ async fn spawn_with_lines(args: &[String], lines_wanted: usize) -> Result<(Proc,
 struct Cluster {
     routers: Vec<Proc>,
     engines: Vec<Proc>,
+    agents: Vec<Proc>,
+    /// The L2 store of this run (a temp dir or a redis-server), removed when dropped.
+    _l2: Option<L2Store>,
+}
+
+/// The agents' shared L2 for one run.
+enum L2Store {
+    Dir(tempfile::TempDir),
+    /// The server (killed when dropped) and its port.
+    Redis {
+        _server: tokio::process::Child,
+        port: u16,
+    },
+}
+
+impl L2Store {
+    async fn start(kind: &str, bytes: u64) -> Result<Option<L2Store>> {
+        match kind {
+            "none" => Ok(None),
+            "dir" => Ok(Some(L2Store::Dir(
+                tempfile::tempdir().context("cannot make the L2 directory")?,
+            ))),
+            "redis" => {
+                let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                    .local_addr()?
+                    .port();
+                let child = Command::new("redis-server")
+                    .args([
+                        "--port",
+                        &port.to_string(),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                    ])
+                    .args(["--appendonly", "no", "--maxmemory", &bytes.to_string()])
+                    .args(["--maxmemory-policy", "allkeys-lru"])
+                    .stdout(Stdio::null())
+                    .kill_on_drop(true)
+                    .spawn()
+                    .context("--l2 redis needs redis-server (apt-get install redis-server)")?;
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_err()
+                {
+                    if Instant::now() > deadline {
+                        bail!("redis-server did not start on port {port}");
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok(Some(L2Store::Redis {
+                    _server: child,
+                    port,
+                }))
+            }
+            other => bail!("--l2 {other:?}: none, dir or redis"),
+        }
+    }
+
+    fn flag(&self) -> String {
+        match self {
+            L2Store::Dir(d) => format!("dir:{}", d.path().display()),
+            L2Store::Redis { port, .. } => format!("redis://127.0.0.1:{port}"),
+        }
+    }
 }
 
 async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
+    let l2 = if args.l1_kv_tokens > 0 {
+        L2Store::start(
+            &args.l2,
+            kv_bytes(args.l2_kv_tokens, args.agent_block_scale),
+        )
+        .await?
+    } else {
+        None
+    };
     let mut engines = Vec::new();
+    let mut agents = Vec::new();
     for _ in 0..args.instances {
-        engines.push(
-            spawn(&[
-                "engine-sim".into(),
+        let mut engine_args: Vec<String> = vec![
+            "engine-sim".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--speedup".into(),
+            args.speedup.to_string(),
+            "--gpu-kv-tokens".into(),
+            args.gpu_kv_tokens.to_string(),
+        ];
+        if args.l1_kv_tokens > 0 {
+            let mut agent_args: Vec<String> = vec![
+                "agent".into(),
                 "--listen".into(),
                 "127.0.0.1:0".into(),
-                "--speedup".into(),
-                args.speedup.to_string(),
-                "--gpu-kv-tokens".into(),
-                args.gpu_kv_tokens.to_string(),
-            ])
-            .await?,
-        );
+                "--l1-bytes".into(),
+                kv_bytes(args.l1_kv_tokens, args.agent_block_scale).to_string(),
+            ];
+            if let Some(l2) = &l2 {
+                agent_args.extend(["--l2".into(), l2.flag()]);
+                if let L2Store::Dir(_) = l2 {
+                    // The agents share the directory: each bounds its share of it.
+                    let share = kv_bytes(args.l2_kv_tokens, args.agent_block_scale)
+                        / u64::from(args.instances);
+                    agent_args.extend(["--l2-bytes".into(), share.max(1).to_string()]);
+                }
+            }
+            let agent = spawn(&agent_args).await?;
+            engine_args.extend([
+                "--agent".into(),
+                agent.url.clone(),
+                "--agent-block-scale".into(),
+                args.agent_block_scale.to_string(),
+            ]);
+            agents.push(agent);
+        }
+        engines.push(spawn(&engine_args).await?);
     }
     let mut routers = Vec::new();
     let mut seed: Option<String> = None;
@@ -158,7 +281,40 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
         }
         routers.push(router);
     }
-    Ok(Cluster { routers, engines })
+    Ok(Cluster {
+        routers,
+        engines,
+        agents,
+        _l2: l2,
+    })
+}
+
+/// Prompt tokens the engines found in each tier (gpu, l1, l2) over all prompt tokens, from
+/// their `/metrics`.
+async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    use http_body_util::BodyExt;
+    let (mut hits, mut prompt) = ([0.0; 3], 0.0);
+    for e in engines {
+        let resp = client.get(format!("{}/metrics", e.url).parse()?).await?;
+        let text =
+            String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string();
+        let value = |prefix: &str| -> f64 {
+            text.lines()
+                .find(|l| l.starts_with(prefix))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        for (i, tier) in ["gpu", "l1", "l2"].iter().enumerate() {
+            hits[i] += value(&format!(
+                "warmpath_engine_prefix_hit_tokens_total{{model_name=\"sim-llama\",tier=\"{tier}\"}}"
+            ));
+        }
+        prompt += value("vllm:prompt_tokens_total{");
+    }
+    Ok(hits.map(|h| if prompt > 0.0 { h / prompt } else { 0.0 }))
 }
 
 /// p50 and p99 of the router's overhead summary, in µs.
@@ -183,6 +339,8 @@ struct Row {
     strategy: Strategy,
     report: LoadReport,
     overhead_us: (f64, f64),
+    /// Engine-side hit rate per tier: GPU, L1, L2.
+    tiers: [f64; 3],
 }
 
 pub fn run(args: DemoArgs) -> Result<()> {
@@ -191,6 +349,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     if !(args.speedup.is_finite() && args.speedup > 0.0) {
         bail!("--speedup must be positive");
+    }
+    if args.l2 != "none" && args.l1_kv_tokens == 0 {
+        bail!("--l2 {} needs agents: give --l1-kv-tokens", args.l2);
+    }
+    if !(args.agent_block_scale.is_finite() && args.agent_block_scale > 0.0) {
+        bail!("--agent-block-scale must be positive");
     }
     let kind: SyntheticKind = args.workload.parse()?;
     let params = SyntheticParams {
@@ -212,6 +376,15 @@ pub fn run(args: DemoArgs) -> Result<()> {
         args.routers.max(1),
         if args.routers > 1 && args.isolated { " that do not gossip" } else if args.routers > 1 { " gossiping with each other" } else { "" }
     );
+    if args.l1_kv_tokens > 0 {
+        println!(
+            "a cache-agent per engine-sim: L1 of {} KV tokens, L2 {}{}; payloads at {}× the real KV bytes",
+            args.l1_kv_tokens,
+            args.l2,
+            if args.l2 == "none" { String::new() } else { format!(" of {} KV tokens", args.l2_kv_tokens) },
+            args.agent_block_scale
+        );
+    }
     println!(
         "workload {}: {} requests over {:.0} s of model time, mean prompt {:.0} tokens, ideal hit rate {:.1}%\n",
         kind.name(),
@@ -240,10 +413,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
             config.max_duration = Some(Duration::from_secs(60));
             let report = execute(&config, &requests, false).await?;
             let overhead_us = router_overhead_us(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
+            let tiers = tier_hit_rates(&cluster.engines).await.unwrap_or([f64::NAN; 3]);
             println!("  {:<13} done at {:5.1} s: {} ok, {} errors", strategy.name(), started.elapsed().as_secs_f64(), report.ok, report.error_count());
             use std::io::Write;
             let _ = std::io::stdout().flush();
-            rows.push(Row { strategy, report, overhead_us });
+            rows.push(Row { strategy, report, overhead_us, tiers });
             drop(cluster);
         }
         print!("{}", render(&rows, args.speedup));
@@ -256,6 +430,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
             }
             for e in &cluster.engines {
                 println!("  engine:  {}  (metrics: {}/metrics)", e.url, e.url);
+            }
+            for a in &cluster.agents {
+                println!("  agent:   {}  (block API)", a.url);
             }
             println!(
                 "  try: curl -s {}/v1/completions -H 'x-warmpath-explain: 1' -d '{{\"model\":\"sim-llama\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
@@ -271,9 +448,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
 fn render(rows: &[Row], speedup: f64) -> String {
     let mut s = String::new();
     s += &format!(
-        "\n{:<13} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}\n",
+        "\n{:<13} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}\n",
         "policy",
         "hit%",
+        "gpu%",
+        "l1%",
+        "l2%",
         "ttft p50",
         "ttft p99",
         "ttft/rr",
@@ -290,9 +470,12 @@ fn render(rows: &[Row], speedup: f64) -> String {
     for r in rows {
         let rep = &r.report;
         s += &format!(
-            "{:<13} {:>6.1} {:>10.1} {:>10.1} {:>10} {:>9.2} {:>7} {:>8.0} {:>8.0} {:>8}\n",
+            "{:<13} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>10.1} {:>10.1} {:>10} {:>9.2} {:>7} {:>8.0} {:>8.0} {:>8}\n",
             r.strategy.name(),
             rep.hit_rate * 100.0,
+            r.tiers[0] * 100.0,
+            r.tiers[1] * 100.0,
+            r.tiers[2] * 100.0,
             rep.ttft_ms.p50 * speedup,
             rep.ttft_ms.p99 * speedup,
             rr.filter(|v| *v > 0.0)
@@ -304,6 +487,7 @@ fn render(rows: &[Row], speedup: f64) -> String {
             rep.ok,
         );
     }
+    s += "hit% = cached tokens the clients saw; gpu%/l1%/l2% = prompt tokens the engines found in each tier\n";
     s += "ttft in ms of model time (wall × speed-up); req/s in model time; ovh = router overhead per request\n";
     s += "(arrival to upstream send: parse, tokenize, hash, route), µs of wall time\n";
     s

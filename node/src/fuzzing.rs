@@ -46,6 +46,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("raft_rpc", raft_rpc),
     ("gossip_datagram", gossip_datagram),
     ("decision_batch", decision_batch),
+    ("agent_frame", agent_frame),
 ];
 
 /// A client's completions or chat body, as the router parses, salts and forwards it.
@@ -344,6 +345,87 @@ fn serve(state: &ConfigState) {
     }
 }
 
+/// The cache-agent's network input: a handshake, a block API frame (a request as the agent
+/// reads it, applied to a pure L1 store; a response as an engine's client reads it) and an
+/// L2 object read back. The L1 bound and its accounting must hold whatever arrives, and an
+/// L2 object that decodes must carry its own checksum.
+pub fn agent_frame(data: &[u8]) {
+    use warmpath_cache_agent::block::decode_object;
+    use warmpath_cache_agent::l1::{own, L1};
+    use warmpath_cache_agent::policy::{BlockId, Eviction};
+    use warmpath_cache_agent::proto::{
+        decode_body, decode_hello_prefix, frame_len, split_payloads, Request, Response,
+    };
+    if let Ok(prefix) = <[u8; 8]>::try_from(data.get(..8).unwrap_or_default()) {
+        if let Ok((_, len)) = decode_hello_prefix(&prefix) {
+            assert!(len <= warmpath_cache_agent::proto::MAX_TOKEN_BYTES);
+        }
+    }
+    if let Ok(prefix) = <[u8; 4]>::try_from(data.get(..4).unwrap_or_default()) {
+        let _ = frame_len(prefix, 1 << 20);
+    }
+    let body = Bytes::copy_from_slice(data);
+    let capacity = 4096;
+    for policy in [Eviction::Lru, Eviction::S3Fifo] {
+        let Ok(frame) = decode_body::<Request>(body.clone()) else {
+            break;
+        };
+        let mut l1 = L1::new(capacity, policy);
+        let mut evicted = Vec::new();
+        match frame.header {
+            Request::Put { layout, blocks } => {
+                if let Ok(parts) = split_payloads(frame.payloads, blocks.iter().map(|b| b.bytes)) {
+                    for (item, p) in blocks.iter().zip(parts).rev() {
+                        let _ = l1.put(
+                            BlockId::new(layout, item.key),
+                            own(&p),
+                            item.pin,
+                            &mut evicted,
+                        );
+                    }
+                }
+            }
+            Request::Lookup {
+                layout,
+                keys,
+                lease_ms,
+            } => {
+                let ids: Vec<BlockId> = keys.iter().map(|&k| BlockId::new(layout, k)).collect();
+                l1.touch_chain(&ids);
+                let lease = l1.lease(&ids, 0, u64::from(lease_ms) * 1000);
+                l1.release(lease);
+            }
+            Request::Get { layout, keys } => {
+                for k in keys {
+                    assert!(l1.get(&BlockId::new(layout, k)).is_none());
+                }
+            }
+            Request::Release { lease } => assert!(l1.release(lease).is_none()),
+            Request::Unpin { layout, keys } => {
+                for k in keys {
+                    l1.unpin(&BlockId::new(layout, k));
+                }
+            }
+            Request::Stats => {}
+        }
+        let stats = l1.stats();
+        assert!(stats.bytes <= capacity);
+        assert_eq!(stats.bytes, l1.payload_bytes());
+    }
+    if let Ok(frame) = decode_body::<Response>(body.clone()) {
+        if let Response::Get { blocks } = frame.header {
+            let lens = blocks.iter().flatten().map(|b| b.bytes);
+            if let Ok(parts) = split_payloads(frame.payloads, lens) {
+                assert_eq!(parts.len(), blocks.iter().flatten().count());
+            }
+        }
+    }
+    let id = BlockId::new(1, 2);
+    if let Ok(block) = decode_object(&id, body) {
+        assert!(block.verify(), "a decoded L2 object matches its checksum");
+    }
+}
+
 /// Starting inputs for each target, made from real values: what `fuzz/corpus` was seeded
 /// with (`cargo test -p warmpath --lib write_fuzz_seeds -- --ignored` writes them again).
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
@@ -422,6 +504,69 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     snapshot.apply(1, &put_pool);
     fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
         serde_json::to_vec(v).expect("serializable")
+    }
+    {
+        use warmpath_cache_agent::block::{encode_object, Block};
+        use warmpath_cache_agent::policy::BlockId;
+        use warmpath_cache_agent::proto::{
+            encode_frame, encode_hello, GotBlock, PutItem, Request, Response, StoreTier,
+        };
+        let frame = |o: warmpath_cache_agent::proto::Outgoing| {
+            let mut v = o.head[4..].to_vec();
+            for p in o.payloads {
+                v.extend_from_slice(&p);
+            }
+            v
+        };
+        let put = Request::Put {
+            layout: 1,
+            blocks: vec![
+                PutItem {
+                    key: 1,
+                    bytes: 3,
+                    pin: false,
+                },
+                PutItem {
+                    key: 2,
+                    bytes: 2,
+                    pin: true,
+                },
+            ],
+        };
+        let payloads = vec![Bytes::from_static(b"abc"), Bytes::from_static(b"de")];
+        add("agent_frame", "put", frame(encode_frame(1, &put, payloads)));
+        let lookup = Request::Lookup {
+            layout: 1,
+            keys: vec![1, 2, 3],
+            lease_ms: 100,
+        };
+        add(
+            "agent_frame",
+            "lookup",
+            frame(encode_frame(2, &lookup, Vec::new())),
+        );
+        let got = Response::Get {
+            blocks: vec![
+                Some(GotBlock {
+                    bytes: 3,
+                    checksum: 0,
+                    tier: StoreTier::L2,
+                }),
+                None,
+            ],
+        };
+        add(
+            "agent_frame",
+            "get-answer",
+            frame(encode_frame(3, &got, vec![Bytes::from_static(b"abc")])),
+        );
+        add(
+            "agent_frame",
+            "hello",
+            encode_hello(b"token").unwrap_or_default(),
+        );
+        let object = encode_object(&BlockId::new(1, 2), &Block::new(Bytes::from_static(b"kv")));
+        add("agent_frame", "l2-object", object.to_vec());
     }
     add("raft_rpc", "append", json(&append));
     add(

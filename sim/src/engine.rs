@@ -543,10 +543,14 @@ impl Engine {
         u32::try_from(self.waiting.len() + self.running.len()).unwrap_or(u32::MAX)
     }
 
-    /// How many leading blocks of `keys` are on the GPU now.
+    /// How many leading blocks of `keys` the GPU is sure to hold when a request submitted
+    /// now is admitted: all resident ones when nothing waits (admission is immediate),
+    /// else only those running sequences reference (unreferenced cached blocks may be
+    /// evicted while the request waits).
     pub fn gpu_prefix(&self, keys: &[BlockKey]) -> usize {
+        let idle = self.waiting.is_empty();
         keys.iter()
-            .take_while(|k| self.resident.contains_key(k))
+            .take_while(|k| self.resident.get(k).is_some_and(|&refs| idle || refs > 0))
             .count()
     }
 

@@ -861,8 +861,10 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         &tokens,
         shared.block_tokens,
     );
-    // Past what the GPU holds, ask the host's agent for the prompt's next blocks (only
-    // blocks ending before the last prompt token can hit, as in the engine).
+    // Past what the GPU will still hold at admission, ask the host's agent for the
+    // prompt's next blocks (only blocks ending before the last prompt token can hit, as in
+    // the engine). What the GPU still has then is used from the GPU; the fetched copies
+    // fill what it lost while the request waited.
     let (mut offered, mut offered_from) = (Vec::new(), 0);
     if let Some(agent) = &shared.agent {
         let hit_max = keys
