@@ -123,7 +123,7 @@ async fn blocks_go_through_l1_and_redis_over_tcp_and_unix() {
         "warmpath_agent_hits_total{tier=\"l2\"}",
         "warmpath_agent_occupancy_bytes{tier=\"l1\"}",
         "warmpath_agent_evictions_total{tier=\"l1\"}",
-        "warmpath_agent_op_duration_seconds",
+        "warmpath_agent_op_duration_seconds_bucket{op=\"get\",le=\"0.001\"}",
     ] {
         assert!(text.contains(want), "{want} missing from\n{text}");
     }

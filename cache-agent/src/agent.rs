@@ -159,17 +159,22 @@ impl Agent {
             Err(e) => return error(ErrorKind::Malformed, e.to_string()),
         };
         let mut refused = Vec::new();
-        // Copies and checksums outside the lock.
+        // A put of one block keeps the frame's buffer (the block and a header of a few
+        // dozen bytes) as the block's storage; blocks of a batch are copied out, so that no
+        // block keeps its neighbours' bytes alive. Copies and checksums run outside the lock.
+        let single = parts.len() == 1;
         let owned: Vec<Option<Block>> = items
             .iter()
-            .zip(&parts)
+            .zip(parts)
             .enumerate()
             .map(|(i, (item, p))| {
                 if u64::from(item.bytes) > self.config.max_block_bytes {
                     refused.push((i as u32, PutRefusal::TooLarge));
                     None
+                } else if single {
+                    Some(Block::new(p))
                 } else {
-                    Some(own(p))
+                    Some(own(&p))
                 }
             })
             .collect();

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
@@ -169,11 +169,9 @@ impl AgentClient {
                 let Ok(len) = proto::frame_len(len, limit) else {
                     break;
                 };
-                let mut body = BytesMut::zeroed(len);
-                if rd.read_exact(&mut body).await.is_err() {
+                let Ok(body) = crate::server::read_bytes(&mut rd, len).await else {
                     break;
-                }
-                let body = body.freeze();
+                };
                 let Some(id) = proto::frame_id(&body) else {
                     break;
                 };

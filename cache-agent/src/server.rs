@@ -180,17 +180,15 @@ where
                 break Err(e);
             }
         };
-        let mut body = BytesMut::zeroed(len);
-        match tokio::time::timeout(BODY_TIMEOUT, rd.read_exact(&mut body)).await {
-            Ok(Ok(_)) => {}
+        let body = match tokio::time::timeout(BODY_TIMEOUT, read_bytes(&mut rd, len)).await {
+            Ok(Ok(body)) => body,
             Ok(Err(e)) => break Err(io(e)),
             Err(_) => {
                 break Err(ProtoError::Malformed(
                     "frame body did not arrive in time".into(),
                 ))
             }
-        }
-        let body = body.freeze();
+        };
         let frame = match proto::decode_body::<Request>(body.clone()) {
             Ok(f) => f,
             Err(e) => {
@@ -232,6 +230,22 @@ fn error_frame(id: u64, kind: ErrorKind, e: &ProtoError) -> Outgoing {
         },
         Vec::new(),
     )
+}
+
+/// Reads exactly `len` bytes into a buffer of their own: no zeroing first, and a put of one
+/// block can keep the buffer as the block's storage (see `agent.rs`).
+pub async fn read_bytes<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    len: usize,
+) -> std::io::Result<bytes::Bytes> {
+    let mut buf = BytesMut::with_capacity(len);
+    let mut limited = rd.take(len as u64);
+    while buf.len() < len {
+        if limited.read_buf(&mut buf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(buf.freeze())
 }
 
 /// Writes a frame: its head, then each payload as it is.

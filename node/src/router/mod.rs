@@ -265,7 +265,18 @@ pub fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
     static HANDLE: OnceLock<metrics_exporter_prometheus::PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let builder = metrics_exporter_prometheus::PrometheusBuilder::new();
+            // The cache-agent's operation times are Prometheus histograms (buckets from
+            // 10 µs to 10 s), so that they aggregate across agents; the router's summaries
+            // keep their quantiles.
+            let builder = metrics_exporter_prometheus::PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Prefix("warmpath_agent_".into()),
+                    &[
+                        1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                        5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    ],
+                )
+                .unwrap_or_else(|_| metrics_exporter_prometheus::PrometheusBuilder::new());
             match builder.install_recorder() {
                 Ok(h) => h,
                 Err(_) => metrics_exporter_prometheus::PrometheusBuilder::new()
