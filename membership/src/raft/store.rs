@@ -6,7 +6,8 @@
 //! snapshots) is a redb transaction committed with [`redb::Durability::Immediate`], i.e.
 //! fsynced before the call returns. The committed pointer is written without fsync: losing it
 //! only means re-applying fewer entries at start until the leader tells us the commit index.
-//! Blocking database work runs on tokio's blocking pool, never on a reactor thread.
+//! Blocking database work runs on two storage threads of its own (`blocking`), never on a
+//! reactor thread and never on tokio's blocking pool, which name lookups share.
 //!
 //! openraft 0.9 is built here without its `storage-v2` feature, so [`Store`] implements the
 //! combined [`RaftStorage`] trait and is split into log store and state machine by
