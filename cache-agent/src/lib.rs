@@ -8,6 +8,9 @@
 //!   eviction, pins and leases. No I/O, time passed in; the simulator's tiers use it too.
 //! - [`block`]: checksums and the self-checking L2 object format.
 //! - [`proto`]: the block API's wire format (handshake, frames), encode and decode only.
+//! - [`kv_events`]: engines' KV events in vLLM's msgpack format, decode and encode.
+//! - [`residency`]: the agent-to-router residency session (snapshot, sequenced deltas,
+//!   resync, expiry) as two state machines, time passed in.
 //! - [`l1`]: the L1 store, payloads beside the ledger.
 //! - [`config`]: `agent.toml` and its validation.
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
@@ -18,8 +21,10 @@ pub mod agent;
 pub mod block;
 pub mod client;
 pub mod config;
+pub mod kv_events;
 pub mod l1;
 pub mod l2;
 pub mod policy;
 pub mod proto;
+pub mod residency;
 pub mod server;

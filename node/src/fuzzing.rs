@@ -47,6 +47,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("gossip_datagram", gossip_datagram),
     ("decision_batch", decision_batch),
     ("agent_frame", agent_frame),
+    ("kv_events", kv_events),
 ];
 
 /// A client's completions or chat body, as the router parses, salts and forwards it.
@@ -426,6 +427,21 @@ pub fn agent_frame(data: &[u8]) {
     }
 }
 
+/// An engine's KV-event batch (vLLM's msgpack, either shape), as the agent decodes it: what
+/// decodes must encode again, in both shapes, to the same events.
+pub fn kv_events(data: &[u8]) {
+    use warmpath_cache_agent::kv_events::{decode_batch, encode_batch, Shape};
+    let Ok(batch) = decode_batch(data) else {
+        return;
+    };
+    for shape in [Shape::Array, Shape::Map] {
+        let again = decode_batch(&encode_batch(batch.ts, &batch.events, shape))
+            .expect("an encoded batch decodes");
+        assert_eq!(again.events, batch.events, "{shape:?}");
+        assert_eq!(again.unknown, 0);
+    }
+}
+
 /// Starting inputs for each target, made from real values: what `fuzz/corpus` was seeded
 /// with (`cargo test -p warmpath --lib write_fuzz_seeds -- --ignored` writes them again).
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
@@ -567,6 +583,35 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         );
         let object = encode_object(&BlockId::new(1, 2), &Block::new(Bytes::from_static(b"kv")));
         add("agent_frame", "l2-object", object.to_vec());
+    }
+    {
+        use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
+        let events = vec![
+            KvEvent::Stored {
+                block_hashes: vec![
+                    EngineHash(1u64.to_be_bytes().to_vec()),
+                    EngineHash(vec![9; 32]),
+                ],
+                parent: None,
+                token_ids: (0..32).collect(),
+                block_size: 16,
+                lora_id: None,
+                medium: Some("GPU".into()),
+                lora_name: None,
+                extra_keys: vec![vec!["salt".into()], vec![]],
+            },
+            KvEvent::Removed {
+                block_hashes: vec![EngineHash(vec![9; 32])],
+                medium: Some("GPU".into()),
+            },
+            KvEvent::Cleared,
+        ];
+        add(
+            "kv_events",
+            "array",
+            encode_batch(1.5, &events, Shape::Array),
+        );
+        add("kv_events", "map", encode_batch(1.5, &events, Shape::Map));
     }
     add("raft_rpc", "append", json(&append));
     add(

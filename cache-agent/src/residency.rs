@@ -1,0 +1,593 @@
+//! The residency session between an agent and a router: what blocks each tier of one host
+//! holds, as a snapshot followed by sequenced deltas, and how a router notices it has
+//! missed something. Sans-IO: messages and time in, messages and changes out. The agent,
+//! the router and the simulator all drive these same two state machines; the QUIC shell
+//! only moves the encoded messages.
+//!
+//! - The agent's [`Publisher`] owns an *epoch* (a fresh random-ish number per agent start)
+//!   and a sequence number. Every change it records goes into the next [`Msg::Delta`]; a
+//!   new subscriber, or one that asks, gets a [`Msg::Snapshot`] (in chunks, the last one
+//!   marked) that ends at the current sequence number. With nothing to say it sends a
+//!   [`Msg::Heartbeat`] so the router can tell quiet from dead.
+//! - The router's [`Subscriber`] accepts a snapshot of any epoch, then only deltas of that
+//!   epoch with the next sequence number. A gap, a different epoch, or a delta before any
+//!   snapshot makes it drop what it observed from this agent and ask for a resync
+//!   ([`Reply::Resync`]); a duplicate is ignored. An agent not heard from for `expiry` has
+//!   its residency expire ([`Subscriber::poll`]): the router falls back to predictions.
+//!
+//! What a change names: a block key (with its parent, so the index can keep chains) in a
+//! scope: one engine's GPU (by its index in the snapshot's instance list), the host's L1
+//! (every engine on the host can load from it), or the global L2.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+/// Where a block is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Scope {
+    /// The GPU of engine `n` of the snapshot's instance list.
+    Gpu(u16),
+    /// The host's L1.
+    L1,
+    /// The global L2.
+    L2,
+}
+
+/// One block, held or no longer held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Change {
+    pub scope: Scope,
+    pub key: u64,
+    pub parent: Option<u64>,
+    pub present: bool,
+}
+
+/// Agent to router, version 1 (the QUIC stream carries postcard of [`Wire`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Msg {
+    /// Part of a full state at `seq`; `last` ends it. `instances` names the engines whose
+    /// GPUs `Scope::Gpu` indexes (the same list in every chunk).
+    Snapshot {
+        epoch: u64,
+        seq: u64,
+        instances: Vec<String>,
+        blocks: Vec<(Scope, u64, Option<u64>)>,
+        last: bool,
+    },
+    /// What changed since `seq - 1`.
+    Delta {
+        epoch: u64,
+        seq: u64,
+        changes: Vec<Change>,
+    },
+    /// Nothing changed; the agent is alive at `seq`.
+    Heartbeat { epoch: u64, seq: u64 },
+}
+
+/// Router to agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Send me a snapshot (a new subscriber, or one that lost its place).
+    Resync,
+}
+
+/// The versioned envelope on the wire.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Wire {
+    V1Msg(Msg),
+    V1Reply(Reply),
+}
+
+/// Blocks per snapshot chunk: keeps one message near 64 KiB.
+pub const SNAPSHOT_CHUNK: usize = 2048;
+
+/// The agent's side.
+#[derive(Debug)]
+pub struct Publisher {
+    epoch: u64,
+    seq: u64,
+    instances: Vec<String>,
+    /// What every tier holds now, with parents.
+    held: HashMap<(Scope, u64), Option<u64>>,
+    pending: Vec<Change>,
+}
+
+impl Publisher {
+    /// A publisher for this agent start; `epoch` must differ from every earlier start's
+    /// (the agent uses its start time in nanoseconds mixed with its process id).
+    pub fn new(epoch: u64, instances: Vec<String>) -> Self {
+        Publisher {
+            epoch,
+            seq: 0,
+            instances,
+            held: HashMap::new(),
+            pending: Vec::new(),
+        }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Records a change; repeated or contradicting changes of one block before the next
+    /// delta are all sent, in order (the subscriber applies them in order).
+    pub fn record(&mut self, change: Change) {
+        let k = (change.scope, change.key);
+        let was = self.held.contains_key(&k);
+        if change.present {
+            self.held.insert(k, change.parent);
+        } else {
+            self.held.remove(&k);
+        }
+        if was != change.present {
+            self.pending.push(change);
+        }
+    }
+
+    /// Drops everything held in `scope` (an engine's "all blocks cleared").
+    pub fn clear(&mut self, scope: Scope) {
+        let gone: Vec<(Scope, u64)> = self
+            .held
+            .keys()
+            .filter(|(s, _)| *s == scope)
+            .copied()
+            .collect();
+        for (s, key) in gone {
+            self.record(Change {
+                scope: s,
+                key,
+                parent: None,
+                present: false,
+            });
+        }
+    }
+
+    /// The next delta, if anything changed; else a heartbeat when `heartbeat` is true.
+    pub fn next(&mut self, heartbeat: bool) -> Option<Msg> {
+        if self.pending.is_empty() {
+            return heartbeat.then_some(Msg::Heartbeat {
+                epoch: self.epoch,
+                seq: self.seq,
+            });
+        }
+        self.seq += 1;
+        Some(Msg::Delta {
+            epoch: self.epoch,
+            seq: self.seq,
+            changes: std::mem::take(&mut self.pending),
+        })
+    }
+
+    /// A full state for a new subscriber, at the current sequence number. Call [`next`]
+    /// first so that no recorded change is in neither the snapshot nor a later delta.
+    ///
+    /// [`next`]: Publisher::next
+    pub fn snapshot(&self) -> Vec<Msg> {
+        debug_assert!(self.pending.is_empty(), "flush pending changes first");
+        let mut blocks: Vec<(Scope, u64, Option<u64>)> =
+            self.held.iter().map(|(&(s, k), &p)| (s, k, p)).collect();
+        blocks.sort_unstable();
+        let mut chunks: Vec<Msg> = blocks
+            .chunks(SNAPSHOT_CHUNK)
+            .map(|c| Msg::Snapshot {
+                epoch: self.epoch,
+                seq: self.seq,
+                instances: self.instances.clone(),
+                blocks: c.to_vec(),
+                last: false,
+            })
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(Msg::Snapshot {
+                epoch: self.epoch,
+                seq: self.seq,
+                instances: self.instances.clone(),
+                blocks: Vec::new(),
+                last: false,
+            });
+        }
+        if let Some(Msg::Snapshot { last, .. }) = chunks.last_mut() {
+            *last = true;
+        }
+        chunks
+    }
+
+    /// Blocks held now (for metrics and tests).
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+}
+
+/// What the router must do after a message or a poll.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Apply these changes to the index, in order (`instances` maps `Scope::Gpu`).
+    Apply {
+        instances: Vec<String>,
+        changes: Vec<Change>,
+    },
+    /// Drop every observation from this agent (all of `held`, now removed) and, when
+    /// `resync`, send [`Reply::Resync`].
+    Reset {
+        instances: Vec<String>,
+        removed: Vec<Change>,
+        resync: bool,
+    },
+    /// Nothing to do.
+    Nothing,
+}
+
+/// The router's side, one per agent.
+#[derive(Debug)]
+pub struct Subscriber {
+    expiry_us: u64,
+    /// (epoch, seq) once a whole snapshot arrived.
+    at: Option<(u64, u64)>,
+    /// A snapshot being received: its epoch, seq and blocks so far.
+    partial: Option<(u64, u64, Vec<Change>)>,
+    instances: Vec<String>,
+    held: HashSet<(Scope, u64)>,
+    last_heard_us: Option<u64>,
+    /// Resyncs asked, for metrics.
+    pub resyncs: u64,
+}
+
+impl Subscriber {
+    /// A subscriber whose agent expires after `expiry_us` of silence.
+    pub fn new(expiry_us: u64) -> Self {
+        Subscriber {
+            expiry_us,
+            at: None,
+            partial: None,
+            instances: Vec::new(),
+            held: HashSet::new(),
+            last_heard_us: None,
+            resyncs: 0,
+        }
+    }
+
+    /// Whether a whole snapshot has arrived and no gap has been seen since.
+    pub fn in_sync(&self) -> bool {
+        self.at.is_some()
+    }
+
+    /// Blocks observed from this agent now.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// Handles a message from the agent at `now_us`.
+    pub fn handle(&mut self, now_us: u64, msg: Msg) -> Outcome {
+        self.last_heard_us = Some(now_us);
+        match msg {
+            Msg::Snapshot {
+                epoch,
+                seq,
+                instances,
+                blocks,
+                last,
+            } => {
+                let (pe, ps, mut acc) = self.partial.take().unwrap_or((epoch, seq, Vec::new()));
+                if (pe, ps) != (epoch, seq) {
+                    // A new snapshot began before the last ended: start over with it.
+                    acc.clear();
+                }
+                acc.extend(blocks.into_iter().map(|(scope, key, parent)| Change {
+                    scope,
+                    key,
+                    parent,
+                    present: true,
+                }));
+                if !last {
+                    self.partial = Some((epoch, seq, acc));
+                    return Outcome::Nothing;
+                }
+                // Replace what was held with the snapshot: removals first, then additions.
+                let mut changes = self.drop_all();
+                for c in &acc {
+                    self.held.insert((c.scope, c.key));
+                }
+                changes.extend(acc);
+                self.instances = instances.clone();
+                self.at = Some((epoch, seq));
+                Outcome::Apply { instances, changes }
+            }
+            Msg::Delta {
+                epoch,
+                seq,
+                changes,
+            } => match self.at {
+                Some((e, s)) if e == epoch && seq == s + 1 => {
+                    for c in &changes {
+                        if c.present {
+                            self.held.insert((c.scope, c.key));
+                        } else {
+                            self.held.remove(&(c.scope, c.key));
+                        }
+                    }
+                    self.at = Some((e, seq));
+                    Outcome::Apply {
+                        instances: self.instances.clone(),
+                        changes,
+                    }
+                }
+                Some((e, s)) if e == epoch && seq <= s => Outcome::Nothing,
+                _ if self.partial.is_some() => Outcome::Nothing,
+                _ => self.reset(true),
+            },
+            Msg::Heartbeat { epoch, seq } => match self.at {
+                Some((e, s)) if e == epoch && s == seq => Outcome::Nothing,
+                Some((e, s)) if e == epoch && seq < s => Outcome::Nothing,
+                _ if self.partial.is_some() => Outcome::Nothing,
+                _ => self.reset(true),
+            },
+        }
+    }
+
+    /// Expires the agent's residency after `expiry` of silence; call periodically.
+    pub fn poll(&mut self, now_us: u64) -> Outcome {
+        match self.last_heard_us {
+            Some(t)
+                if now_us.saturating_sub(t) > self.expiry_us
+                    && (self.at.is_some() || !self.held.is_empty()) =>
+            {
+                self.reset(false)
+            }
+            _ => Outcome::Nothing,
+        }
+    }
+
+    fn reset(&mut self, resync: bool) -> Outcome {
+        self.at = None;
+        self.partial = None;
+        if resync {
+            self.resyncs += 1;
+        }
+        Outcome::Reset {
+            instances: self.instances.clone(),
+            removed: self.drop_all(),
+            resync,
+        }
+    }
+
+    fn drop_all(&mut self) -> Vec<Change> {
+        let mut removed: Vec<Change> = self
+            .held
+            .drain()
+            .map(|(scope, key)| Change {
+                scope,
+                key,
+                parent: None,
+                present: false,
+            })
+            .collect();
+        removed.sort_unstable_by_key(|c| (c.scope, c.key));
+        removed
+    }
+}
+
+/// Encodes a message for the wire.
+pub fn encode(w: &Wire) -> Vec<u8> {
+    postcard::to_stdvec(w).unwrap_or_default()
+}
+
+/// Decodes a message from the wire.
+pub fn decode(bytes: &[u8]) -> Result<Wire, postcard::Error> {
+    postcard::from_bytes(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add(scope: Scope, key: u64, parent: Option<u64>) -> Change {
+        Change {
+            scope,
+            key,
+            parent,
+            present: true,
+        }
+    }
+
+    fn del(scope: Scope, key: u64) -> Change {
+        Change {
+            scope,
+            key,
+            parent: None,
+            present: false,
+        }
+    }
+
+    /// Applies outcomes to a plain set, as the router's index would.
+    fn apply(view: &mut HashSet<(Scope, u64)>, o: &Outcome) -> bool {
+        let changes = match o {
+            Outcome::Apply { changes, .. } => changes,
+            Outcome::Reset { removed, .. } => removed,
+            Outcome::Nothing => return false,
+        };
+        for c in changes {
+            if c.present {
+                view.insert((c.scope, c.key));
+            } else {
+                view.remove(&(c.scope, c.key));
+            }
+        }
+        matches!(o, Outcome::Reset { resync: true, .. })
+    }
+
+    fn truth(p: &Publisher) -> HashSet<(Scope, u64)> {
+        p.held.keys().copied().collect()
+    }
+
+    #[test]
+    fn snapshot_then_deltas_converge() {
+        let mut p = Publisher::new(7, vec!["e0".into()]);
+        p.record(add(Scope::Gpu(0), 1, None));
+        p.record(add(Scope::L1, 1, None));
+        let mut s = Subscriber::new(1_000_000);
+        let mut view = HashSet::new();
+        assert!(p.next(false).is_some());
+        for m in p.snapshot() {
+            apply(&mut view, &s.handle(0, m));
+        }
+        assert_eq!(view, truth(&p));
+        p.record(add(Scope::Gpu(0), 2, Some(1)));
+        p.record(del(Scope::L1, 1));
+        p.record(add(Scope::L2, 9, None));
+        // Recording what is already so sends nothing.
+        p.record(add(Scope::L2, 9, None));
+        let d = p.next(false).unwrap();
+        apply(&mut view, &s.handle(10, d.clone()));
+        assert_eq!(view, truth(&p));
+        // A duplicate is ignored; a heartbeat at the same seq is fine.
+        assert_eq!(s.handle(11, d), Outcome::Nothing);
+        assert_eq!(s.handle(12, p.next(true).unwrap()), Outcome::Nothing);
+        assert!(p.next(false).is_none());
+        assert!(s.in_sync());
+    }
+
+    #[test]
+    fn a_gap_or_a_new_epoch_resyncs() {
+        let mut p = Publisher::new(1, vec!["e0".into()]);
+        let mut s = Subscriber::new(1_000_000);
+        let mut view = HashSet::new();
+        for m in p.snapshot() {
+            apply(&mut view, &s.handle(0, m));
+        }
+        p.record(add(Scope::Gpu(0), 1, None));
+        let lost = p.next(false).unwrap();
+        drop(lost);
+        p.record(add(Scope::Gpu(0), 2, None));
+        // Seq 2 after 0: a gap. Everything observed is dropped and a resync asked.
+        assert!(apply(&mut view, &s.handle(5, p.next(false).unwrap())));
+        assert!(view.is_empty());
+        assert_eq!(s.resyncs, 1);
+        for m in p.snapshot() {
+            apply(&mut view, &s.handle(6, m));
+        }
+        assert_eq!(view, truth(&p));
+        // The agent restarts: a new epoch's delta resyncs too.
+        let mut p2 = Publisher::new(2, vec!["e0".into()]);
+        p2.record(add(Scope::L1, 5, None));
+        assert!(apply(&mut view, &s.handle(7, p2.next(false).unwrap())));
+        for m in p2.snapshot() {
+            apply(&mut view, &s.handle(8, m));
+        }
+        assert_eq!(view, truth(&p2));
+        // A delta before any snapshot asks for one.
+        let mut fresh = Subscriber::new(1_000_000);
+        p2.record(add(Scope::L1, 6, None));
+        assert!(matches!(
+            fresh.handle(0, p2.next(false).unwrap()),
+            Outcome::Reset { resync: true, .. }
+        ));
+    }
+
+    #[test]
+    fn chunked_snapshots_and_clears() {
+        let mut p = Publisher::new(3, vec!["a".into(), "b".into()]);
+        for k in 0..(SNAPSHOT_CHUNK as u64 * 2 + 5) {
+            p.record(add(Scope::Gpu((k % 2) as u16), k, k.checked_sub(2)));
+        }
+        p.next(false);
+        let chunks = p.snapshot();
+        assert_eq!(chunks.len(), 3);
+        let mut s = Subscriber::new(1_000_000);
+        let mut view = HashSet::new();
+        for (i, m) in chunks.into_iter().enumerate() {
+            let o = s.handle(i as u64, m);
+            assert_eq!(i == 2, matches!(o, Outcome::Apply { .. }));
+            apply(&mut view, &o);
+        }
+        assert_eq!(view, truth(&p));
+        p.clear(Scope::Gpu(1));
+        apply(&mut view, &s.handle(10, p.next(false).unwrap()));
+        assert_eq!(view, truth(&p));
+        assert!(view.iter().all(|(s, _)| *s == Scope::Gpu(0)));
+    }
+
+    #[test]
+    fn silence_expires_the_agent() {
+        let mut p = Publisher::new(1, vec!["e0".into()]);
+        p.record(add(Scope::Gpu(0), 1, None));
+        p.next(false);
+        let mut s = Subscriber::new(500);
+        let mut view = HashSet::new();
+        for m in p.snapshot() {
+            apply(&mut view, &s.handle(100, m));
+        }
+        assert_eq!(s.poll(600), Outcome::Nothing);
+        let o = s.poll(601);
+        assert!(matches!(o, Outcome::Reset { resync: false, .. }));
+        apply(&mut view, &o);
+        assert!(view.is_empty());
+        assert_eq!(s.poll(10_000), Outcome::Nothing);
+        // It comes back with a heartbeat of its epoch: the router asks for a snapshot.
+        assert!(matches!(
+            s.handle(20_000, p.next(true).unwrap()),
+            Outcome::Reset { resync: true, .. }
+        ));
+    }
+
+    proptest::proptest! {
+        /// Whatever is lost or duplicated on the way, a subscriber that answers resyncs
+        /// with snapshots ends with exactly what the agent holds.
+        #[test]
+        fn lossy_links_converge(
+            steps in proptest::collection::vec((0u8..3, 0u64..20, proptest::bool::ANY, 0u8..10), 1..200)
+        ) {
+            let mut p = Publisher::new(9, vec!["e0".into()]);
+            let mut s = Subscriber::new(u64::MAX);
+            let mut view = HashSet::new();
+            let mut last_sent: Option<Msg> = None;
+            for (i, (scope, key, present, fate)) in steps.into_iter().enumerate() {
+                let scope = [Scope::Gpu(0), Scope::L1, Scope::L2][scope as usize];
+                p.record(Change { scope, key, parent: None, present });
+                let Some(m) = p.next(i % 7 == 0) else { continue };
+                let deliveries = match fate {
+                    0 => vec![],                              // lost
+                    1 => vec![m.clone(), m.clone()],          // duplicated
+                    2 => last_sent.clone().into_iter().chain([m.clone()]).collect(), // stale replay
+                    _ => vec![m.clone()],
+                };
+                last_sent = Some(m);
+                for d in deliveries {
+                    if apply(&mut view, &s.handle(i as u64, d)) {
+                        for snap in p.snapshot() {
+                            apply(&mut view, &s.handle(i as u64, snap));
+                        }
+                    }
+                }
+            }
+            // A final heartbeat tells a subscriber that missed the tail.
+            if let Some(m) = p.next(true) {
+                if apply(&mut view, &s.handle(u64::MAX - 1, m)) {
+                    for snap in p.snapshot() {
+                        apply(&mut view, &s.handle(u64::MAX - 1, snap));
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(view, truth(&p));
+        }
+    }
+
+    #[test]
+    fn wire_round_trip() {
+        let m = Wire::V1Msg(Msg::Delta {
+            epoch: 1,
+            seq: 2,
+            changes: vec![add(Scope::Gpu(3), 4, Some(5))],
+        });
+        assert_eq!(decode(&encode(&m)).unwrap(), m);
+        assert!(decode(&[0xff, 0xff]).is_err());
+    }
+}
