@@ -9,6 +9,7 @@
 //! - [`block`]: checksums and the self-checking L2 object format.
 //! - [`proto`]: the block API's wire format (handshake, frames), encode and decode only.
 //! - [`kv_events`]: engines' KV events in vLLM's msgpack format, decode and encode.
+//! - [`ingest`]: KV events to residency changes, warmpath keys recomputed from token ids.
 //! - [`residency`]: the agent-to-router residency session (snapshot, sequenced deltas,
 //!   resync, expiry) as two state machines, time passed in.
 //! - [`l1`]: the L1 store, payloads beside the ledger.
@@ -21,6 +22,7 @@ pub mod agent;
 pub mod block;
 pub mod client;
 pub mod config;
+pub mod ingest;
 pub mod kv_events;
 pub mod l1;
 pub mod l2;
