@@ -514,3 +514,172 @@ async fn a_full_disk_costs_counted_l2_errors_and_no_half_written_block() {
     );
     put_chain(&c, 100..102, 1000).await;
 }
+
+/// The engine's prompt tokens in `usage`.
+fn prompt_tokens(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens"].as_u64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_follows_an_engines_kv_events() {
+    let kv = format!("tcp://{}", crate::free_addr());
+    let engine = Proc::start(&[
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        "50",
+        "--kv-events",
+        &kv,
+    ]);
+    let (_agent, addr) = agent(&["--kv-events", &format!("e0={kv}")]);
+    let c = connect(&addr).await;
+    let http = client();
+    // A publisher drops what it sends before a subscriber has joined: warm up with fresh
+    // prompts until the agent has seen a batch.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seed = 1000;
+    while c.stats().await.unwrap().kv_batches == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the agent never received a KV event"
+        );
+        seed += 1;
+        let body = completion(&long_prompt(seed), 1, false);
+        assert_eq!(
+            post(&http, &engine.url, "/v1/completions", body, &[])
+                .await
+                .status,
+            200
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = c.stats().await.unwrap().residency_blocks;
+    // Three prompts that share nothing: the agent must come to hold exactly their blocks
+    // more.
+    let mut blocks = 0;
+    for seed in 1..4 {
+        let body = completion(&long_prompt(seed), 1, false);
+        let r = post(&http, &engine.url, "/v1/completions", body, &[]).await;
+        assert_eq!(r.status, 200);
+        blocks += prompt_tokens(&r.json()) / 16;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = c.stats().await.unwrap();
+        if s.residency_blocks == before + blocks {
+            assert_eq!(
+                (s.kv_gaps, s.kv_malformed, s.kv_unresolved),
+                (0, 0, 0),
+                "{s:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent holds {} blocks, not {before} + {blocks}: {s:?}",
+            s.residency_blocks
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_kv_events_are_counted_and_gaps_drop_the_view() {
+    use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
+    use zeromq::{Socket, SocketSend, ZmqMessage};
+    let kv = format!("tcp://{}", crate::free_addr());
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.bind(&kv).await.unwrap();
+    let (mut agent_proc, addr) = agent(&["--kv-events", &format!("e0={kv}")]);
+    let c = connect(&addr).await;
+    let stored = |hash: u64, tokens: std::ops::Range<u32>| KvEvent::Stored {
+        block_hashes: vec![EngineHash(hash.to_be_bytes().to_vec())],
+        parent: None,
+        token_ids: tokens.collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: vec![],
+    };
+    let frames = |seq: u64, payload: Vec<u8>| {
+        ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::from(payload),
+        ])
+        .unwrap()
+    };
+    // The subscription takes a moment: publish until the first good batch lands.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.stats().await.unwrap().residency_blocks != 1 {
+        assert!(Instant::now() < deadline, "the agent never subscribed");
+        let _ = publisher
+            .send(frames(
+                0,
+                encode_batch(0.0, &[stored(1, 0..16)], Shape::Map),
+            ))
+            .await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Garbage, a huge declared array, a two-frame message, an unknown event kind.
+    publisher
+        .send(frames(1, vec![0xc1, 0xff, 0x00]))
+        .await
+        .unwrap();
+    publisher
+        .send(frames(1, vec![0xdd, 0xff, 0xff, 0xff, 0xff, 0x01]))
+        .await
+        .unwrap();
+    publisher
+        .send(ZmqMessage::try_from(vec![Bytes::new(), Bytes::from_static(b"x")]).unwrap())
+        .await
+        .unwrap();
+    // The next good batch (seq 1) still follows seq 0; then seq 5 is a gap: the view is
+    // dropped and rebuilt from that batch.
+    publisher
+        .send(frames(
+            1,
+            encode_batch(0.1, &[stored(2, 16..32)], Shape::Array),
+        ))
+        .await
+        .unwrap();
+    publisher
+        .send(frames(
+            5,
+            encode_batch(0.2, &[stored(3, 32..48)], Shape::Array),
+        ))
+        .await
+        .unwrap();
+    eventually("the gap is seen", || async {
+        let s = c.stats().await.unwrap();
+        s.kv_gaps == 1 && s.residency_blocks == 1
+    })
+    .await;
+    let s = c.stats().await.unwrap();
+    assert!(s.kv_malformed >= 2, "{s:?}");
+    // A publisher restart starts again at 0: another gap, handled the same way.
+    drop(publisher);
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.bind(&kv).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.stats().await.unwrap().kv_gaps != 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted publisher was not followed"
+        );
+        let _ = publisher
+            .send(frames(
+                0,
+                encode_batch(0.0, &[stored(7, 0..16)], Shape::Map),
+            ))
+            .await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        agent_proc.child.try_wait().unwrap().is_none(),
+        "the agent is still running"
+    );
+}

@@ -17,12 +17,14 @@ use tokio::sync::mpsc;
 
 use crate::block::{decode_object, encode_object, Block};
 use crate::config::{AgentConfig, L2Config, WritePolicy};
+use crate::ingest::{Ingest, Tenants};
 use crate::l1::{own, Evicted, L1};
 use crate::l2::{AnyL2, DirL2, L2Backend, L2Error, RedisL2};
 use crate::policy::{BlockId, Refused};
 use crate::proto::{
     AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
 };
+use crate::residency::Publisher;
 
 /// Counters kept here as well as in metrics, for `Stats` and the tests.
 #[derive(Debug, Default)]
@@ -46,6 +48,9 @@ pub struct Agent {
     epoch: Instant,
     /// Shared with the background L2 writer, which counts its failures here too.
     counters: Arc<Counters>,
+    /// The engines' caches as their KV events tell them, and what is reported to routers.
+    ingest: Arc<Mutex<Ingest>>,
+    residency: Arc<Mutex<Publisher>>,
 }
 
 impl Agent {
@@ -70,6 +75,14 @@ impl Agent {
             tokio::spawn(write_l2(l2.clone(), rx, counters.clone()));
             tx
         });
+        let ingest = Arc::new(Mutex::new(Ingest::new(
+            Tenants::Fixed(config.kv_tenant.clone()),
+            config.kv_events.len(),
+        )));
+        let residency = Arc::new(Mutex::new(Publisher::new(
+            new_epoch(),
+            config.kv_events.iter().map(|(n, _)| n.clone()).collect(),
+        )));
         let agent = Arc::new(Agent {
             l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),
             config,
@@ -77,7 +90,17 @@ impl Agent {
             l2_writes,
             epoch: Instant::now(),
             counters,
+            ingest,
+            residency,
         });
+        for (i, (_, endpoint)) in agent.config.kv_events.iter().enumerate() {
+            tokio::spawn(crate::kv_subscribe::subscribe(
+                i,
+                endpoint.clone(),
+                agent.ingest.clone(),
+                agent.residency.clone(),
+            ));
+        }
         gauge!("warmpath_agent_capacity_bytes", "tier" => "l1").set(agent.config.l1_bytes as f64);
         if let L2Config::Dir { bytes, .. } = &agent.config.l2 {
             gauge!("warmpath_agent_capacity_bytes", "tier" => "l2").set(*bytes as f64);
@@ -434,7 +457,22 @@ impl Agent {
     }
 
     pub fn stats(&self) -> AgentStats {
+        let kv = self
+            .ingest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stats
+            .clone();
         AgentStats {
+            residency_blocks: self
+                .residency
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .len() as u64,
+            kv_batches: kv.batches,
+            kv_gaps: kv.gaps,
+            kv_malformed: kv.malformed,
+            kv_unresolved: kv.unresolved,
             l1: self.lock_l1().stats(),
             l1_hits: self.counters.l1_hits.load(Ordering::Relaxed),
             l2_hits: self.counters.l2_hits.load(Ordering::Relaxed),
@@ -455,6 +493,15 @@ impl Agent {
             gauge!("warmpath_agent_occupancy_bytes", "tier" => "l2").set(d.used_bytes() as f64);
         }
     }
+}
+
+/// An epoch no earlier start of this agent used: the start time in nanoseconds, mixed with
+/// the process id (two starts within a clock tick are different processes).
+fn new_epoch() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 48)
 }
 
 fn error(kind: ErrorKind, message: String) -> (Response, Vec<Bytes>) {

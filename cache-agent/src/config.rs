@@ -99,6 +99,10 @@ pub struct AgentConfig {
     pub max_lease: Duration,
     /// Open block API connections at most.
     pub max_connections: usize,
+    /// The host's engines: (name, KV-event endpoint `tcp://HOST:PORT`), in order.
+    pub kv_events: Vec<(String, String)>,
+    /// The tenant every KV-event chain belongs to (keys derived with the chain's own salt).
+    pub kv_tenant: String,
 }
 
 impl Default for AgentConfig {
@@ -118,6 +122,8 @@ impl Default for AgentConfig {
             max_keys: 4096,
             max_lease: Duration::from_secs(30),
             max_connections: 256,
+            kv_events: Vec::new(),
+            kv_tenant: "engine-sim".into(),
         }
     }
 }
@@ -253,6 +259,16 @@ impl AgentConfig {
                 self.max_block_bytes,
                 u32::MAX
             ));
+        }
+        if self.kv_events.len() > u16::MAX as usize {
+            return Err("more engines than a host can have".into());
+        }
+        for (name, endpoint) in &self.kv_events {
+            if !endpoint.starts_with("tcp://") {
+                return Err(format!(
+                    "KV events of {name}: {endpoint:?} is not tcp://HOST:PORT"
+                ));
+            }
         }
         if self.max_keys == 0 || self.max_connections == 0 || self.l2_deadline.is_zero() {
             return Err("max_keys, max_connections and l2 deadline must be positive".into());

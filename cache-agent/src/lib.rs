@@ -16,6 +16,7 @@
 //! - [`config`]: `agent.toml` and its validation.
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
 //! - [`agent`]: the service that answers requests from both tiers (I/O shell).
+//! - [`kv_subscribe`]: the ZMQ subscriptions to the engines' KV events (I/O).
 //! - [`server`] and [`client`]: the listeners, and the engines' pipelined client.
 
 pub mod agent;
@@ -24,6 +25,7 @@ pub mod client;
 pub mod config;
 pub mod ingest;
 pub mod kv_events;
+pub mod kv_subscribe;
 pub mod l1;
 pub mod l2;
 pub mod policy;

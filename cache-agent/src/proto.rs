@@ -118,6 +118,14 @@ pub struct AgentStats {
     pub misses: u64,
     pub l2_errors: u64,
     pub l2_damaged: u64,
+    /// Blocks the agent reports to routers (engines' GPUs from KV events).
+    pub residency_blocks: u64,
+    /// KV-event batches applied, sequence gaps seen, batches refused, blocks whose tenant
+    /// was not known.
+    pub kv_batches: u64,
+    pub kv_gaps: u64,
+    pub kv_malformed: u64,
+    pub kv_unresolved: u64,
 }
 
 /// Classes of errors, for clients to act on.

@@ -57,6 +57,13 @@ pub struct AgentArgs {
     /// Largest block payload accepted (bytes or with a unit).
     #[arg(long)]
     pub max_block_bytes: Option<String>,
+    /// An engine on this host and its KV-event endpoint, NAME=tcp://HOST:PORT (repeat per
+    /// engine; NAME is how routers know the instance).
+    #[arg(long = "kv-events", value_name = "NAME=ENDPOINT")]
+    pub kv_events: Vec<String>,
+    /// The tenant the KV events' chains belong to (keys use each chain's own cache_salt).
+    #[arg(long)]
+    pub kv_tenant: Option<String>,
 }
 
 impl AgentArgs {
@@ -108,6 +115,15 @@ impl AgentArgs {
         }
         if let Some(v) = &self.max_block_bytes {
             c.max_block_bytes = parse_bytes(v).map_err(anyhow::Error::msg)?;
+        }
+        for e in &self.kv_events {
+            let (name, endpoint) = e
+                .split_once('=')
+                .with_context(|| format!("--kv-events {e:?}: give NAME=tcp://HOST:PORT"))?;
+            c.kv_events.push((name.to_string(), endpoint.to_string()));
+        }
+        if let Some(t) = &self.kv_tenant {
+            c.kv_tenant = t.clone();
         }
         c.validate(self.insecure_no_token)
             .map_err(anyhow::Error::msg)?;

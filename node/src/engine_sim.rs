@@ -41,6 +41,10 @@ pub struct EngineSimArgs {
     /// File holding the agent's block API token.
     #[arg(long, requires = "agent")]
     pub agent_token_file: Option<std::path::PathBuf>,
+    /// Publish KV events (vLLM's ZMQ/msgpack format) on this endpoint, e.g.
+    /// tcp://127.0.0.1:5557.
+    #[arg(long)]
+    pub kv_events: Option<String>,
     /// Payload bytes per block = the profile's KV bytes per token × block tokens × this
     /// (1 moves real sizes; tests use less).
     #[arg(long, default_value_t = 1.0, requires = "agent")]
@@ -98,6 +102,7 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
         },
         profile,
         agent,
+        kv_events: args.kv_events.clone(),
         speedup: args.speedup,
         default_max_tokens: args.default_max_tokens,
         ..EngineSimConfig::default()

@@ -543,6 +543,11 @@ impl Engine {
         u32::try_from(self.waiting.len() + self.running.len()).unwrap_or(u32::MAX)
     }
 
+    /// Whether the GPU holds `key` now (referenced or cached).
+    pub fn holds(&self, key: BlockKey) -> bool {
+        self.resident.contains_key(&key)
+    }
+
     /// How many leading blocks of `keys` the GPU is sure to hold when a request submitted
     /// now is admitted: all resident ones when nothing waits (admission is immediate),
     /// else only those running sequences reference (unreferenced cached blocks may be

@@ -65,6 +65,7 @@ use warmpath_index::text;
 use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats};
 use crate::tiers::TierSet;
 
+use super::kv_publish::KvPublisher;
 use super::offload::{AgentSettings, AgentSide};
 
 /// Tenant id under which the engine derives its block keys (with the request's
@@ -101,6 +102,8 @@ pub struct EngineSimConfig {
     /// the following blocks (`offload.rs`). Set `engine.l1_blocks` and `l2_blocks` to 0
     /// with it: the agent is the L1 and L2.
     pub agent: Option<AgentSettings>,
+    /// Where to publish KV events (`tcp://HOST:PORT`, vLLM's format; `kv_publish.rs`).
+    pub kv_events: Option<String>,
 }
 
 impl Default for EngineSimConfig {
@@ -117,6 +120,7 @@ impl Default for EngineSimConfig {
             max_prompt_tokens: 131_072,
             l2_blocks: 0,
             agent: None,
+            kv_events: None,
         }
     }
 }
@@ -142,8 +146,20 @@ pub async fn serve(
     let block_tokens = engine.config().block_tokens as usize;
     let (commands, inbox) = mpsc::unbounded_channel();
     let agent = config.agent.clone().map(AgentSide::start);
+    let kv = match &config.kv_events {
+        Some(endpoint) => {
+            let (publisher, bound) = KvPublisher::bind(endpoint, block_tokens as u32)
+                .await
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e))?;
+            tracing::info!(endpoint = %bound, "publishing KV events");
+            Some(publisher)
+        }
+        None => None,
+    };
+    let kv_events = kv.is_some();
     let engine_loop = EngineLoop {
         agent: agent.clone(),
+        kv,
         engine,
         l2: TierSet::lru(config.l2_blocks),
         clock: Clock {
@@ -168,6 +184,7 @@ pub async fn serve(
         commands,
         next_id: AtomicU64::new(1),
         agent,
+        kv_events,
     });
     let app = Router::new()
         .route("/v1/completions", post(completions))
@@ -207,6 +224,8 @@ struct Shared {
     next_id: AtomicU64,
     /// The host's cache-agent, when there is one.
     agent: Option<Arc<AgentSide>>,
+    /// Whether KV events are published (submissions then carry their tokens).
+    kv_events: bool,
 }
 
 /// What handlers ask of the engine loop.
@@ -217,6 +236,8 @@ enum Command {
     Submit {
         req: EngineRequest,
         updates: mpsc::UnboundedSender<Update>,
+        /// The prompt's tokens and cache salt, when KV events are published.
+        blocks: Option<(Vec<u32>, Option<String>)>,
     },
     /// The client went away: drop the request (no-op when it has finished).
     Cancel { id: u64 },
@@ -311,6 +332,8 @@ struct EngineLoop {
     engine: Engine,
     /// Where GPU evictions are offloaded, when there is an agent.
     agent: Option<Arc<AgentSide>>,
+    /// Where GPU stores and evictions are published, when asked.
+    kv: Option<KvPublisher>,
     /// This server's L2 store.
     l2: TierSet,
     clock: Clock,
@@ -379,7 +402,18 @@ impl EngineLoop {
 
     fn handle(&mut self, now: u64, command: Command) {
         match command {
-            Command::Submit { req, updates } => {
+            Command::Submit {
+                req,
+                updates,
+                blocks,
+            } => {
+                if let (Some(kv), Some((tokens, salt))) = (&mut self.kv, blocks) {
+                    let limit = 4 * self.engine.config().gpu_blocks as usize;
+                    let engine = &self.engine;
+                    kv.note_request(&req.keys, &tokens, salt.as_deref(), limit, |k| {
+                        engine.holds(k)
+                    });
+                }
                 if !self
                     .engine
                     .can_ever_fit(req.prompt_tokens, req.output_tokens)
@@ -477,7 +511,19 @@ impl EngineLoop {
                     key,
                     tier: Tier::Gpu,
                 } => {
+                    if let Some(kv) = &mut self.kv {
+                        kv.removed(key);
+                    }
                     evicted.push(key);
+                    continue;
+                }
+                EngineEvent::Stored {
+                    key,
+                    tier: Tier::Gpu,
+                } => {
+                    if let Some(kv) = &mut self.kv {
+                        kv.stored(key);
+                    }
                     continue;
                 }
                 // Block residency is not published by the live server (yet).
@@ -491,6 +537,9 @@ impl EngineLoop {
             }
         }
         self.events = events;
+        if let Some(kv) = &mut self.kv {
+            kv.flush(self.last_us as f64 / 1e6);
+        }
         if let (Some(agent), false) = (&self.agent, evicted.is_empty()) {
             agent.offload(evicted);
         }
@@ -861,6 +910,11 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         &tokens,
         shared.block_tokens,
     );
+    let tokens_for_events = if shared.kv_events {
+        tokens.clone()
+    } else {
+        Vec::new()
+    };
     // Past what the GPU will still hold at admission, ask the host's agent for the
     // prompt's next blocks (only blocks ending before the last prompt token can hit, as in
     // the engine). What the GPU still has then is used from the GPU; the fetched copies
@@ -898,9 +952,16 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         offered,
         offered_from,
     };
+    let blocks = shared
+        .kv_events
+        .then(|| (tokens_for_events, g.extras.cache_salt.clone()));
     if shared
         .commands
-        .send(Command::Submit { req, updates })
+        .send(Command::Submit {
+            req,
+            updates,
+            blocks,
+        })
         .is_err()
     {
         guard.armed = false;

@@ -1,0 +1,150 @@
+//! engine-sim's KV events (`warmpath engine-sim --kv-events tcp://HOST:PORT`): the engine
+//! model's GPU stores, evictions and resets published the way vLLM publishes them (ZMQ PUB,
+//! frames topic / 8-byte big-endian sequence / msgpack `EventBatch`, events as tagged
+//! arrays), so that a cache-agent reads engine-sim and vLLM alike.
+//!
+//! A stored block's event carries its token ids, its parent's hash and, for a chain's first
+//! block, the request's `cache_salt` in its extra keys, as vLLM's do. engine-sim's own block
+//! hash is the warmpath key it computes for its prefix cache; the agent never uses it as a
+//! key (it recomputes keys from the tokens), only to match removals.
+//!
+//! The engine loop hands each step's events to [`KvPublisher::publish`], which never waits:
+//! batches go through a bounded queue to a task that owns the socket (a full queue drops
+//! the batch, which the subscriber sees as a sequence gap).
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
+use warmpath_index::keys::BlockKey;
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+/// What engine-sim knows of a block it may store: its parent, tokens and the salt of its
+/// chain's first block.
+#[derive(Clone, Debug)]
+pub struct BlockInfo {
+    pub parent: Option<BlockKey>,
+    pub tokens: Vec<u32>,
+    pub salt: Option<String>,
+}
+
+/// The engine loop's side of the publisher.
+#[derive(Debug)]
+pub struct KvPublisher {
+    tx: mpsc::Sender<Vec<u8>>,
+    /// Blocks of submitted requests, until the GPU evicts them (bounded by pruning).
+    info: HashMap<BlockKey, BlockInfo>,
+    block_tokens: u32,
+    pending: Vec<KvEvent>,
+    /// Batches dropped because the queue was full.
+    pub dropped: u64,
+}
+
+impl KvPublisher {
+    /// Binds a PUB socket at `endpoint` (`tcp://HOST:PORT`) and starts the sending task;
+    /// returns the bound endpoint (port 0 picks one).
+    pub async fn bind(endpoint: &str, block_tokens: u32) -> Result<(KvPublisher, String), String> {
+        let mut socket = zeromq::PubSocket::new();
+        let bound = socket
+            .bind(endpoint)
+            .await
+            .map_err(|e| format!("cannot publish KV events on {endpoint}: {e}"))?;
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(1024);
+        tokio::spawn(async move {
+            let mut seq: u64 = 0;
+            while let Some(payload) = rx.recv().await {
+                let frames = vec![
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    Bytes::from(payload),
+                ];
+                seq += 1;
+                if let Ok(msg) = ZmqMessage::try_from(frames) {
+                    if let Err(e) = socket.send(msg).await {
+                        tracing::debug!(error = %e, "kv event publish failed");
+                    }
+                }
+            }
+        });
+        Ok((
+            KvPublisher {
+                tx,
+                info: HashMap::new(),
+                block_tokens,
+                pending: Vec::new(),
+                dropped: 0,
+            },
+            bound.to_string(),
+        ))
+    }
+
+    /// Remembers the blocks of a submitted request (`keys` over `tokens`), so their stores
+    /// can be published with tokens. `resident` says whether a key is on the GPU now, for
+    /// pruning what was never stored.
+    pub fn note_request(
+        &mut self,
+        keys: &[BlockKey],
+        tokens: &[u32],
+        salt: Option<&str>,
+        limit: usize,
+        resident: impl Fn(BlockKey) -> bool,
+    ) {
+        if self.info.len() > limit {
+            self.info.retain(|k, _| resident(*k));
+        }
+        let bt = self.block_tokens as usize;
+        for (i, key) in keys.iter().enumerate() {
+            self.info.entry(*key).or_insert_with(|| BlockInfo {
+                parent: i.checked_sub(1).map(|p| keys[p]),
+                tokens: tokens[i * bt..(i + 1) * bt].to_vec(),
+                salt: if i == 0 {
+                    salt.filter(|s| !s.is_empty()).map(str::to_string)
+                } else {
+                    None
+                },
+            });
+        }
+    }
+
+    /// A block became resident on the GPU.
+    pub fn stored(&mut self, key: BlockKey) {
+        let Some(info) = self.info.get(&key) else {
+            return;
+        };
+        self.pending.push(KvEvent::Stored {
+            block_hashes: vec![hash(key)],
+            parent: info.parent.map(hash),
+            token_ids: info.tokens.clone(),
+            block_size: self.block_tokens,
+            lora_id: None,
+            medium: Some("GPU".into()),
+            lora_name: None,
+            extra_keys: vec![info.salt.clone().into_iter().collect()],
+        });
+    }
+
+    /// A block left the GPU.
+    pub fn removed(&mut self, key: BlockKey) {
+        self.pending.push(KvEvent::Removed {
+            block_hashes: vec![hash(key)],
+            medium: Some("GPU".into()),
+        });
+    }
+
+    /// Sends what was recorded since the last flush as one batch at `ts` (seconds).
+    pub fn flush(&mut self, ts: f64) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let payload = encode_batch(ts, &self.pending, Shape::Array);
+        self.pending.clear();
+        if self.tx.try_send(payload).is_err() {
+            self.dropped += 1;
+        }
+    }
+}
+
+fn hash(key: BlockKey) -> EngineHash {
+    EngineHash(key.0.to_be_bytes().to_vec())
+}
