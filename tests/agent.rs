@@ -683,3 +683,173 @@ async fn bad_kv_events_are_counted_and_gaps_drop_the_view() {
         "the agent is still running"
     );
 }
+
+/// A free UDP port on loopback.
+fn free_udp() -> String {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.local_addr().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routers_see_the_agents_residency_over_mutual_tls() {
+    use warmpath_cache_agent::residency_net::{endpoint, follow, AgentTarget};
+    use warmpath_cache_agent::tls::TlsFiles;
+    let dir = scratch_dir("residency-tls");
+    let certs = dir.join("certs");
+    let out = crate::warmpath(&[
+        "certs",
+        "--out",
+        certs.to_str().unwrap(),
+        "--name",
+        "agent",
+        "--name",
+        "router",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let kv = format!("tcp://{}", crate::free_addr());
+    let engine = Proc::start(&[
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        "50",
+        "--kv-events",
+        &kv,
+    ]);
+    let quic = free_udp();
+    let certs_s = certs.to_str().unwrap();
+    let (mut agent_proc, addr) = agent(&[
+        "--kv-events",
+        &format!("{}={kv}", engine.url),
+        "--residency-listen",
+        &quic,
+        "--tls-dir",
+        certs_s,
+        "--tls-name",
+        "agent",
+    ]);
+    let line = agent_proc.read_line();
+    assert!(line.contains("residency"), "{line}");
+    let router = Proc::start(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--instance",
+        &engine.url,
+        "--residency-agent",
+        &quic,
+        "--tls-dir",
+        certs_s,
+        "--tls-name",
+        "router",
+        "--residency-expiry-ms",
+        "1000",
+    ]);
+    let c = connect(&addr).await;
+    let http = client();
+    let observed =
+        |text: &str| crate::router::metric(text, "warmpath_index_holders{source=\"observed\"}");
+    // Requests through the router until the agent holds blocks and the router observes
+    // exactly as many.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut seed = 0;
+    loop {
+        seed += 1;
+        let body = completion(&long_prompt(seed), 1, false);
+        assert_eq!(
+            post(&http, &router.url, "/v1/completions", body, &[])
+                .await
+                .status,
+            200
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let held = c.stats().await.unwrap().residency_blocks;
+        let seen = observed(&http_get(&format!("{}/metrics", router.url)).await);
+        if held > 0 && seen == held as f64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "router observes {seen}, agent holds {held}"
+        );
+    }
+
+    // A client whose certificate another CA signed is refused in the handshake.
+    let rogue = dir.join("rogue");
+    let out = crate::warmpath(&[
+        "certs",
+        "--out",
+        rogue.to_str().unwrap(),
+        "--name",
+        "router",
+    ]);
+    assert!(out.status.success());
+    let files = TlsFiles {
+        ca: certs.join("ca.pem"),
+        cert: rogue.join("router.pem"),
+        key: rogue.join("router.key"),
+    };
+    let ep = endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        None,
+        Some(files.client_config().unwrap()),
+    )
+    .unwrap();
+    let conn = ep
+        .connect(quic.parse().unwrap(), "localhost")
+        .unwrap()
+        .await;
+    let refused = match conn {
+        Err(_) => true,
+        Ok(conn) => match conn.open_bi().await {
+            Err(_) => true,
+            Ok((mut send, mut recv)) => {
+                let _ = send.write_all(&[0, 0, 0, 0]).await;
+                let mut b = [0u8; 1];
+                tokio::time::timeout(Duration::from_secs(3), recv.read_exact(&mut b))
+                    .await
+                    .map_or(true, |r| r.is_err())
+            }
+        },
+    };
+    assert!(refused, "a certificate from another CA was accepted");
+    // The router's own follower with the right files still works alongside.
+    let good = TlsFiles::in_dir(&certs, "router");
+    let ep = endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        None,
+        Some(good.client_config().unwrap()),
+    )
+    .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+    let target = AgentTarget {
+        addr: quic.parse().unwrap(),
+        server_name: "localhost".into(),
+    };
+    tokio::spawn(follow(ep, target, Duration::from_secs(5), tx));
+    let first = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("a snapshot");
+    assert!(
+        matches!(
+            first,
+            Some(warmpath_cache_agent::residency::Outcome::Apply { .. })
+        ),
+        "{first:?}"
+    );
+
+    // The agent dies: within the expiry the router drops what it observed.
+    agent_proc.kill();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while observed(&http_get(&format!("{}/metrics", router.url)).await) > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the dead agent's residency never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -467,7 +467,7 @@ async fn wait_for_metrics(c: &HttpClient, url: &str, pred: impl Fn(&str) -> bool
     }
 }
 
-fn metric(text: &str, name: &str) -> f64 {
+pub(crate) fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

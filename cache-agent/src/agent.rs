@@ -124,6 +124,11 @@ impl Agent {
         Ok(agent)
     }
 
+    /// What the agent reports to routers (the residency session's publisher).
+    pub fn residency(&self) -> Arc<Mutex<Publisher>> {
+        self.residency.clone()
+    }
+
     pub fn config(&self) -> &AgentConfig {
         &self.config
     }

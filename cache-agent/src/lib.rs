@@ -17,6 +17,8 @@
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
 //! - [`agent`]: the service that answers requests from both tiers (I/O shell).
 //! - [`kv_subscribe`]: the ZMQ subscriptions to the engines' KV events (I/O).
+//! - [`residency_net`] and [`tls`]: the residency session over QUIC with mutual TLS, and
+//!   the development CA (`warmpath certs`).
 //! - [`server`] and [`client`]: the listeners, and the engines' pipelined client.
 
 pub mod agent;
@@ -31,4 +33,6 @@ pub mod l2;
 pub mod policy;
 pub mod proto;
 pub mod residency;
+pub mod residency_net;
 pub mod server;
+pub mod tls;

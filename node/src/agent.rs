@@ -15,6 +15,7 @@ use warmpath_cache_agent::config::{
 };
 use warmpath_cache_agent::policy::Eviction;
 use warmpath_cache_agent::server;
+use warmpath_cache_agent::tls::TlsFiles;
 
 use crate::router::listener;
 
@@ -64,6 +65,16 @@ pub struct AgentArgs {
     /// The tenant the KV events' chains belong to (keys use each chain's own cache_salt).
     #[arg(long)]
     pub kv_tenant: Option<String>,
+    /// UDP address for routers' residency sessions over QUIC (mutual TLS: needs --tls-dir
+    /// and --tls-name).
+    #[arg(long)]
+    pub residency_listen: Option<String>,
+    /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.
+    #[arg(long)]
+    pub tls_dir: Option<PathBuf>,
+    /// This agent's name in --tls-dir.
+    #[arg(long)]
+    pub tls_name: Option<String>,
 }
 
 impl AgentArgs {
@@ -133,16 +144,29 @@ impl AgentArgs {
 
 pub fn run(args: AgentArgs) -> Result<()> {
     let config = args.to_config()?;
+    let residency = match &args.residency_listen {
+        Some(at) => {
+            let (Some(dir), Some(name)) = (&args.tls_dir, &args.tls_name) else {
+                bail!("--residency-listen needs --tls-dir and --tls-name: residency runs over mutual TLS only");
+            };
+            let addr: std::net::SocketAddr = at
+                .parse()
+                .with_context(|| format!("--residency-listen {at:?}: give IP:PORT"))?;
+            Some((addr, TlsFiles::in_dir(dir, name)))
+        }
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(serve(config, crate::shutdown_signal()))
+    runtime.block_on(serve(config, residency, crate::shutdown_signal()))
 }
 
 /// Runs an agent until `shutdown`, printing where it listens.
 pub async fn serve(
     config: AgentConfig,
+    residency: Option<(std::net::SocketAddr, TlsFiles)>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let handle = crate::router::metrics_handle();
@@ -181,6 +205,20 @@ pub async fn serve(
         write = ?config.l2_write,
         "cache agent started"
     );
+    if let Some((addr, tls)) = residency {
+        let server = tls.server_config().map_err(anyhow::Error::msg)?;
+        let quic = warmpath_cache_agent::residency_net::endpoint(addr, Some(server), None)
+            .map_err(anyhow::Error::msg)?;
+        println!(
+            "warmpath agent residency (QUIC, mutual TLS) on {}",
+            quic.local_addr()?
+        );
+        tokio::spawn(warmpath_cache_agent::residency_net::serve(
+            quic,
+            agent.residency(),
+            std::time::Duration::from_millis(10),
+        ));
+    }
     if let Some(at) = &config.metrics_listen {
         let l = tokio::net::TcpListener::bind(at)
             .await

@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod certs;
 pub mod demo;
 pub mod engine_sim;
 pub mod fuzzing;

@@ -7,7 +7,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-use warmpath::{admin, agent, demo, engine_sim, loadgen, router, simulate};
+use warmpath::{admin, agent, certs, demo, engine_sim, loadgen, router, simulate};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -30,6 +30,8 @@ enum Command {
     Router(router::RouterArgs),
     /// Run the cache-agent of one GPU host: its L1 and L2 KV tiers and the engines' block API.
     Agent(agent::AgentArgs),
+    /// Write a development CA and certificates for the mutual-TLS links.
+    Certs(certs::CertsArgs),
     /// Serve the engine model over HTTP, like a vLLM server.
     EngineSim(engine_sim::EngineSimArgs),
     /// Send load to an OpenAI-compatible endpoint and measure it.
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Router(args) => router::run(args),
         Command::Agent(args) => agent::run(args),
+        Command::Certs(args) => certs::run(args),
         Command::EngineSim(args) => engine_sim::run(args),
         Command::Loadgen(args) => loadgen::run(args),
         Command::Admin(args) => admin::run(args),

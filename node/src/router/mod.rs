@@ -10,6 +10,7 @@ pub mod engines;
 pub mod listener;
 pub mod proxy;
 pub mod ratelimit;
+pub mod residency;
 pub mod state;
 pub mod tenancy;
 
@@ -40,6 +41,19 @@ pub struct RouterArgs {
     /// instead of the client port.
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// A cache-agent to learn residency from, over QUIC (HOST:PORT, repeatable); needs
+    /// --tls-dir and --tls-name.
+    #[arg(long = "residency-agent")]
+    pub residency_agents: Vec<String>,
+    /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.
+    #[arg(long)]
+    pub tls_dir: Option<PathBuf>,
+    /// This process's name in --tls-dir.
+    #[arg(long)]
+    pub tls_name: Option<String>,
+    /// An agent silent this long has its observed residency dropped, in ms.
+    #[arg(long, default_value_t = 3000)]
+    pub residency_expiry_ms: u64,
     /// Model served by the `--instance` URLs (when no config file names pools).
     #[arg(long, default_value = "sim-llama")]
     pub model: String,
@@ -602,6 +616,18 @@ pub fn run(args: RouterArgs) -> Result<()> {
             )));
         } else if !app.config.client_metrics {
             tracing::warn!("no /metrics: the client port is not on loopback; give --metrics-listen ADDR (or router.client_metrics = true)");
+        }
+        if !args.residency_agents.is_empty() {
+            let (Some(dir), Some(name)) = (&args.tls_dir, &args.tls_name) else {
+                anyhow::bail!("--residency-agent needs --tls-dir and --tls-name: residency runs over mutual TLS only");
+            };
+            let tls = warmpath_cache_agent::tls::TlsFiles::in_dir(dir, name);
+            residency::start(
+                app.clone(),
+                &args.residency_agents,
+                &tls,
+                Duration::from_millis(args.residency_expiry_ms),
+            )?;
         }
         let mut cluster_task = None;
         if let Some(settings) = cluster {

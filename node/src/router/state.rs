@@ -219,6 +219,50 @@ impl RouterState {
         self.core.apply_shared(decisions, now)
     }
 
+    /// Applies an agent's residency changes (`residency.rs`): `instances` are the agent's
+    /// engines by URL, which `Scope::Gpu` indexes and whose host L1 `Scope::L1` means.
+    /// Engines this router does not serve are skipped; returns how many changes applied.
+    pub fn apply_residency(
+        &mut self,
+        instances: &[String],
+        changes: &[warmpath_cache_agent::residency::Change],
+    ) -> usize {
+        use warmpath_cache_agent::residency::Scope;
+        use warmpath_index::cost::Tier;
+        let now = self.now_us();
+        let ids: Vec<Option<InstanceId>> = instances
+            .iter()
+            .map(|url| self.core.instance_by_key(instance_key(url)))
+            .collect();
+        let mut applied = 0;
+        for c in changes {
+            let (key, parent) = (BlockKey(c.key), c.parent.map(BlockKey));
+            match c.scope {
+                Scope::Gpu(i) => {
+                    if let Some(Some(id)) = ids.get(i as usize) {
+                        self.core
+                            .observe(*id, key, parent, Tier::Gpu, c.present, now);
+                        applied += 1;
+                    }
+                }
+                Scope::L1 => {
+                    for id in ids.iter().flatten() {
+                        self.core
+                            .observe(*id, key, parent, Tier::L1, c.present, now);
+                        applied += 1;
+                    }
+                }
+                Scope::L2 => {
+                    // L2 is global: the instance is not used.
+                    self.core
+                        .observe(InstanceId(0), key, parent, Tier::L2, c.present, now);
+                    applied += 1;
+                }
+            }
+        }
+        applied
+    }
+
     /// This router's own load, by stable instance key, for publishing.
     pub fn own_loads(&self) -> Vec<(u64, InstanceLoad)> {
         self.core.own_loads()

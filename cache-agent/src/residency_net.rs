@@ -1,0 +1,252 @@
+//! The residency session over QUIC (the I/O around `residency.rs`).
+//!
+//! One bidirectional stream per router connection. The router sends [`Reply::Resync`] to
+//! start and whenever its subscriber asks; the agent answers each with a snapshot, then
+//! streams every delta and heartbeat the publisher produces. Messages are a `u32`
+//! little-endian length then postcard of [`Wire`], at most [`MAX_MESSAGE_BYTES`].
+//!
+//! The agent side: a ticker takes the publisher's next delta every `tick` (a heartbeat at
+//! least every second) and broadcasts it; a connection takes its snapshot and subscribes
+//! to the broadcast under the publisher's lock, so nothing falls between the two. A
+//! connection that falls more than the broadcast's capacity behind gets a new snapshot.
+//!
+//! The router side, [`follow`]: connects (mTLS), runs a [`Subscriber`], hands each outcome
+//! to the caller, asks for a resync when the subscriber says so, expires the agent on
+//! silence, and reconnects after a failure with a back-off.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{broadcast, mpsc};
+
+use crate::residency::{decode, encode, Msg, Outcome, Publisher, Reply, Subscriber, Wire};
+
+/// Largest residency message accepted (a snapshot chunk of 2,048 blocks is about 40 KiB).
+pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+/// Broadcast messages a slow connection may fall behind before it is resynced.
+const BACKLOG: usize = 4096;
+
+async fn write_msg(send: &mut quinn::SendStream, w: &Wire) -> Result<(), String> {
+    let body = encode(w);
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    send.write_all(&frame).await.map_err(|e| e.to_string())
+}
+
+async fn read_msg(recv: &mut quinn::RecvStream) -> Result<Wire, String> {
+    let mut len = [0u8; 4];
+    recv.read_exact(&mut len).await.map_err(|e| e.to_string())?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE_BYTES {
+        return Err(format!(
+            "residency message of {len} bytes is over the limit"
+        ));
+    }
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body)
+        .await
+        .map_err(|e| e.to_string())?;
+    decode(&body).map_err(|e| format!("malformed residency message: {e}"))
+}
+
+/// Serves residency on `endpoint` (a QUIC server endpoint with the agent's mTLS config)
+/// until the endpoint closes.
+pub async fn serve(endpoint: quinn::Endpoint, residency: Arc<Mutex<Publisher>>, tick: Duration) {
+    let (tx, _) = broadcast::channel::<Arc<Msg>>(BACKLOG);
+    {
+        let (tx, residency) = (tx.clone(), residency.clone());
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval(tick);
+            let mut last_sent = Instant::now();
+            loop {
+                interval.tick().await;
+                let heartbeat = last_sent.elapsed() >= Duration::from_secs(1);
+                let next = residency
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .next(heartbeat);
+                if let Some(m) = next {
+                    last_sent = Instant::now();
+                    let _ = tx.send(Arc::new(m));
+                }
+            }
+        });
+    }
+    while let Some(incoming) = endpoint.accept().await {
+        let (tx, residency) = (tx.clone(), residency.clone());
+        tokio::spawn(async move {
+            let conn = match incoming.await {
+                Ok(c) => c,
+                Err(e) => {
+                    // A client without a certificate from the cluster CA ends here.
+                    metrics::counter!("warmpath_agent_residency_refused_total").increment(1);
+                    tracing::debug!(error = %e, "residency connection refused");
+                    return;
+                }
+            };
+            metrics::gauge!("warmpath_agent_residency_subscribers").increment(1.0);
+            if let Err(e) = session(conn, &tx, &residency).await {
+                tracing::debug!(error = %e, "residency session ended");
+            }
+            metrics::gauge!("warmpath_agent_residency_subscribers").decrement(1.0);
+        });
+    }
+}
+
+async fn session(
+    conn: quinn::Connection,
+    tx: &broadcast::Sender<Arc<Msg>>,
+    residency: &Mutex<Publisher>,
+) -> Result<(), String> {
+    let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
+    // The first message must be a resync request.
+    match tokio::time::timeout(Duration::from_secs(5), read_msg(&mut recv)).await {
+        Ok(Ok(Wire::V1Reply(Reply::Resync))) => {}
+        Ok(Ok(other)) => return Err(format!("expected a resync request, got {other:?}")),
+        Ok(Err(e)) => return Err(e),
+        Err(_) => return Err("no resync request in time".into()),
+    }
+    let (resync_tx, mut resync_rx) = mpsc::channel::<()>(4);
+    tokio::spawn(async move {
+        while let Ok(Wire::V1Reply(Reply::Resync)) = read_msg(&mut recv).await {
+            if resync_tx.send(()).await.is_err() {
+                return;
+            }
+        }
+    });
+    loop {
+        // Snapshot and subscription under one lock: the broadcast carries exactly what
+        // follows the snapshot (older messages are ignored by the subscriber by sequence).
+        let (snapshot, mut rx) = {
+            let mut p = residency.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(m) = p.next(false) {
+                let _ = tx.send(Arc::new(m));
+            }
+            (p.snapshot(), tx.subscribe())
+        };
+        for m in snapshot {
+            write_msg(&mut send, &Wire::V1Msg(m)).await?;
+        }
+        metrics::counter!("warmpath_agent_residency_snapshots_total").increment(1);
+        loop {
+            tokio::select! {
+                m = rx.recv() => match m {
+                    Ok(m) => write_msg(&mut send, &Wire::V1Msg((*m).clone())).await?,
+                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    Err(broadcast::error::RecvError::Closed) => return Ok(()),
+                },
+                r = resync_rx.recv() => match r {
+                    Some(()) => break,
+                    None => return Ok(()),
+                },
+            }
+        }
+    }
+}
+
+/// Where a router reaches an agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentTarget {
+    pub addr: SocketAddr,
+    /// The name in the agent's certificate.
+    pub server_name: String,
+}
+
+/// Follows one agent from `endpoint` (a QUIC client endpoint with the router's mTLS
+/// config) until `out` is closed: every outcome of the subscriber goes to `out`, stamped
+/// with the time it happened.
+pub async fn follow(
+    endpoint: quinn::Endpoint,
+    target: AgentTarget,
+    expiry: Duration,
+    out: mpsc::Sender<Outcome>,
+) {
+    let start = Instant::now();
+    let now_us = move || start.elapsed().as_micros() as u64;
+    let subscriber = Arc::new(Mutex::new(Subscriber::new(expiry.as_micros() as u64)));
+    // Expiry runs whether or not a connection is up.
+    {
+        let (subscriber, out) = (subscriber.clone(), out.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tick.tick().await;
+                let o = subscriber
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .poll(now_us());
+                if o != Outcome::Nothing && out.send(o).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        if out.is_closed() {
+            return;
+        }
+        match run_once(&endpoint, &target, &subscriber, &out, now_us).await {
+            Ok(()) => return,
+            Err(e) => {
+                metrics::counter!("warmpath_router_residency_disconnects_total").increment(1);
+                tracing::debug!(agent = %target.addr, error = %e, "residency link down; reconnecting");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+async fn run_once(
+    endpoint: &quinn::Endpoint,
+    target: &AgentTarget,
+    subscriber: &Mutex<Subscriber>,
+    out: &mpsc::Sender<Outcome>,
+    now_us: impl Fn() -> u64,
+) -> Result<(), String> {
+    let conn = endpoint
+        .connect(target.addr, &target.server_name)
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    write_msg(&mut send, &Wire::V1Reply(Reply::Resync)).await?;
+    loop {
+        let msg = match read_msg(&mut recv).await? {
+            Wire::V1Msg(m) => m,
+            Wire::V1Reply(_) => return Err("an agent sent a router's message".into()),
+        };
+        let outcome = subscriber
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .handle(now_us(), msg);
+        let resync = matches!(outcome, Outcome::Reset { resync: true, .. });
+        if outcome != Outcome::Nothing && out.send(outcome).await.is_err() {
+            return Ok(());
+        }
+        if resync {
+            metrics::counter!("warmpath_router_residency_resyncs_total").increment(1);
+            write_msg(&mut send, &Wire::V1Reply(Reply::Resync)).await?;
+        }
+    }
+}
+
+/// A QUIC endpoint bound to `bind` for clients (routers) or, with `server`, for an agent.
+pub fn endpoint(
+    bind: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+    client: Option<quinn::ClientConfig>,
+) -> Result<quinn::Endpoint, String> {
+    let mut e = match server {
+        Some(s) => quinn::Endpoint::server(s, bind),
+        None => quinn::Endpoint::client(bind),
+    }
+    .map_err(|e| format!("cannot open a QUIC endpoint on {bind}: {e}"))?;
+    if let Some(c) = client {
+        e.set_default_client_config(c);
+    }
+    Ok(e)
+}
