@@ -51,6 +51,8 @@ pub struct Agent {
     /// The engines' caches as their KV events tell them, and what is reported to routers.
     ingest: Arc<Mutex<Ingest>>,
     residency: Arc<Mutex<Publisher>>,
+    /// Notified when residency changed, so that the next delta goes out at once.
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl Agent {
@@ -92,6 +94,7 @@ impl Agent {
             counters,
             ingest,
             residency,
+            changed: Arc::new(tokio::sync::Notify::new()),
         });
         for (i, (_, endpoint)) in agent.config.kv_events.iter().enumerate() {
             tokio::spawn(crate::kv_subscribe::subscribe(
@@ -99,6 +102,7 @@ impl Agent {
                 endpoint.clone(),
                 agent.ingest.clone(),
                 agent.residency.clone(),
+                agent.changed.clone(),
             ));
         }
         gauge!("warmpath_agent_capacity_bytes", "tier" => "l1").set(agent.config.l1_bytes as f64);
@@ -125,8 +129,8 @@ impl Agent {
     }
 
     /// What the agent reports to routers (the residency session's publisher).
-    pub fn residency(&self) -> Arc<Mutex<Publisher>> {
-        self.residency.clone()
+    pub fn residency(&self) -> (Arc<Mutex<Publisher>>, Arc<tokio::sync::Notify>) {
+        (self.residency.clone(), self.changed.clone())
     }
 
     pub fn config(&self) -> &AgentConfig {

@@ -29,6 +29,7 @@ pub async fn subscribe(
     endpoint: String,
     ingest: Arc<Mutex<Ingest>>,
     residency: Arc<Mutex<Publisher>>,
+    changed: Arc<tokio::sync::Notify>,
 ) {
     let mut socket = zeromq::SubSocket::new();
     loop {
@@ -83,9 +84,14 @@ pub async fn subscribe(
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .apply(engine, seq, &batch);
+        if changes.is_empty() {
+            continue;
+        }
         let mut r = residency.lock().unwrap_or_else(|p| p.into_inner());
         for c in changes {
             r.record(c);
         }
+        drop(r);
+        changed.notify_one();
     }
 }

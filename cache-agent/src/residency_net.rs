@@ -5,8 +5,10 @@
 //! streams every delta and heartbeat the publisher produces. Messages are a `u32`
 //! little-endian length then postcard of [`Wire`], at most [`MAX_MESSAGE_BYTES`].
 //!
-//! The agent side: a ticker takes the publisher's next delta every `tick` (a heartbeat at
-//! least every second) and broadcasts it; a connection takes its snapshot and subscribes
+//! The agent side: a task takes the publisher's next delta as soon as it is told something
+//! changed (`changed`, notified by whoever records changes; changes recorded meanwhile
+//! travel in the same delta), and a heartbeat after 500 ms without one, and broadcasts
+//! it; a connection takes its snapshot and subscribes
 //! to the broadcast under the publisher's lock, so nothing falls between the two. A
 //! connection that falls more than the broadcast's capacity behind gets a new snapshot.
 //!
@@ -24,11 +26,16 @@ use crate::residency::{decode, encode, Msg, Outcome, Publisher, Reply, Subscribe
 
 /// Largest residency message accepted (a snapshot chunk of 2,048 blocks is about 40 KiB).
 pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+/// The agent sends a heartbeat after this long without a delta.
+const HEARTBEAT: Duration = Duration::from_millis(500);
+/// A router reconnects after this long without a message (three heartbeats missed).
+const SILENCE: Duration = Duration::from_millis(1500);
 /// Broadcast messages a slow connection may fall behind before it is resynced.
 const BACKLOG: usize = 4096;
 
 async fn write_msg(send: &mut quinn::SendStream, w: &Wire) -> Result<(), String> {
     let body = encode(w);
+    metrics::counter!("warmpath_residency_bytes_total").increment(4 + body.len() as u64);
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(&body);
@@ -53,16 +60,19 @@ async fn read_msg(recv: &mut quinn::RecvStream) -> Result<Wire, String> {
 
 /// Serves residency on `endpoint` (a QUIC server endpoint with the agent's mTLS config)
 /// until the endpoint closes.
-pub async fn serve(endpoint: quinn::Endpoint, residency: Arc<Mutex<Publisher>>, tick: Duration) {
+pub async fn serve(
+    endpoint: quinn::Endpoint,
+    residency: Arc<Mutex<Publisher>>,
+    changed: Arc<tokio::sync::Notify>,
+) {
     let (tx, _) = broadcast::channel::<Arc<Msg>>(BACKLOG);
     {
         let (tx, residency) = (tx.clone(), residency.clone());
         tokio::spawn(async move {
-            let mut interval = tokio::time::interval(tick);
             let mut last_sent = Instant::now();
             loop {
-                interval.tick().await;
-                let heartbeat = last_sent.elapsed() >= Duration::from_secs(1);
+                let _ = tokio::time::timeout(HEARTBEAT, changed.notified()).await;
+                let heartbeat = last_sent.elapsed() >= HEARTBEAT;
                 let next = residency
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -215,7 +225,12 @@ async fn run_once(
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
     write_msg(&mut send, &Wire::V1Reply(Reply::Resync)).await?;
     loop {
-        let msg = match read_msg(&mut recv).await? {
+        // The agent sends at least a heartbeat every 500 ms: a longer silence is a dead agent
+        // or path (QUIC itself would wait for its idle timeout), so reconnect.
+        let msg = tokio::time::timeout(SILENCE, read_msg(&mut recv))
+            .await
+            .map_err(|_| format!("nothing from the agent for {SILENCE:?}"))??;
+        let msg = match msg {
             Wire::V1Msg(m) => m,
             Wire::V1Reply(_) => return Err("an agent sent a router's message".into()),
         };
@@ -240,6 +255,22 @@ pub fn endpoint(
     server: Option<quinn::ServerConfig>,
     client: Option<quinn::ClientConfig>,
 ) -> Result<quinn::Endpoint, String> {
+    // Keep-alives and a short idle timeout: a dead peer is noticed in seconds, not QUIC's
+    // default half minute.
+    let mut transport = quinn::TransportConfig::default();
+    transport.keep_alive_interval(Some(Duration::from_secs(1)));
+    transport.max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(
+        5_000,
+    ))));
+    let transport = Arc::new(transport);
+    let server = server.map(|mut s| {
+        s.transport_config(transport.clone());
+        s
+    });
+    let client = client.map(|mut c| {
+        c.transport_config(transport.clone());
+        c
+    });
     let mut e = match server {
         Some(s) => quinn::Endpoint::server(s, bind),
         None => quinn::Endpoint::client(bind),

@@ -213,10 +213,9 @@ pub async fn serve(
             "warmpath agent residency (QUIC, mutual TLS) on {}",
             quic.local_addr()?
         );
+        let (residency, changed) = agent.residency();
         tokio::spawn(warmpath_cache_agent::residency_net::serve(
-            quic,
-            agent.residency(),
-            std::time::Duration::from_millis(10),
+            quic, residency, changed,
         ));
     }
     if let Some(at) = &config.metrics_listen {
