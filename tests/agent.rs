@@ -853,3 +853,123 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The explain header of a completion through `router`.
+async fn explained(http: &crate::router::HttpClient, router: &str, prompt: &str) -> Value {
+    let r = post(
+        http,
+        router,
+        "/v1/completions",
+        completion(prompt, 1, false),
+        &[("x-warmpath-explain", "1")],
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let h = r
+        .headers
+        .get("x-warmpath-explain")
+        .expect("an explain header");
+    serde_json::from_slice(h.as_bytes()).expect("explain JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
+    let dir = scratch_dir("residency-exact");
+    let certs = dir.join("certs");
+    let out = crate::warmpath(&[
+        "certs",
+        "--out",
+        certs.to_str().unwrap(),
+        "--name",
+        "agent",
+        "--name",
+        "router",
+    ]);
+    assert!(out.status.success());
+    let certs_s = certs.to_str().unwrap();
+    let kv = format!("tcp://{}", crate::free_addr());
+    // The engine's blocks are the routers' (64 tokens, the tenant default), so the agent's
+    // keys, recomputed from the engine's tokens, are the routers' keys.
+    let engine = Proc::start(&[
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        "50",
+        "--block-tokens",
+        "64",
+        "--kv-events",
+        &kv,
+    ]);
+    let quic = free_udp();
+    let (_agent, addr) = agent(&[
+        "--kv-events",
+        &format!("{}={kv}", engine.url),
+        "--kv-tenant",
+        "default",
+        "--residency-listen",
+        &quic,
+        "--tls-dir",
+        certs_s,
+        "--tls-name",
+        "agent",
+    ]);
+    let router = |_: u8| {
+        Proc::start(&[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--instance",
+            &engine.url,
+            "--allow-explain",
+            "--residency-agent",
+            &quic,
+            "--tls-dir",
+            certs_s,
+            "--tls-name",
+            "router",
+        ])
+    };
+    let (a, b) = (router(0), router(1));
+    let c = connect(&addr).await;
+    let http = client();
+    // Router A serves prompts until the agent has seen the engine store one.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut seed = 0;
+    let prompt = loop {
+        seed += 1;
+        let p = long_prompt(500 + seed);
+        let before = c.stats().await.unwrap().residency_blocks;
+        explained(&http, &a.url, &p).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if c.stats().await.unwrap().residency_blocks > before {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "the agent never saw a store");
+    };
+    // Router B never routed it: what it knows of this prompt can only come from the agent.
+    // Wait until B observes everything the agent holds, then ask once (a second request
+    // would find B's own prediction from the first).
+    let observed =
+        |text: &str| crate::router::metric(text, "warmpath_index_holders{source=\"observed\"}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let held = c.stats().await.unwrap().residency_blocks as f64;
+        if observed(&http_get(&format!("{}/metrics", b.url)).await) == held {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "router B never caught up with the agent"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let e = explained(&http, &b.url, &prompt).await;
+    let blocks = e["matched"]["gpu"].as_u64().unwrap_or(0);
+    assert!(
+        blocks >= 2,
+        "router B matched {blocks} blocks of the prompt: {e}"
+    );
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.kv_unresolved, 0, "{s:?}");
+}

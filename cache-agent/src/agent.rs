@@ -77,10 +77,18 @@ impl Agent {
             tokio::spawn(write_l2(l2.clone(), rx, counters.clone()));
             tx
         });
-        let ingest = Arc::new(Mutex::new(Ingest::new(
-            Tenants::Fixed(config.kv_tenant.clone()),
-            config.kv_events.len(),
-        )));
+        let tenants = if config.kv_tenants.is_empty() {
+            Tenants::Fixed("engine-sim".into())
+        } else {
+            Tenants::Table(
+                config
+                    .kv_tenants
+                    .iter()
+                    .map(|(id, salt)| (salt.clone(), id.clone()))
+                    .collect(),
+            )
+        };
+        let ingest = Arc::new(Mutex::new(Ingest::new(tenants, config.kv_events.len())));
         let residency = Arc::new(Mutex::new(Publisher::new(
             new_epoch(),
             config.kv_events.iter().map(|(n, _)| n.clone()).collect(),

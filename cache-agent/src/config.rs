@@ -101,8 +101,9 @@ pub struct AgentConfig {
     pub max_connections: usize,
     /// The host's engines: (name, KV-event endpoint `tcp://HOST:PORT`), in order.
     pub kv_events: Vec<(String, String)>,
-    /// The tenant every KV-event chain belongs to (keys derived with the chain's own salt).
-    pub kv_tenant: String,
+    /// The tenants whose chains KV events may carry: (id, cache salt). Empty: every chain
+    /// belongs to tenant `engine-sim` with its own salt (engine-sim served directly).
+    pub kv_tenants: Vec<(String, String)>,
 }
 
 impl Default for AgentConfig {
@@ -123,7 +124,7 @@ impl Default for AgentConfig {
             max_lease: Duration::from_secs(30),
             max_connections: 256,
             kv_events: Vec::new(),
-            kv_tenant: "engine-sim".into(),
+            kv_tenants: Vec::new(),
         }
     }
 }

@@ -65,6 +65,14 @@ impl TenantKey {
     }
 }
 
+/// The cache salt of a tenant configured without one: derived from its id, so that every
+/// router (and every cache-agent that maps an engine's `cache_salt` back to its tenant)
+/// computes the same one. A tenant given its own salt keeps it secret instead.
+pub fn default_cache_salt(tenant_id: &str) -> String {
+    blake3::hash(format!("warmpath cache salt v1\0{tenant_id}").as_bytes()).to_hex()[..16]
+        .to_string()
+}
+
 /// Keys of the complete `block_tokens`-sized blocks of `tokens` (a trailing partial block
 /// has no key). `block_tokens` of 0 yields no keys.
 pub fn token_block_keys(tenant: &TenantKey, tokens: &[u32], block_tokens: usize) -> Vec<BlockKey> {

@@ -62,9 +62,13 @@ pub struct AgentArgs {
     /// engine; NAME is how routers know the instance).
     #[arg(long = "kv-events", value_name = "NAME=ENDPOINT")]
     pub kv_events: Vec<String>,
-    /// The tenant the KV events' chains belong to (keys use each chain's own cache_salt).
-    #[arg(long)]
-    pub kv_tenant: Option<String>,
+    /// A tenant whose chains the engines' KV events carry, ID or ID=SALT (repeatable; the
+    /// salt defaults to the one routers derive for a tenant configured without one). A
+    /// chain's first block names its salt; chains of other salts are not reported. With
+    /// none, every chain is tenant `engine-sim` with its own salt (engine-sim served
+    /// without a router).
+    #[arg(long = "kv-tenant", value_name = "ID[=SALT]")]
+    pub kv_tenants: Vec<String>,
     /// UDP address for routers' residency sessions over QUIC (mutual TLS: needs --tls-dir
     /// and --tls-name).
     #[arg(long)]
@@ -133,8 +137,15 @@ impl AgentArgs {
                 .with_context(|| format!("--kv-events {e:?}: give NAME=tcp://HOST:PORT"))?;
             c.kv_events.push((name.to_string(), endpoint.to_string()));
         }
-        if let Some(t) = &self.kv_tenant {
-            c.kv_tenant = t.clone();
+        for t in &self.kv_tenants {
+            let (id, salt) = match t.split_once('=') {
+                Some((id, salt)) => (id.to_string(), salt.to_string()),
+                None => (t.clone(), warmpath_index::keys::default_cache_salt(t)),
+            };
+            if id.is_empty() || salt.is_empty() {
+                bail!("--kv-tenant {t:?}: give ID or ID=SALT");
+            }
+            c.kv_tenants.push((id, salt));
         }
         c.validate(self.insecure_no_token)
             .map_err(anyhow::Error::msg)?;

@@ -86,8 +86,7 @@ pub struct TenantSpec {
 impl TenantSpec {
     /// The cache salt a tenant gets when none is given (the same formula as the file config).
     pub fn default_cache_salt(tenant_id: &str) -> String {
-        blake3::hash(format!("warmpath cache salt v1\0{tenant_id}").as_bytes()).to_hex()[..16]
-            .to_string()
+        warmpath_index::keys::default_cache_salt(tenant_id)
     }
 
     /// A tenant with every default, served by `pool`.
