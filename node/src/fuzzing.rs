@@ -425,6 +425,28 @@ pub fn agent_frame(data: &[u8]) {
     if let Ok(block) = decode_object(&id, body) {
         assert!(block.verify(), "a decoded L2 object matches its checksum");
     }
+    // A residency message as a router reads it, fed to a subscriber: whatever it says, the
+    // subscriber's view stays what its outcomes applied.
+    use warmpath_cache_agent::residency::{decode, Outcome, Subscriber, Wire};
+    if let Ok(Wire::V1Msg(msg)) = decode(data) {
+        let mut s = Subscriber::new(1_000);
+        let mut view = std::collections::HashSet::new();
+        for now in [0, 10] {
+            let changes = match s.handle(now, msg.clone()) {
+                Outcome::Apply { changes, .. } => changes,
+                Outcome::Reset { removed, .. } => removed,
+                Outcome::Nothing => Vec::new(),
+            };
+            for c in changes {
+                if c.present {
+                    view.insert((c.scope, c.key));
+                } else {
+                    view.remove(&(c.scope, c.key));
+                }
+            }
+            assert_eq!(view.len(), s.len());
+        }
+    }
 }
 
 /// An engine's KV-event batch (vLLM's msgpack, either shape), as the agent decodes it: what
@@ -583,6 +605,34 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         );
         let object = encode_object(&BlockId::new(1, 2), &Block::new(Bytes::from_static(b"kv")));
         add("agent_frame", "l2-object", object.to_vec());
+        use warmpath_cache_agent::residency::{encode, Change, Msg, Scope, Wire};
+        let snapshot = Msg::Snapshot {
+            epoch: 1,
+            seq: 0,
+            instances: vec!["http://e0".into()],
+            blocks: vec![(Scope::Gpu(0), 7, None), (Scope::L1, 8, Some(7))],
+            last: true,
+        };
+        add(
+            "agent_frame",
+            "residency-snapshot",
+            encode(&Wire::V1Msg(snapshot)),
+        );
+        let delta = Msg::Delta {
+            epoch: 1,
+            seq: 1,
+            changes: vec![Change {
+                scope: Scope::L2,
+                key: 9,
+                parent: None,
+                present: true,
+            }],
+        };
+        add(
+            "agent_frame",
+            "residency-delta",
+            encode(&Wire::V1Msg(delta)),
+        );
     }
     {
         use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
