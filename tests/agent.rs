@@ -970,6 +970,9 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
         blocks >= 2,
         "router B matched {blocks} blocks of the prompt: {e}"
     );
+    // The explanation names the source: all of it observed, none predicted.
+    assert_eq!(e["matched"]["gpu_observed"].as_u64(), Some(blocks), "{e}");
+    assert_eq!(e["matched"]["gpu_predicted"].as_u64(), Some(0), "{e}");
     let s = c.stats().await.unwrap();
     assert_eq!(s.kv_unresolved, 0, "{s:?}");
 }

@@ -274,6 +274,10 @@ pub struct InstanceMatch {
     pub l1: u32,
     /// Leading blocks in its GPU or host memory or the global L2 store.
     pub l2: u32,
+    /// Of `gpu`, the leading blocks an agent reported (observed); the rest of `gpu` is
+    /// predicted from routing decisions.
+    #[serde(default)]
+    pub observed_gpu: u32,
     /// When the deepest block predicted on this instance was last routed there (0: no
     /// prediction counted). An engine reporting fewer cached tokens than predicted
     /// evicted what it was sent then (see [`PrefixIndex::forget_predictions_before`]).
@@ -690,6 +694,9 @@ impl PrefixIndex {
                     slot => slot as usize,
                 };
                 let m = &mut result.instances[pos];
+                if h.observed & GPU != 0 && m.observed_gpu == d {
+                    m.observed_gpu = d + 1;
+                }
                 if meta.predicts(h, now) {
                     m.predicted_at = h.predicted_until.saturating_sub(ttl);
                     m.gpu = m.gpu.max(d + 1);
@@ -1060,6 +1067,38 @@ mod tests {
             Observe(1, 1, None, HostL1, true),
         ];
         check(&ops, &[1, 2, 3, 4], 0, &[(0, 1, 2, 3), (1, 0, 1, 1)], 0);
+    }
+
+    #[test]
+    fn observed_gpu_depth_is_told_apart_from_predictions() {
+        use crate::cost::Tier;
+        let mut idx = PrefixIndex::new(IndexConfig::default());
+        let keys: Vec<BlockKey> = (1..=4).map(BlockKey).collect();
+        idx.record_route(&keys, InstanceId(0), 0);
+        idx.observe(InstanceId(0), BlockKey(1), None, Tier::Gpu, true, 0);
+        idx.observe(
+            InstanceId(0),
+            BlockKey(2),
+            Some(BlockKey(1)),
+            Tier::Gpu,
+            true,
+            0,
+        );
+        let m = idx.match_prefix(&keys, 1).of(InstanceId(0));
+        assert_eq!((m.gpu, m.observed_gpu), (4, 2));
+        // Observed only: a gap stops the observed run.
+        let mut idx = PrefixIndex::new(IndexConfig::default());
+        idx.observe(InstanceId(1), BlockKey(1), None, Tier::Gpu, true, 0);
+        idx.observe(
+            InstanceId(1),
+            BlockKey(3),
+            Some(BlockKey(2)),
+            Tier::Gpu,
+            true,
+            0,
+        );
+        let m = idx.match_prefix(&keys, 1).of(InstanceId(1));
+        assert_eq!((m.gpu, m.observed_gpu), (1, 1));
     }
 
     #[test]

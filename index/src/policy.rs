@@ -896,6 +896,7 @@ mod tests {
             l1,
             l2,
             predicted_at: 0,
+            observed_gpu: 0,
         };
         let none = estimate_ttft_ms(&profile, 64, 64 * 100, m(0, 0, 0), idle);
         let in_l1 = estimate_ttft_ms(&profile, 64, 64 * 100, m(0, 100, 100), idle);

@@ -683,7 +683,12 @@ fn explanation(app: &App, chosen: &Chosen) -> serde_json::Value {
         "instance": chosen.url,
         "reason": chosen.decision.reason,
         "blocks_considered": chosen.decision.blocks_considered,
-        "matched": {"gpu": chosen.decision.matched.gpu, "l1": chosen.decision.matched.l1, "l2": chosen.decision.matched.l2},
+        "matched": {
+            "gpu": chosen.decision.matched.gpu, "l1": chosen.decision.matched.l1, "l2": chosen.decision.matched.l2,
+            // Of the GPU depth, what a cache-agent reported; the rest is predicted.
+            "gpu_observed": chosen.decision.matched.observed_gpu,
+            "gpu_predicted": chosen.decision.matched.gpu.saturating_sub(chosen.decision.matched.observed_gpu),
+        },
         "candidates": chosen.decision.candidates.as_ref().map(|cs| cs.iter().map(|c| serde_json::json!({
             "instance": url(c.instance),
             "gpu_blocks": c.gpu_blocks, "l1_blocks": c.l1_blocks, "l2_blocks": c.l2_blocks,
