@@ -734,21 +734,24 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     ]);
     let line = agent_proc.read_line();
     assert!(line.contains("residency"), "{line}");
-    let router = Proc::start(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--instance",
-        &engine.url,
-        "--residency-agent",
-        &quic,
-        "--tls-dir",
-        certs_s,
-        "--tls-name",
-        "router",
-        "--residency-expiry-ms",
-        "1000",
-    ]);
+    let start_router = || {
+        Proc::start(&[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--instance",
+            &engine.url,
+            "--residency-agent",
+            &quic,
+            "--tls-dir",
+            certs_s,
+            "--tls-name",
+            "router",
+            "--residency-expiry-ms",
+            "1000",
+        ])
+    };
+    let router = start_router();
     let c = connect(&addr).await;
     let http = client();
     let observed =
@@ -777,6 +780,13 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
             "router observes {seen}, agent holds {held}"
         );
     }
+
+    // The router measures how old the deltas are when it applies them.
+    let text = http_get(&format!("{}/metrics", router.url)).await;
+    assert!(
+        text.contains("warmpath_router_residency_lag_seconds"),
+        "{text}"
+    );
 
     // A client whose certificate another CA signed is refused in the handshake.
     let rogue = dir.join("rogue");
@@ -841,6 +851,23 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
         ),
         "{first:?}"
     );
+
+    // A router restarted mid-stream gets a snapshot and converges.
+    drop(router);
+    let router = start_router();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let held = c.stats().await.unwrap().residency_blocks as f64;
+        let seen = observed(&http_get(&format!("{}/metrics", router.url)).await);
+        if held > 0.0 && seen == held {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restarted router observes {seen}, the agent holds {held}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     // The agent dies: within the expiry the router drops what it observed.
     agent_proc.kill();

@@ -55,10 +55,12 @@ pub enum Msg {
         blocks: Vec<(Scope, u64, Option<u64>)>,
         last: bool,
     },
-    /// What changed since `seq - 1`.
+    /// What changed since `seq - 1`, sent at `sent_ms` (the agent's wall clock, Unix
+    /// milliseconds: routers on synchronised clocks measure the residency lag from it).
     Delta {
         epoch: u64,
         seq: u64,
+        sent_ms: u64,
         changes: Vec<Change>,
     },
     /// Nothing changed; the agent is alive at `seq`.
@@ -143,8 +145,9 @@ impl Publisher {
         }
     }
 
-    /// The next delta, if anything changed; else a heartbeat when `heartbeat` is true.
-    pub fn next(&mut self, heartbeat: bool) -> Option<Msg> {
+    /// The next delta, stamped `now_ms`, if anything changed; else a heartbeat when
+    /// `heartbeat` is true.
+    pub fn next(&mut self, heartbeat: bool, now_ms: u64) -> Option<Msg> {
         if self.pending.is_empty() {
             return heartbeat.then_some(Msg::Heartbeat {
                 epoch: self.epoch,
@@ -155,6 +158,7 @@ impl Publisher {
         Some(Msg::Delta {
             epoch: self.epoch,
             seq: self.seq,
+            sent_ms: now_ms,
             changes: std::mem::take(&mut self.pending),
         })
     }
@@ -206,10 +210,12 @@ impl Publisher {
 /// What the router must do after a message or a poll.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Apply these changes to the index, in order (`instances` maps `Scope::Gpu`).
+    /// Apply these changes to the index, in order (`instances` maps `Scope::Gpu`);
+    /// `sent_ms` is when a delta left the agent (None for a snapshot).
     Apply {
         instances: Vec<String>,
         changes: Vec<Change>,
+        sent_ms: Option<u64>,
     },
     /// Drop every observation from this agent (all of `held`, now removed) and, when
     /// `resync`, send [`Reply::Resync`].
@@ -299,11 +305,16 @@ impl Subscriber {
                 changes.extend(acc);
                 self.instances = instances.clone();
                 self.at = Some((epoch, seq));
-                Outcome::Apply { instances, changes }
+                Outcome::Apply {
+                    instances,
+                    changes,
+                    sent_ms: None,
+                }
             }
             Msg::Delta {
                 epoch,
                 seq,
+                sent_ms,
                 changes,
             } => match self.at {
                 Some((e, s)) if e == epoch && seq == s + 1 => {
@@ -318,6 +329,7 @@ impl Subscriber {
                     Outcome::Apply {
                         instances: self.instances.clone(),
                         changes,
+                        sent_ms: Some(sent_ms),
                     }
                 }
                 Some((e, s)) if e == epoch && seq <= s => Outcome::Nothing,
@@ -435,7 +447,7 @@ mod tests {
         p.record(add(Scope::L1, 1, None));
         let mut s = Subscriber::new(1_000_000);
         let mut view = HashSet::new();
-        assert!(p.next(false).is_some());
+        assert!(p.next(false, 0).is_some());
         for m in p.snapshot() {
             apply(&mut view, &s.handle(0, m));
         }
@@ -445,13 +457,13 @@ mod tests {
         p.record(add(Scope::L2, 9, None));
         // Recording what is already so sends nothing.
         p.record(add(Scope::L2, 9, None));
-        let d = p.next(false).unwrap();
+        let d = p.next(false, 0).unwrap();
         apply(&mut view, &s.handle(10, d.clone()));
         assert_eq!(view, truth(&p));
         // A duplicate is ignored; a heartbeat at the same seq is fine.
         assert_eq!(s.handle(11, d), Outcome::Nothing);
-        assert_eq!(s.handle(12, p.next(true).unwrap()), Outcome::Nothing);
-        assert!(p.next(false).is_none());
+        assert_eq!(s.handle(12, p.next(true, 0).unwrap()), Outcome::Nothing);
+        assert!(p.next(false, 0).is_none());
         assert!(s.in_sync());
     }
 
@@ -464,11 +476,11 @@ mod tests {
             apply(&mut view, &s.handle(0, m));
         }
         p.record(add(Scope::Gpu(0), 1, None));
-        let lost = p.next(false).unwrap();
+        let lost = p.next(false, 0).unwrap();
         drop(lost);
         p.record(add(Scope::Gpu(0), 2, None));
         // Seq 2 after 0: a gap. Everything observed is dropped and a resync asked.
-        assert!(apply(&mut view, &s.handle(5, p.next(false).unwrap())));
+        assert!(apply(&mut view, &s.handle(5, p.next(false, 0).unwrap())));
         assert!(view.is_empty());
         assert_eq!(s.resyncs, 1);
         for m in p.snapshot() {
@@ -478,7 +490,7 @@ mod tests {
         // The agent restarts: a new epoch's delta resyncs too.
         let mut p2 = Publisher::new(2, vec!["e0".into()]);
         p2.record(add(Scope::L1, 5, None));
-        assert!(apply(&mut view, &s.handle(7, p2.next(false).unwrap())));
+        assert!(apply(&mut view, &s.handle(7, p2.next(false, 0).unwrap())));
         for m in p2.snapshot() {
             apply(&mut view, &s.handle(8, m));
         }
@@ -487,7 +499,7 @@ mod tests {
         let mut fresh = Subscriber::new(1_000_000);
         p2.record(add(Scope::L1, 6, None));
         assert!(matches!(
-            fresh.handle(0, p2.next(false).unwrap()),
+            fresh.handle(0, p2.next(false, 0).unwrap()),
             Outcome::Reset { resync: true, .. }
         ));
     }
@@ -498,7 +510,7 @@ mod tests {
         for k in 0..(SNAPSHOT_CHUNK as u64 * 2 + 5) {
             p.record(add(Scope::Gpu((k % 2) as u16), k, k.checked_sub(2)));
         }
-        p.next(false);
+        p.next(false, 0);
         let chunks = p.snapshot();
         assert_eq!(chunks.len(), 3);
         let mut s = Subscriber::new(1_000_000);
@@ -510,7 +522,7 @@ mod tests {
         }
         assert_eq!(view, truth(&p));
         p.clear(Scope::Gpu(1));
-        apply(&mut view, &s.handle(10, p.next(false).unwrap()));
+        apply(&mut view, &s.handle(10, p.next(false, 0).unwrap()));
         assert_eq!(view, truth(&p));
         assert!(view.iter().all(|(s, _)| *s == Scope::Gpu(0)));
     }
@@ -519,7 +531,7 @@ mod tests {
     fn silence_expires_the_agent() {
         let mut p = Publisher::new(1, vec!["e0".into()]);
         p.record(add(Scope::Gpu(0), 1, None));
-        p.next(false);
+        p.next(false, 0);
         let mut s = Subscriber::new(500);
         let mut view = HashSet::new();
         for m in p.snapshot() {
@@ -533,7 +545,7 @@ mod tests {
         assert_eq!(s.poll(10_000), Outcome::Nothing);
         // It comes back with a heartbeat of its epoch: the router asks for a snapshot.
         assert!(matches!(
-            s.handle(20_000, p.next(true).unwrap()),
+            s.handle(20_000, p.next(true, 0).unwrap()),
             Outcome::Reset { resync: true, .. }
         ));
     }
@@ -552,7 +564,7 @@ mod tests {
             for (i, (scope, key, present, fate)) in steps.into_iter().enumerate() {
                 let scope = [Scope::Gpu(0), Scope::L1, Scope::L2][scope as usize];
                 p.record(Change { scope, key, parent: None, present });
-                let Some(m) = p.next(i % 7 == 0) else { continue };
+                let Some(m) = p.next(i % 7 == 0, 0) else { continue };
                 let deliveries = match fate {
                     0 => vec![],                              // lost
                     1 => vec![m.clone(), m.clone()],          // duplicated
@@ -569,7 +581,7 @@ mod tests {
                 }
             }
             // A final heartbeat tells a subscriber that missed the tail.
-            if let Some(m) = p.next(true) {
+            if let Some(m) = p.next(true, 0) {
                 if apply(&mut view, &s.handle(u64::MAX - 1, m)) {
                     for snap in p.snapshot() {
                         apply(&mut view, &s.handle(u64::MAX - 1, snap));
@@ -585,6 +597,7 @@ mod tests {
         let m = Wire::V1Msg(Msg::Delta {
             epoch: 1,
             seq: 2,
+            sent_ms: 3,
             changes: vec![add(Scope::Gpu(3), 4, Some(5))],
         });
         assert_eq!(decode(&encode(&m)).unwrap(), m);

@@ -76,7 +76,7 @@ pub async fn serve(
                 let next = residency
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .next(heartbeat);
+                    .next(heartbeat, unix_ms());
                 if let Some(m) = next {
                     last_sent = Instant::now();
                     let _ = tx.send(Arc::new(m));
@@ -131,7 +131,7 @@ async fn session(
         // follows the snapshot (older messages are ignored by the subscriber by sequence).
         let (snapshot, mut rx) = {
             let mut p = residency.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(m) = p.next(false) {
+            if let Some(m) = p.next(false, unix_ms()) {
                 let _ = tx.send(Arc::new(m));
             }
             (p.snapshot(), tx.subscribe())
@@ -247,6 +247,13 @@ async fn run_once(
             write_msg(&mut send, &Wire::V1Reply(Reply::Resync)).await?;
         }
     }
+}
+
+/// Wall-clock Unix milliseconds (deltas carry their send time).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A QUIC endpoint bound to `bind` for clients (routers) or, with `server`, for an agent.

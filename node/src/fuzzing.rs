@@ -621,6 +621,7 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         let delta = Msg::Delta {
             epoch: 1,
             seq: 1,
+            sent_ms: 0,
             changes: vec![Change {
                 scope: Scope::L2,
                 key: 9,

@@ -40,7 +40,19 @@ pub fn start(app: Arc<App>, agents: &[String], tls: &TlsFiles, expiry: Duration)
     tokio::spawn(async move {
         while let Some(outcome) = rx.recv().await {
             let (instances, changes, kind) = match outcome {
-                Outcome::Apply { instances, changes } => (instances, changes, "apply"),
+                Outcome::Apply {
+                    instances,
+                    changes,
+                    sent_ms,
+                } => {
+                    if let Some(sent) = sent_ms {
+                        let lag_ms =
+                            warmpath_cache_agent::residency_net::unix_ms().saturating_sub(sent);
+                        metrics::histogram!("warmpath_router_residency_lag_seconds")
+                            .record(lag_ms as f64 / 1e3);
+                    }
+                    (instances, changes, "apply")
+                }
                 Outcome::Reset {
                     instances, removed, ..
                 } => (instances, removed, "reset"),
