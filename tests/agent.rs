@@ -1003,3 +1003,127 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     let s = c.stats().await.unwrap();
     assert_eq!(s.kv_unresolved, 0, "{s:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tenants_with_the_same_prompt_never_see_each_others_residency() {
+    let dir = scratch_dir("residency-tenants");
+    let certs = dir.join("certs");
+    let out = crate::warmpath(&[
+        "certs",
+        "--out",
+        certs.to_str().unwrap(),
+        "--name",
+        "agent",
+        "--name",
+        "router",
+    ]);
+    assert!(out.status.success());
+    let certs_s = certs.to_str().unwrap();
+    let config = dir.join("router.toml");
+    std::fs::write(
+        &config,
+        "version = 1\n[[tenants]]\nid = \"a\"\napi_keys = [\"key-a\"]\nallow_explain = true\n\
+         [[tenants]]\nid = \"b\"\napi_keys = [\"key-b\"]\nallow_explain = true\n",
+    )
+    .unwrap();
+    let kv = format!("tcp://{}", crate::free_addr());
+    let engine = Proc::start(&[
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        "50",
+        "--block-tokens",
+        "64",
+        "--kv-events",
+        &kv,
+    ]);
+    let quic = free_udp();
+    let (_agent, addr) = agent(&[
+        "--kv-events",
+        &format!("{}={kv}", engine.url),
+        "--kv-tenant",
+        "a",
+        "--kv-tenant",
+        "b",
+        "--residency-listen",
+        &quic,
+        "--tls-dir",
+        certs_s,
+        "--tls-name",
+        "agent",
+    ]);
+    let router = || {
+        Proc::start(&[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            config.to_str().unwrap(),
+            "--instance",
+            &engine.url,
+            "--allow-explain",
+            "--residency-agent",
+            &quic,
+            "--tls-dir",
+            certs_s,
+            "--tls-name",
+            "router",
+        ])
+    };
+    let (ra, rb) = (router(), router());
+    let c = connect(&addr).await;
+    let http = client();
+    let ask = |url: String, key: &'static str, prompt: String| {
+        let http = http.clone();
+        async move {
+            let r = post(
+                &http,
+                &url,
+                "/v1/completions",
+                completion(&prompt, 1, false),
+                &[("authorization", key), ("x-warmpath-explain", "1")],
+            )
+            .await;
+            assert_eq!(r.status, 200);
+            serde_json::from_slice::<Value>(r.headers.get("x-warmpath-explain").unwrap().as_bytes())
+                .unwrap()
+        }
+    };
+    // Tenant a's prompt through router A, until the agent has seen a store of it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut seed = 0;
+    let prompt = loop {
+        seed += 1;
+        let p = long_prompt(700 + seed);
+        let before = c.stats().await.unwrap().residency_blocks;
+        ask(ra.url.clone(), "Bearer key-a", p.clone()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if c.stats().await.unwrap().residency_blocks > before {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "the agent never saw a store");
+    };
+    let observed =
+        |text: &str| crate::router::metric(text, "warmpath_index_holders{source=\"observed\"}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while observed(&http_get(&format!("{}/metrics", rb.url)).await)
+        != c.stats().await.unwrap().residency_blocks as f64
+    {
+        assert!(
+            Instant::now() < deadline,
+            "router B never caught up with the agent"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The same prompt as tenant b finds nothing; as tenant a, what the agent reported.
+    let as_b = ask(rb.url.clone(), "Bearer key-b", prompt.clone()).await;
+    assert_eq!(as_b["matched"]["gpu"].as_u64(), Some(0), "{as_b}");
+    let as_a = ask(rb.url.clone(), "Bearer key-a", prompt).await;
+    assert!(
+        as_a["matched"]["gpu_observed"].as_u64().unwrap_or(0) >= 2,
+        "{as_a}"
+    );
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.kv_unresolved, 0, "{s:?}");
+}
