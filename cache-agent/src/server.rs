@@ -35,6 +35,16 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let limit = Arc::new(Semaphore::new(agent.config().max_connections));
+    // Under file-descriptor exhaustion accept fails every pause: warn at most every 10 s.
+    let warned = std::sync::Mutex::new(None::<std::time::Instant>);
+    let accept_failed = |e: std::io::Error| {
+        counter!("warmpath_agent_accept_errors_total").increment(1);
+        let mut w = warned.lock().unwrap_or_else(|p| p.into_inner());
+        if w.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            tracing::warn!(error = %e, "block api accept failed");
+            *w = Some(std::time::Instant::now());
+        }
+    };
     let tcp_loop = async {
         let Some(l) = tcp else {
             return std::future::pending().await;
@@ -46,7 +56,7 @@ pub async fn serve(
                     spawn_conn(&agent, &limit, s);
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "block api accept failed");
+                    accept_failed(e);
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
@@ -60,7 +70,7 @@ pub async fn serve(
             match l.accept().await {
                 Ok((s, _)) => spawn_conn(&agent, &limit, s),
                 Err(e) => {
-                    tracing::warn!(error = %e, "block api accept failed");
+                    accept_failed(e);
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }

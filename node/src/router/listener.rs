@@ -87,6 +87,10 @@ pub async fn serve(
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(true);
     tokio::pin!(shutdown);
+    // Under file-descriptor exhaustion accept fails every pause: warn at most every 10 s,
+    // saying how many failures went unlogged (the counter has them all).
+    let mut warned: Option<std::time::Instant> = None;
+    let mut unlogged = 0u64;
     loop {
         let (tcp, _peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -94,7 +98,13 @@ pub async fn serve(
                 Err(error) => {
                     // Out of file descriptors, or a connection reset before accept: pause
                     // so the loop does not spin, and go on.
-                    tracing::warn!(%error, "accept failed");
+                    if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                        tracing::warn!(%error, unlogged, "accept failed");
+                        warned = Some(std::time::Instant::now());
+                        unlogged = 0;
+                    } else {
+                        unlogged += 1;
+                    }
                     metrics::counter!("warmpath_router_accept_errors_total").increment(1);
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
