@@ -781,12 +781,28 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
         );
     }
 
-    // The router measures how old the deltas are when it applies them.
-    let text = http_get(&format!("{}/metrics", router.url)).await;
-    assert!(
-        text.contains("warmpath_router_residency_lag_seconds"),
-        "{text}"
-    );
+    // The router measures how old the deltas are when it applies them (a snapshot has no
+    // send time: serve new prompts until a delta arrives).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = http_get(&format!("{}/metrics", router.url)).await;
+        if text.contains("warmpath_router_residency_lag_seconds") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no residency lag measured: {text}"
+        );
+        seed += 1;
+        let body = completion(&long_prompt(seed), 1, false);
+        assert_eq!(
+            post(&http, &router.url, "/v1/completions", body, &[])
+                .await
+                .status,
+            200
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // A client whose certificate another CA signed is refused in the handshake.
     let rogue = dir.join("rogue");
