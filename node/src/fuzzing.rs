@@ -62,15 +62,18 @@ pub fn openai_request(data: &[u8]) {
         else {
             continue;
         };
-        // What the engine reads must carry the tenant's salt exactly once, first, whatever
-        // the client sent (a JSON parser that keeps the last duplicate key, as Python's
-        // does, must see it too).
-        let engine: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(&salted).expect("the forwarded body is a JSON object");
-        let salt = engine
-            .get("cache_salt")
-            .and_then(|s| s.as_str())
-            .expect("the forwarded body has a string cache_salt");
+        // What the engine reads must carry the tenant's salt exactly once, whatever the
+        // client sent (a duplicate key is an error here; a JSON parser that keeps the last
+        // one, as Python's does, would otherwise see the client's). The rest of the body is
+        // the client's and is skipped unread: it may hold numbers beyond f64, which JSON
+        // allows and Python reads as infinity.
+        #[derive(serde::Deserialize)]
+        struct Forwarded {
+            cache_salt: String,
+        }
+        let engine: Forwarded = serde_json::from_slice(&salted)
+            .expect("the forwarded body is a JSON object with one string cache_salt");
+        let salt = engine.cache_salt.as_str();
         assert!(
             salt == SALT || salt.starts_with(&format!("{SALT}:")),
             "{salt:?}"
