@@ -3,6 +3,8 @@
 #
 #   fuzz/run.sh [SECONDS] [TARGET...]     each target for SECONDS (default 60)
 #   KEEP=1 fuzz/run.sh ...                 then merge what was new into fuzz/corpus
+#   RUNS=N fuzz/run.sh ...                 at most N inputs per target, seed 1 (SEED=…):
+#                                          the same tree fuzzes the same inputs every time
 #
 # Targets: the files in fuzz/fuzz_targets (all by default). Each run reads the kept corpus
 # fuzz/corpus/TARGET and writes new inputs to target/fuzz/new/TARGET, so the repository's
@@ -30,7 +32,10 @@ cargo build --locked --release --target "$host" --bins
 for t in $targets; do
   mkdir -p "$out/new/$t" "$out/artifacts/$t"
   echo "== $t: ${seconds}s"
-  "$out/$host/release/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+  limit=""
+  [ -n "${RUNS:-}" ] && limit="-runs=$RUNS -seed=${SEED:-1}"
+  # shellcheck disable=SC2086
+  "$out/$host/release/$t" -max_total_time="$seconds" $limit -timeout=10 -rss_limit_mb=2048 \
     -print_final_stats=1 -artifact_prefix="$out/artifacts/$t/" "$out/new/$t" "corpus/$t"
   if [ "${KEEP:-0}" = 1 ]; then
     "$out/$host/release/$t" -merge=1 "corpus/$t" "$out/new/$t"
