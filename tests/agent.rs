@@ -690,69 +690,99 @@ fn free_udp() -> String {
     s.local_addr().unwrap().to_string()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn routers_see_the_agents_residency_over_mutual_tls() {
-    use warmpath_cache_agent::residency_net::{endpoint, follow, AgentTarget};
-    use warmpath_cache_agent::tls::TlsFiles;
-    let dir = scratch_dir("residency-tls");
-    let certs = dir.join("certs");
-    let out = crate::warmpath(&[
-        "certs",
-        "--out",
-        certs.to_str().unwrap(),
-        "--name",
-        "agent",
-        "--name",
-        "router",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let kv = format!("tcp://{}", crate::free_addr());
-    let engine = Proc::start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
-        "50",
-        "--kv-events",
-        &kv,
-    ]);
-    let quic = free_udp();
-    let certs_s = certs.to_str().unwrap();
-    let (mut agent_proc, addr) = agent(&[
-        "--kv-events",
-        &format!("{}={kv}", engine.url),
-        "--residency-listen",
-        &quic,
-        "--tls-dir",
-        certs_s,
-        "--tls-name",
-        "agent",
-    ]);
-    let line = agent_proc.read_line();
-    assert!(line.contains("residency"), "{line}");
-    let start_router = || {
-        Proc::start(&[
+/// An engine-sim publishing KV events, an agent following it and serving residency over
+/// mutual TLS, and the cluster's certificates (`agent`, `router`) in `certs`.
+struct Residency {
+    dir: std::path::PathBuf,
+    certs: std::path::PathBuf,
+    engine: Proc,
+    agent: Proc,
+    addr: AgentAddr,
+    /// The agent's QUIC address.
+    quic: String,
+}
+
+impl Residency {
+    fn start(test: &str, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
+        let dir = scratch_dir(test);
+        let certs = dir.join("certs");
+        let certs_s = certs.to_str().unwrap().to_string();
+        let out = crate::warmpath(&[
+            "certs", "--out", &certs_s, "--name", "agent", "--name", "router",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let kv = format!("tcp://{}", crate::free_addr());
+        let mut engine_args = vec![
+            "engine-sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--speedup",
+            "50",
+            "--kv-events",
+            &kv,
+        ];
+        engine_args.extend_from_slice(engine_extra);
+        let engine = Proc::start(&engine_args);
+        let quic = free_udp();
+        let kv_events = format!("{}={kv}", engine.url);
+        let mut agent_args = vec![
+            "--kv-events",
+            &kv_events,
+            "--residency-listen",
+            &quic,
+            "--tls-dir",
+            &certs_s,
+            "--tls-name",
+            "agent",
+        ];
+        agent_args.extend_from_slice(agent_extra);
+        let (mut agent_proc, addr) = agent(&agent_args);
+        let line = agent_proc.read_line();
+        assert!(line.contains("residency"), "{line}");
+        Residency {
+            dir,
+            certs,
+            engine,
+            agent: agent_proc,
+            addr,
+            quic,
+        }
+    }
+
+    /// A router in front of the engine, following the agent.
+    fn router(&self, extra: &[&str]) -> Proc {
+        let certs = self.certs.to_str().unwrap();
+        let mut args = vec![
             "router",
             "--listen",
             "127.0.0.1:0",
             "--instance",
-            &engine.url,
+            &self.engine.url,
             "--residency-agent",
-            &quic,
+            &self.quic,
             "--tls-dir",
-            certs_s,
+            certs,
             "--tls-name",
             "router",
-            "--residency-expiry-ms",
-            "1000",
-        ])
-    };
+        ];
+        args.extend_from_slice(extra);
+        Proc::start(&args)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routers_see_the_agents_residency_over_mutual_tls() {
+    use warmpath_cache_agent::residency_net::{endpoint, follow, AgentTarget};
+    use warmpath_cache_agent::tls::TlsFiles;
+    let mut r = Residency::start("residency-tls", &[], &[]);
+    let (dir, certs, quic, addr) = (&r.dir, &r.certs, &r.quic, &r.addr);
+    let start_router = || r.router(&["--residency-expiry-ms", "1000"]);
     let router = start_router();
-    let c = connect(&addr).await;
+    let c = connect(addr).await;
     let http = client();
     let observed =
         |text: &str| crate::router::metric(text, "warmpath_index_holders{source=\"observed\"}");
@@ -844,7 +874,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     };
     assert!(refused, "a certificate from another CA was accepted");
     // The router's own follower with the right files still works alongside.
-    let good = TlsFiles::in_dir(&certs, "router");
+    let good = TlsFiles::in_dir(certs, "router");
     let ep = endpoint(
         "127.0.0.1:0".parse().unwrap(),
         None,
@@ -886,7 +916,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     }
 
     // The agent dies: within the expiry the router drops what it observed.
-    agent_proc.kill();
+    r.agent.kill();
     let deadline = Instant::now() + Duration::from_secs(5);
     while observed(&http_get(&format!("{}/metrics", router.url)).await) > 0.0 {
         assert!(
@@ -917,64 +947,19 @@ async fn explained(http: &crate::router::HttpClient, router: &str, prompt: &str)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
-    let dir = scratch_dir("residency-exact");
-    let certs = dir.join("certs");
-    let out = crate::warmpath(&[
-        "certs",
-        "--out",
-        certs.to_str().unwrap(),
-        "--name",
-        "agent",
-        "--name",
-        "router",
-    ]);
-    assert!(out.status.success());
-    let certs_s = certs.to_str().unwrap();
-    let kv = format!("tcp://{}", crate::free_addr());
     // The engine's blocks are the routers' (64 tokens, the tenant default), so the agent's
     // keys, recomputed from the engine's tokens, are the routers' keys.
-    let engine = Proc::start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
-        "50",
-        "--block-tokens",
-        "64",
-        "--kv-events",
-        &kv,
-    ]);
-    let quic = free_udp();
-    let (_agent, addr) = agent(&[
-        "--kv-events",
-        &format!("{}={kv}", engine.url),
-        "--kv-tenant",
-        "default",
-        "--residency-listen",
-        &quic,
-        "--tls-dir",
-        certs_s,
-        "--tls-name",
-        "agent",
-    ]);
-    let router = |_: u8| {
-        Proc::start(&[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--instance",
-            &engine.url,
-            "--allow-explain",
-            "--residency-agent",
-            &quic,
-            "--tls-dir",
-            certs_s,
-            "--tls-name",
-            "router",
-        ])
-    };
-    let (a, b) = (router(0), router(1));
-    let c = connect(&addr).await;
+    let r = Residency::start(
+        "residency-exact",
+        &["--block-tokens", "64"],
+        &["--kv-tenant", "default"],
+    );
+    let addr = &r.addr;
+    let (a, b) = (
+        r.router(&["--allow-explain"]),
+        r.router(&["--allow-explain"]),
+    );
+    let c = connect(addr).await;
     let http = client();
     // Router A serves prompts until the agent has seen the engine store one.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -1022,73 +1007,25 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_tenants_with_the_same_prompt_never_see_each_others_residency() {
-    let dir = scratch_dir("residency-tenants");
-    let certs = dir.join("certs");
-    let out = crate::warmpath(&[
-        "certs",
-        "--out",
-        certs.to_str().unwrap(),
-        "--name",
-        "agent",
-        "--name",
-        "router",
-    ]);
-    assert!(out.status.success());
-    let certs_s = certs.to_str().unwrap();
-    let config = dir.join("router.toml");
+    let r = Residency::start(
+        "residency-tenants",
+        &["--block-tokens", "64"],
+        &["--kv-tenant", "a", "--kv-tenant", "b"],
+    );
+    let addr = &r.addr;
+    let config = r.dir.join("router.toml");
     std::fs::write(
         &config,
         "version = 1\n[[tenants]]\nid = \"a\"\napi_keys = [\"key-a\"]\nallow_explain = true\n\
          [[tenants]]\nid = \"b\"\napi_keys = [\"key-b\"]\nallow_explain = true\n",
     )
     .unwrap();
-    let kv = format!("tcp://{}", crate::free_addr());
-    let engine = Proc::start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
-        "50",
-        "--block-tokens",
-        "64",
-        "--kv-events",
-        &kv,
-    ]);
-    let quic = free_udp();
-    let (_agent, addr) = agent(&[
-        "--kv-events",
-        &format!("{}={kv}", engine.url),
-        "--kv-tenant",
-        "a",
-        "--kv-tenant",
-        "b",
-        "--residency-listen",
-        &quic,
-        "--tls-dir",
-        certs_s,
-        "--tls-name",
-        "agent",
-    ]);
-    let router = || {
-        Proc::start(&[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            config.to_str().unwrap(),
-            "--instance",
-            &engine.url,
-            "--allow-explain",
-            "--residency-agent",
-            &quic,
-            "--tls-dir",
-            certs_s,
-            "--tls-name",
-            "router",
-        ])
-    };
-    let (ra, rb) = (router(), router());
-    let c = connect(&addr).await;
+    let config_s = config.to_str().unwrap();
+    let (ra, rb) = (
+        r.router(&["--config", config_s]),
+        r.router(&["--config", config_s]),
+    );
+    let c = connect(addr).await;
     let http = client();
     let ask = |url: String, key: &'static str, prompt: String| {
         let http = http.clone();
