@@ -117,7 +117,9 @@ impl Agent {
         if let L2Config::Dir { bytes, .. } = &agent.config.l2 {
             gauge!("warmpath_agent_capacity_bytes", "tier" => "l2").set(*bytes as f64);
         }
-        // Leases end on time even when no request comes.
+        // Leases end on time even when no request comes; the occupancy gauges are refreshed
+        // here too, every 100 ms, rather than by every request (which would take the L1 lock
+        // a second time per request).
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -253,7 +255,6 @@ impl Agent {
             WritePolicy::OnEvict => {}
         }
         self.queue_l2_evicted(evicted);
-        self.publish_l1();
         (
             Response::Put {
                 stored: stored_blocks.len() as u32,
@@ -335,7 +336,6 @@ impl Agent {
             counter!("warmpath_agent_lookup_blocks_total", "tier" => "miss")
                 .increment((ids.len() - tiers.len()) as u64);
         }
-        self.publish_l1();
         (Response::Lookup { lease, tiers }, Vec::new())
     }
 
@@ -372,7 +372,6 @@ impl Agent {
                     .increment(evicted.len() as u64);
                 counter!("warmpath_agent_promotions_total").increment(promoted.len() as u64);
                 self.queue_l2_evicted(evicted);
-                self.publish_l1();
             }
         }
         let mut blocks = Vec::with_capacity(ids.len());
