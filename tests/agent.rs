@@ -882,11 +882,17 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     )
     .unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::channel(16);
-    let target = AgentTarget {
-        addr: quic.parse().unwrap(),
-        server_name: "localhost".into(),
-    };
-    tokio::spawn(follow(ep, target, Duration::from_secs(5), tx));
+    let target = AgentTarget::parse(quic).expect("target");
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
+    tokio::spawn(follow(
+        ep,
+        target,
+        Duration::from_secs(5),
+        tx,
+        stopped,
+        tenants,
+    ));
     let first = tokio::time::timeout(Duration::from_secs(5), rx.recv())
         .await
         .expect("a snapshot");
@@ -945,22 +951,62 @@ async fn explained(http: &crate::router::HttpClient, router: &str, prompt: &str)
     serde_json::from_slice(h.as_bytes()).expect("explain JSON")
 }
 
+/// Routers that find their agent in the pool configuration (no `--residency-agent`) and
+/// send it their tenants (the agent has no `--kv-tenant`): the agent's keys, recomputed
+/// from the engine's tokens, are the routers' keys, and what its own L1 and L2 hold
+/// reaches them too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
-    // The engine's blocks are the routers' (64 tokens, the tenant default), so the agent's
-    // keys, recomputed from the engine's tokens, are the routers' keys.
+    // The engine's blocks are the routers' (64 tokens, the tenant default).
+    let l2 = scratch_dir("residency-exact-l2");
+    let l2_arg = format!("dir:{}", l2.display());
     let r = Residency::start(
         "residency-exact",
         &["--block-tokens", "64"],
-        &["--kv-tenant", "default"],
+        &["--l2", &l2_arg, "--l2-write", "through"],
     );
     let addr = &r.addr;
-    let (a, b) = (
-        r.router(&["--allow-explain"]),
-        r.router(&["--allow-explain"]),
-    );
+    let config = r.dir.join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\n\
+             instances = [\"{}\"]\nagents = [\"{}\"]\n",
+            r.engine.url, r.quic
+        ),
+    )
+    .unwrap();
+    let config_s = config.to_str().unwrap();
+    let certs = r.certs.to_str().unwrap();
+    let router = || {
+        Proc::start(&[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            config_s,
+            "--tls-dir",
+            certs,
+            "--tls-name",
+            "router",
+            "--allow-explain",
+        ])
+    };
+    let (a, b) = (router(), router());
     let c = connect(addr).await;
     let http = client();
+    let metric = |text: &str, name: &str| crate::router::metric(text, name);
+    let observed = |text: &str| metric(text, "warmpath_index_holders{source=\"observed\"}");
+
+    // The agent's own tiers: three blocks put into L1, written through to L2.
+    put_chain(&c, 1..4, 4096).await;
+    eventually("router B to see the agent's L1 and L2", || async {
+        let m = http_get(&format!("{}/metrics", b.url)).await;
+        observed(&m) == 3.0 && metric(&m, "warmpath_index_l2_blocks") == 3.0
+    })
+    .await;
+    assert_eq!(c.stats().await.unwrap().residency_blocks, 6);
+
     // Router A serves prompts until the agent has seen the engine store one.
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut seed = 0;
@@ -976,22 +1022,13 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
         assert!(Instant::now() < deadline, "the agent never saw a store");
     };
     // Router B never routed it: what it knows of this prompt can only come from the agent.
-    // Wait until B observes everything the agent holds, then ask once (a second request
-    // would find B's own prediction from the first).
-    let observed =
-        |text: &str| crate::router::metric(text, "warmpath_index_holders{source=\"observed\"}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let held = c.stats().await.unwrap().residency_blocks as f64;
-        if observed(&http_get(&format!("{}/metrics", b.url)).await) == held {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "router B never caught up with the agent"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Wait until B observes everything the agent holds (its L2 blocks are not holders),
+    // then ask once (a second request would find B's own prediction from the first).
+    eventually("router B to catch up with the agent", || async {
+        let held = c.stats().await.unwrap().residency_blocks as f64 - 3.0;
+        observed(&http_get(&format!("{}/metrics", b.url)).await) == held
+    })
+    .await;
     let e = explained(&http, &b.url, &prompt).await;
     let blocks = e["matched"]["gpu"].as_u64().unwrap_or(0);
     assert!(

@@ -24,7 +24,7 @@ use crate::policy::{BlockId, Refused};
 use crate::proto::{
     AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
 };
-use crate::residency::Publisher;
+use crate::residency::{Change, L2Window, Publisher, Scope};
 
 /// Counters kept here as well as in metrics, for `Stats` and the tests.
 #[derive(Debug, Default)]
@@ -50,9 +50,70 @@ pub struct Agent {
     counters: Arc<Counters>,
     /// The engines' caches as their KV events tell them, and what is reported to routers.
     ingest: Arc<Mutex<Ingest>>,
+    report: Arc<Report>,
+}
+
+/// What routers are told: the engines' caches (recorded by the KV-event subscribers) and
+/// this agent's own L1 and L2 (recorded here), in one residency publisher.
+#[derive(Debug)]
+struct Report {
     residency: Arc<Mutex<Publisher>>,
+    l2: Mutex<L2Window>,
     /// Notified when residency changed, so that the next delta goes out at once.
     changed: Arc<tokio::sync::Notify>,
+}
+
+impl Report {
+    fn record(&self, changes: impl IntoIterator<Item = Change>) {
+        let mut any = false;
+        {
+            let mut p = self.residency.lock().unwrap_or_else(|e| e.into_inner());
+            for c in changes {
+                p.record(c);
+                any = true;
+            }
+        }
+        if any {
+            self.changed.notify_one();
+        }
+    }
+
+    /// L1 now holds `stored` and no longer holds `evicted`. Parents are not known here (a
+    /// put names blocks, not chains); the index keeps the parents the GPU events gave.
+    fn l1(&self, stored: impl Iterator<Item = BlockId>, evicted: impl Iterator<Item = BlockId>) {
+        let change = |id: BlockId, present| Change {
+            scope: Scope::L1,
+            key: id.key.0,
+            parent: None,
+            present,
+        };
+        self.record(
+            stored
+                .map(|id| change(id, true))
+                .chain(evicted.map(|id| change(id, false))),
+        );
+    }
+
+    /// L2 now holds `stored`, and its store evicted `evicted` to make room.
+    fn l2_stored(&self, stored: BlockId, evicted: &[BlockId]) {
+        let changes = {
+            let mut w = self.l2.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = w.stored(stored.key.0, None);
+            c.extend(evicted.iter().filter_map(|id| w.gone(id.key.0)));
+            c
+        };
+        self.record(changes);
+    }
+
+    /// L2 was found not to hold `id`.
+    fn l2_gone(&self, id: BlockId) {
+        let change = self
+            .l2
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .gone(id.key.0);
+        self.record(change);
+    }
 }
 
 impl Agent {
@@ -72,9 +133,17 @@ impl Agent {
             )?))),
         };
         let counters = Arc::new(Counters::default());
+        let report = Arc::new(Report {
+            residency: Arc::new(Mutex::new(Publisher::new(
+                new_epoch(),
+                config.kv_events.iter().map(|(n, _)| n.clone()).collect(),
+            ))),
+            l2: Mutex::new(L2Window::new(config.residency_l2_blocks)),
+            changed: Arc::new(tokio::sync::Notify::new()),
+        });
         let l2_writes = l2.as_ref().map(|l2| {
             let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
-            tokio::spawn(write_l2(l2.clone(), rx, counters.clone()));
+            tokio::spawn(write_l2(l2.clone(), rx, counters.clone(), report.clone()));
             tx
         });
         let tenants = if config.kv_tenants.is_empty() {
@@ -89,10 +158,6 @@ impl Agent {
             )
         };
         let ingest = Arc::new(Mutex::new(Ingest::new(tenants, config.kv_events.len())));
-        let residency = Arc::new(Mutex::new(Publisher::new(
-            new_epoch(),
-            config.kv_events.iter().map(|(n, _)| n.clone()).collect(),
-        )));
         let agent = Arc::new(Agent {
             l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),
             config,
@@ -101,16 +166,15 @@ impl Agent {
             epoch: Instant::now(),
             counters,
             ingest,
-            residency,
-            changed: Arc::new(tokio::sync::Notify::new()),
+            report,
         });
         for (i, (_, endpoint)) in agent.config.kv_events.iter().enumerate() {
             tokio::spawn(crate::kv_subscribe::subscribe(
                 i,
                 endpoint.clone(),
                 agent.ingest.clone(),
-                agent.residency.clone(),
-                agent.changed.clone(),
+                agent.report.residency.clone(),
+                agent.report.changed.clone(),
             ));
         }
         gauge!("warmpath_agent_capacity_bytes", "tier" => "l1").set(agent.config.l1_bytes as f64);
@@ -140,7 +204,17 @@ impl Agent {
 
     /// What the agent reports to routers (the residency session's publisher).
     pub fn residency(&self) -> (Arc<Mutex<Publisher>>, Arc<tokio::sync::Notify>) {
-        (self.residency.clone(), self.changed.clone())
+        (self.report.residency.clone(), self.report.changed.clone())
+    }
+
+    /// Takes the tenant table a router sent ((cache salt, tenant id) pairs).
+    pub fn learn_tenants(&self, salts: Vec<(String, String)>) {
+        let n = salts.len();
+        self.ingest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .learn_tenants(salts.into_iter().collect());
+        gauge!("warmpath_agent_learned_tenants").set(n as f64);
     }
 
     pub fn config(&self) -> &AgentConfig {
@@ -236,6 +310,10 @@ impl Agent {
             }
         }
         refused.sort_unstable();
+        self.report.l1(
+            stored_blocks.iter().map(|(id, _)| *id),
+            evicted.iter().map(|(id, _)| *id),
+        );
         let bytes_in: u64 = stored_blocks
             .iter()
             .map(|(_, b)| b.payload.len() as u64)
@@ -300,6 +378,9 @@ impl Agent {
                 if let Ok(found) = self.timed_l2("contains", l2.contains(&asked)).await {
                     for (i, f) in ask.into_iter().zip(found) {
                         in_l2[i] = f;
+                        if !f {
+                            self.report.l2_gone(ids[i]);
+                        }
                     }
                 }
             }
@@ -368,6 +449,10 @@ impl Agent {
                         let _ = l1.put(*id, block.clone(), false, &mut evicted);
                     }
                 }
+                self.report.l1(
+                    promoted.iter().map(|(id, _)| *id),
+                    evicted.iter().map(|(id, _)| *id),
+                );
                 counter!("warmpath_agent_evictions_total", "tier" => "l1")
                     .increment(evicted.len() as u64);
                 counter!("warmpath_agent_promotions_total").increment(promoted.len() as u64);
@@ -406,12 +491,17 @@ impl Agent {
 
     /// One block from L2, checked; damage and errors are counted misses.
     async fn read_l2(&self, l2: &AnyL2, id: BlockId) -> Option<Block> {
-        let raw = self.timed_l2("get", l2.get(id)).await.ok()??;
+        let Some(raw) = self.timed_l2("get", l2.get(id)).await.ok()? else {
+            self.report.l2_gone(id);
+            return None;
+        };
         let len = raw.len() as u64;
         match decode_object(&id, raw) {
             Ok(block) => {
                 counter!("warmpath_agent_bytes_total", "tier" => "l2", "direction" => "in")
                     .increment(len);
+                // Written by another host, perhaps: this agent has now seen it there.
+                self.report.l2_stored(id, &[]);
                 Some(block)
             }
             Err(damage) => {
@@ -425,6 +515,7 @@ impl Agent {
                 counter!("warmpath_agent_l2_damaged_total", "kind" => kind).increment(1);
                 tracing::warn!(layout = id.layout, key = id.key.0, %damage, "l2 block damaged; dropped");
                 let _ = l2.remove(id).await;
+                self.report.l2_gone(id);
                 None
             }
         }
@@ -481,6 +572,7 @@ impl Agent {
             .clone();
         AgentStats {
             residency_blocks: self
+                .report
                 .residency
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -538,6 +630,7 @@ async fn write_l2(
     l2: Arc<AnyL2>,
     mut rx: mpsc::Receiver<(BlockId, Block)>,
     counters: Arc<Counters>,
+    report: Arc<Report>,
 ) {
     const CONCURRENT: usize = 8;
     let mut in_flight = tokio::task::JoinSet::new();
@@ -555,13 +648,14 @@ async fn write_l2(
         if pending.insert(id, ()).is_some() {
             continue;
         }
-        let (l2, counters) = (l2.clone(), counters.clone());
+        let (l2, counters, report) = (l2.clone(), counters.clone(), report.clone());
         in_flight.spawn(async move {
             let started = Instant::now();
             let len = block.payload.len() as u64;
             let object = encode_object(&id, &block);
             match l2.put(id, object).await {
-                Ok(()) => {
+                Ok(evicted) => {
+                    report.l2_stored(id, &evicted);
                     counter!("warmpath_agent_bytes_total", "tier" => "l2", "direction" => "out")
                         .increment(len);
                 }
@@ -641,6 +735,10 @@ fn describe_metrics() {
     describe_gauge!("warmpath_agent_leases", "Open leases.");
     describe_gauge!("warmpath_agent_leased_blocks", "L1 blocks held by a lease.");
     describe_gauge!("warmpath_agent_pinned_blocks", "L1 blocks pinned.");
+    describe_gauge!(
+        "warmpath_agent_learned_tenants",
+        "Tenants in the table the routers last sent (cache salt to tenant)."
+    );
     describe_histogram!(
         "warmpath_agent_op_duration_seconds",
         Unit::Seconds,

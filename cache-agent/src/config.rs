@@ -92,6 +92,9 @@ pub struct AgentConfig {
     pub l2_deadline: Duration,
     /// Blocks queued for background L2 writes at most; more are dropped, counted.
     pub l2_write_queue: usize,
+    /// L2 blocks reported to routers at most: the latest this agent wrote or read (see
+    /// [`crate::residency::L2Window`]); 0 reports none.
+    pub residency_l2_blocks: usize,
     pub max_block_bytes: u64,
     /// Keys per request at most.
     pub max_keys: usize,
@@ -119,6 +122,7 @@ impl Default for AgentConfig {
             l2_write: WritePolicy::OnEvict,
             l2_deadline: Duration::from_millis(250),
             l2_write_queue: 4096,
+            residency_l2_blocks: 1_000_000,
             max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
             max_keys: 4096,
             max_lease: Duration::from_secs(30),
@@ -177,6 +181,8 @@ pub struct L2Section {
     pub write: Option<WritePolicy>,
     pub deadline_ms: Option<u64>,
     pub write_queue: Option<usize>,
+    /// L2 blocks reported to routers at most.
+    pub report_blocks: Option<usize>,
 }
 
 impl FileConfig {
@@ -241,6 +247,9 @@ impl FileConfig {
         }
         if let Some(v) = l2.write_queue {
             c.l2_write_queue = v;
+        }
+        if let Some(v) = l2.report_blocks {
+            c.residency_l2_blocks = v;
         }
         Ok(c)
     }

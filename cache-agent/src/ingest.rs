@@ -27,7 +27,11 @@ use warmpath_index::keys::{BlockKey, TenantKey};
 use crate::kv_events::{Decoded, EngineHash, KvEvent};
 use crate::residency::{Change, Scope};
 
-/// How a first block's salt names a tenant.
+/// How a first block's salt names a tenant: the agent's own table (`--kv-tenant`) and
+/// what the routers send ([`Ingest::learn_tenants`]: the configuration's tenants and
+/// salts, over the residency link). Once routers have sent a table, a [`Tenants::Fixed`]
+/// agent resolves by that table instead: its fixed tenant is for an engine served
+/// without routers.
 #[derive(Clone, Debug)]
 pub enum Tenants {
     /// Every chain belongs to this tenant, keyed with the block's salt (engine-sim's
@@ -84,6 +88,8 @@ struct Held {
 #[derive(Debug)]
 pub struct Ingest {
     tenants: Tenants,
+    /// Salt → tenant id, from the routers; consulted after `tenants`' own table.
+    learned: HashMap<String, String>,
     /// Tenant keys in use, by slot (blocks hold a slot, not a 32-byte key each).
     keys: Vec<TenantKey>,
     engines: Vec<EngineView>,
@@ -95,9 +101,30 @@ impl Ingest {
     pub fn new(tenants: Tenants, engines: usize) -> Self {
         Ingest {
             tenants,
+            learned: HashMap::new(),
             keys: Vec::new(),
             engines: (0..engines).map(|_| EngineView::default()).collect(),
             stats: IngestStats::default(),
+        }
+    }
+
+    /// Replaces the table the routers sent (salt → tenant id). Chains stored from now on
+    /// resolve through it; those already refused stay unreported until stored again.
+    pub fn learn_tenants(&mut self, table: HashMap<String, String>) {
+        self.learned = table;
+    }
+
+    /// The tenant key of a first block with these salt `candidates` (last first).
+    fn resolve(&self, candidates: &[&str]) -> Option<TenantKey> {
+        let by_learned = || {
+            candidates
+                .iter()
+                .rev()
+                .find_map(|s| self.learned.get(*s).map(|id| TenantKey::derive(id, s)))
+        };
+        match &self.tenants {
+            Tenants::Fixed(_) if !self.learned.is_empty() => by_learned(),
+            own => own.resolve(candidates).or_else(by_learned),
         }
     }
 
@@ -217,7 +244,7 @@ impl Ingest {
                                             .collect()
                                     })
                                     .unwrap_or_default();
-                                match self.tenants.resolve(&candidates) {
+                                match self.resolve(&candidates) {
                                     Some(k) => self.slot(k),
                                     None => {
                                         self.stats.unresolved += (block_hashes.len() - i) as u64;
@@ -381,6 +408,46 @@ mod tests {
         }
         assert!(ing.apply(0, 5, &batch(vec![bad])).is_empty());
         assert_eq!((ing.stats.malformed, ing.stats.skipped), (1, 2));
+    }
+
+    #[test]
+    fn tenants_learned_from_routers_resolve_salts() {
+        let mut ing = Ingest::new(Tenants::Fixed("engine-sim".into()), 1);
+        let fixed = ing.apply(0, 0, &batch(vec![stored(&[1], None, 0..4, Some("s"))]));
+        ing.learn_tenants(HashMap::from([("s".to_string(), "acme".to_string())]));
+        let learned = ing.apply(0, 1, &batch(vec![stored(&[2], None, 0..4, Some("s"))]));
+        assert_eq!(
+            learned[0].key,
+            warmpath_index::keys::token_block_keys(
+                &TenantKey::derive("acme", "s"),
+                &[0, 1, 2, 3],
+                4
+            )[0]
+            .0
+        );
+        assert_ne!(fixed[0].key, learned[0].key);
+        // With a table from routers, an unknown salt no longer falls to the fixed tenant.
+        assert!(ing
+            .apply(0, 2, &batch(vec![stored(&[3], None, 0..4, Some("other"))]))
+            .is_empty());
+        // An agent's own table comes first; the learned one fills in.
+        let own = Tenants::Table(HashMap::from([("s".to_string(), "own".to_string())]));
+        let mut ing = Ingest::new(own, 1);
+        ing.learn_tenants(HashMap::from([
+            ("s".to_string(), "acme".to_string()),
+            ("t".to_string(), "beta".to_string()),
+        ]));
+        assert_eq!(
+            ing.apply(0, 0, &batch(vec![stored(&[1], None, 0..4, Some("s"))]))
+                .len(),
+            1
+        );
+        assert_eq!(
+            ing.apply(0, 1, &batch(vec![stored(&[2], None, 0..4, Some("t"))]))
+                .len(),
+            1
+        );
+        assert_eq!(ing.stats.unresolved, 0);
     }
 
     #[test]

@@ -43,8 +43,14 @@ pub enum L2Error {
 
 /// A remote tier holding self-checking objects by block id.
 pub trait L2Backend: Send + Sync + 'static {
-    /// Stores `object` (an encoded block) under `id`, replacing what was there.
-    fn put(&self, id: BlockId, object: Bytes) -> impl Future<Output = Result<(), L2Error>> + Send;
+    /// Stores `object` (an encoded block) under `id`, replacing what was there. Answers
+    /// the blocks this store evicted to make room, as far as it knows (Redis evicts by
+    /// itself and tells nobody: none).
+    fn put(
+        &self,
+        id: BlockId,
+        object: Bytes,
+    ) -> impl Future<Output = Result<Vec<BlockId>, L2Error>> + Send;
     /// The object stored under `id`, if any.
     fn get(&self, id: BlockId) -> impl Future<Output = Result<Option<Bytes>, L2Error>> + Send;
     /// Whether each of `ids` is stored (one round trip where the backend allows).
@@ -63,7 +69,7 @@ pub enum AnyL2 {
 }
 
 impl L2Backend for AnyL2 {
-    async fn put(&self, id: BlockId, object: Bytes) -> Result<(), L2Error> {
+    async fn put(&self, id: BlockId, object: Bytes) -> Result<Vec<BlockId>, L2Error> {
         match self {
             AnyL2::Dir(b) => b.put(id, object).await,
             AnyL2::Redis(b) => b.put(id, object).await,
@@ -175,7 +181,7 @@ fn parse_hex(name: &std::ffi::OsStr) -> Option<u64> {
 }
 
 impl L2Backend for DirL2 {
-    async fn put(&self, id: BlockId, object: Bytes) -> Result<(), L2Error> {
+    async fn put(&self, id: BlockId, object: Bytes) -> Result<Vec<BlockId>, L2Error> {
         let len = object.len() as u64;
         let mut evicted = Vec::new();
         {
@@ -211,7 +217,7 @@ impl L2Backend for DirL2 {
             self.lock().remove(&id);
             return Err(e.into());
         }
-        Ok(())
+        Ok(evicted)
     }
 
     async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {
@@ -332,12 +338,13 @@ impl RedisL2 {
 }
 
 impl L2Backend for RedisL2 {
-    async fn put(&self, id: BlockId, object: Bytes) -> Result<(), L2Error> {
+    async fn put(&self, id: BlockId, object: Bytes) -> Result<Vec<BlockId>, L2Error> {
         let key = self.key(&id);
         self.run::<()>(|p| {
             p.cmd("SET").arg(key).arg(object.as_ref()).ignore();
         })
-        .await
+        .await?;
+        Ok(Vec::new())
     }
 
     async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {

@@ -68,10 +68,13 @@ pub enum Msg {
 }
 
 /// Router to agent.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {
     /// Send me a snapshot (a new subscriber, or one that lost its place).
     Resync,
+    /// The configuration's tenants as (cache salt, tenant id): what an agent needs to key
+    /// the chains its engines report. Sent after each connect and on every change.
+    Tenants(Vec<(String, String)>),
 }
 
 /// The versioned envelope on the wire.
@@ -198,6 +201,83 @@ impl Publisher {
     }
 
     /// Blocks held now (for metrics and tests).
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+}
+
+/// The L2 blocks an agent reports: those it wrote (or read back) and has not since seen
+/// missing, the most recent `cap` of them. L2 is shared and bounded by its own eviction
+/// (a directory's ledger, Redis's `maxmemory`), which tells no agent; so an agent claims
+/// only what it saw lately, and withdraws the oldest claims beyond the cap. A claim that
+/// outlived its block costs a router one L2 miss (the engine recomputes), never a wrong
+/// answer.
+#[derive(Debug)]
+pub struct L2Window {
+    cap: usize,
+    order: std::collections::VecDeque<u64>,
+    held: HashSet<u64>,
+}
+
+impl L2Window {
+    pub fn new(cap: usize) -> Self {
+        L2Window {
+            cap,
+            order: std::collections::VecDeque::new(),
+            held: HashSet::new(),
+        }
+    }
+
+    /// `key` is in L2: the changes to record (its claim, and any claims it pushed out).
+    pub fn stored(&mut self, key: u64, parent: Option<u64>) -> Vec<Change> {
+        let mut out = Vec::new();
+        if self.cap == 0 || !self.held.insert(key) {
+            return out;
+        }
+        self.order.push_back(key);
+        if self.order.len() > 2 * self.cap.max(1024) {
+            // Places left by `gone` (and repeats of keys stored again) are dropped.
+            let mut seen = HashSet::new();
+            let held = &self.held;
+            self.order.retain(|k| held.contains(k) && seen.insert(*k));
+        }
+        out.push(Change {
+            scope: Scope::L2,
+            key,
+            parent,
+            present: true,
+        });
+        while self.held.len() > self.cap {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            if self.held.remove(&old) {
+                out.push(Change {
+                    scope: Scope::L2,
+                    key: old,
+                    parent: None,
+                    present: false,
+                });
+            }
+        }
+        out
+    }
+
+    /// `key` is no longer in L2 (evicted, found missing or damaged).
+    pub fn gone(&mut self, key: u64) -> Option<Change> {
+        // Its place in `order` is skipped when reached.
+        self.held.remove(&key).then_some(Change {
+            scope: Scope::L2,
+            key,
+            parent: None,
+            present: false,
+        })
+    }
+
     pub fn len(&self) -> usize {
         self.held.len()
     }
@@ -356,6 +436,15 @@ impl Subscriber {
             }
             _ => Outcome::Nothing,
         }
+    }
+
+    /// The router stops following this agent (it left the configuration): drop what it
+    /// reported.
+    pub fn forget(&mut self) -> Outcome {
+        if self.held.is_empty() && self.at.is_none() {
+            return Outcome::Nothing;
+        }
+        self.reset(false)
     }
 
     fn reset(&mut self, resync: bool) -> Outcome {
@@ -602,5 +691,27 @@ mod tests {
         });
         assert_eq!(decode(&encode(&m)).unwrap(), m);
         assert!(decode(&[0xff, 0xff]).is_err());
+    }
+
+    #[test]
+    fn the_l2_window_claims_the_latest_blocks_only() {
+        let mut w = L2Window::new(2);
+        assert_eq!(w.stored(1, None), vec![add(Scope::L2, 1, None)]);
+        assert!(
+            w.stored(1, None).is_empty(),
+            "a second write claims nothing new"
+        );
+        assert_eq!(w.stored(2, Some(1)), vec![add(Scope::L2, 2, Some(1))]);
+        // A third claim withdraws the oldest.
+        assert_eq!(
+            w.stored(3, Some(2)),
+            vec![add(Scope::L2, 3, Some(2)), del(Scope::L2, 1)]
+        );
+        assert_eq!(w.gone(2), Some(del(Scope::L2, 2)));
+        assert_eq!(w.gone(2), None);
+        // 2's stale place in the order is skipped: 4 fits without withdrawing 3.
+        assert_eq!(w.stored(4, None), vec![add(Scope::L2, 4, None)]);
+        assert_eq!(w.len(), 2);
+        assert!(L2Window::new(0).stored(1, None).is_empty());
     }
 }

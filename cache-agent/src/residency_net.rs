@@ -17,6 +17,8 @@
 //! silence, and reconnects after a failure with a back-off.
 
 use std::net::SocketAddr;
+
+pub use quinn;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -60,10 +62,12 @@ async fn read_msg(recv: &mut quinn::RecvStream) -> Result<Wire, String> {
 
 /// Serves residency on `endpoint` (a QUIC server endpoint with the agent's mTLS config)
 /// until the endpoint closes.
+/// `on_tenants` gets each tenant table a router sends ((salt, tenant id) pairs).
 pub async fn serve(
     endpoint: quinn::Endpoint,
     residency: Arc<Mutex<Publisher>>,
     changed: Arc<tokio::sync::Notify>,
+    on_tenants: OnTenants,
 ) {
     let (tx, _) = broadcast::channel::<Arc<Msg>>(BACKLOG);
     {
@@ -85,7 +89,7 @@ pub async fn serve(
         });
     }
     while let Some(incoming) = endpoint.accept().await {
-        let (tx, residency) = (tx.clone(), residency.clone());
+        let (tx, residency, on_tenants) = (tx.clone(), residency.clone(), on_tenants.clone());
         tokio::spawn(async move {
             let conn = match incoming.await {
                 Ok(c) => c,
@@ -97,7 +101,7 @@ pub async fn serve(
                 }
             };
             metrics::gauge!("warmpath_agent_residency_subscribers").increment(1.0);
-            if let Err(e) = session(conn, &tx, &residency).await {
+            if let Err(e) = session(conn, &tx, &residency, on_tenants).await {
                 tracing::debug!(error = %e, "residency session ended");
             }
             metrics::gauge!("warmpath_agent_residency_subscribers").decrement(1.0);
@@ -109,6 +113,7 @@ async fn session(
     conn: quinn::Connection,
     tx: &broadcast::Sender<Arc<Msg>>,
     residency: &Mutex<Publisher>,
+    on_tenants: OnTenants,
 ) -> Result<(), String> {
     let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
     // The first message must be a resync request.
@@ -120,9 +125,15 @@ async fn session(
     }
     let (resync_tx, mut resync_rx) = mpsc::channel::<()>(4);
     tokio::spawn(async move {
-        while let Ok(Wire::V1Reply(Reply::Resync)) = read_msg(&mut recv).await {
-            if resync_tx.send(()).await.is_err() {
-                return;
+        loop {
+            match read_msg(&mut recv).await {
+                Ok(Wire::V1Reply(Reply::Resync)) => {
+                    if resync_tx.send(()).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(Wire::V1Reply(Reply::Tenants(table))) => on_tenants(table),
+                _ => return,
             }
         }
     });
@@ -156,28 +167,57 @@ async fn session(
     }
 }
 
+/// The tenant table a router sends its agents ((cache salt, tenant id) pairs), current
+/// and changing.
+pub type TenantsWatch = tokio::sync::watch::Receiver<Arc<Vec<(String, String)>>>;
+
+/// What an agent does with a tenant table a router sent ((cache salt, tenant id) pairs).
+pub type OnTenants = Arc<dyn Fn(Vec<(String, String)>) + Send + Sync>;
+
 /// Where a router reaches an agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AgentTarget {
-    pub addr: SocketAddr,
+    /// HOST:PORT, resolved at each connection attempt (an agent may move, as a pod does).
+    pub address: String,
     /// The name in the agent's certificate.
     pub server_name: String,
 }
 
+impl AgentTarget {
+    /// `HOST:PORT` (`[IPV6]:PORT` for an address); the name checked in the agent's
+    /// certificate is HOST.
+    pub fn parse(address: &str) -> Result<AgentTarget, String> {
+        let (host, port) = address
+            .rsplit_once(':')
+            .ok_or_else(|| format!("agent {address:?}: give HOST:PORT"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+            return Err(format!("agent {address:?}: give HOST:PORT"));
+        }
+        Ok(AgentTarget {
+            address: address.to_string(),
+            server_name: host.to_string(),
+        })
+    }
+}
+
 /// Follows one agent from `endpoint` (a QUIC client endpoint with the router's mTLS
-/// config) until `out` is closed: every outcome of the subscriber goes to `out`, stamped
-/// with the time it happened.
+/// config) until `out` is closed or `stop` fires (or its sender is dropped): every outcome
+/// of the subscriber goes to `out`. On `stop`, what the agent reported is withdrawn (a
+/// last [`Outcome::Reset`]).
 pub async fn follow(
     endpoint: quinn::Endpoint,
     target: AgentTarget,
     expiry: Duration,
     out: mpsc::Sender<Outcome>,
+    stop: tokio::sync::oneshot::Receiver<()>,
+    tenants: TenantsWatch,
 ) {
     let start = Instant::now();
     let now_us = move || start.elapsed().as_micros() as u64;
     let subscriber = Arc::new(Mutex::new(Subscriber::new(expiry.as_micros() as u64)));
     // Expiry runs whether or not a connection is up.
-    {
+    let expiry_task = {
         let (subscriber, out) = (subscriber.clone(), out.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -191,18 +231,41 @@ pub async fn follow(
                     return;
                 }
             }
-        });
+        })
+    };
+    tokio::select! {
+        () = links(&endpoint, &target, &subscriber, &out, now_us, &tenants) => {}
+        _ = stop => {}
     }
+    expiry_task.abort();
+    let last = subscriber
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .forget();
+    if last != Outcome::Nothing {
+        let _ = out.send(last).await;
+    }
+}
+
+/// Connects, follows and reconnects with back-off until `out` closes.
+async fn links(
+    endpoint: &quinn::Endpoint,
+    target: &AgentTarget,
+    subscriber: &Mutex<Subscriber>,
+    out: &mpsc::Sender<Outcome>,
+    now_us: impl Fn() -> u64 + Copy,
+    tenants: &TenantsWatch,
+) {
     let mut backoff = Duration::from_millis(200);
     loop {
         if out.is_closed() {
             return;
         }
-        match run_once(&endpoint, &target, &subscriber, &out, now_us).await {
+        match run_once(endpoint, target, subscriber, out, now_us, tenants).await {
             Ok(()) => return,
             Err(e) => {
                 metrics::counter!("warmpath_router_residency_disconnects_total").increment(1);
-                tracing::debug!(agent = %target.addr, error = %e, "residency link down; reconnecting");
+                tracing::debug!(agent = %target.address, error = %e, "residency link down; reconnecting");
             }
         }
         tokio::time::sleep(backoff).await;
@@ -216,18 +279,58 @@ async fn run_once(
     subscriber: &Mutex<Subscriber>,
     out: &mpsc::Sender<Outcome>,
     now_us: impl Fn() -> u64,
+    tenants: &TenantsWatch,
 ) -> Result<(), String> {
+    let addr = tokio::net::lookup_host(&target.address)
+        .await
+        .map_err(|e| format!("cannot resolve {}: {e}", target.address))?
+        .next()
+        .ok_or_else(|| format!("{} resolves to nothing", target.address))?;
     let conn = endpoint
-        .connect(target.addr, &target.server_name)
+        .connect(addr, &target.server_name)
         .map_err(|e| e.to_string())?
         .await
         .map_err(|e| e.to_string())?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
     write_msg(&mut send, &Wire::V1Reply(Reply::Resync)).await?;
+    // One writer owns the send half: resync requests from the loop below, and the tenant
+    // table now and at every change.
+    let (replies, mut to_send) = mpsc::channel::<Reply>(4);
+    let mut tenants = tenants.clone();
+    tenants.mark_changed();
+    let writer = tokio::spawn(async move {
+        loop {
+            let reply = tokio::select! {
+                r = to_send.recv() => match r {
+                    Some(r) => r,
+                    None => return,
+                },
+                c = tenants.changed() => match c {
+                    Ok(()) => Reply::Tenants(tenants.borrow_and_update().as_ref().clone()),
+                    Err(_) => std::future::pending().await,
+                },
+            };
+            if write_msg(&mut send, &Wire::V1Reply(reply)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let result = read_loop(&mut recv, subscriber, out, now_us, &replies).await;
+    writer.abort();
+    result
+}
+
+async fn read_loop(
+    recv: &mut quinn::RecvStream,
+    subscriber: &Mutex<Subscriber>,
+    out: &mpsc::Sender<Outcome>,
+    now_us: impl Fn() -> u64,
+    replies: &mpsc::Sender<Reply>,
+) -> Result<(), String> {
     loop {
         // The agent sends at least a heartbeat every 500 ms: a longer silence is a dead agent
         // or path (QUIC itself would wait for its idle timeout), so reconnect.
-        let msg = tokio::time::timeout(SILENCE, read_msg(&mut recv))
+        let msg = tokio::time::timeout(SILENCE, read_msg(recv))
             .await
             .map_err(|_| format!("nothing from the agent for {SILENCE:?}"))??;
         let msg = match msg {
@@ -244,7 +347,10 @@ async fn run_once(
         }
         if resync {
             metrics::counter!("warmpath_router_residency_resyncs_total").increment(1);
-            write_msg(&mut send, &Wire::V1Reply(Reply::Resync)).await?;
+            replies
+                .send(Reply::Resync)
+                .await
+                .map_err(|_| "the residency link closed".to_string())?;
         }
     }
 }

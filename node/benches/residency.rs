@@ -126,11 +126,10 @@ fn main() {
         let tls = TlsFiles::in_dir(&certs, "router");
         let ep = endpoint("127.0.0.1:0".parse().expect("addr"), None, Some(tls.client_config().expect("tls"))).expect("endpoint");
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Outcome>(65_536);
-        let target = AgentTarget {
-            addr: quic,
-            server_name: "localhost".into(),
-        };
-        tokio::spawn(follow(ep, target, Duration::from_secs(5), tx));
+        let target = AgentTarget::parse(&quic.to_string()).expect("target");
+        let (_stop, stopped) = tokio::sync::oneshot::channel();
+        let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
+        tokio::spawn(follow(ep, target, Duration::from_secs(5), tx, stopped, tenants));
 
         // Publish at RATE; remember when each block's event left.
         let sent: std::sync::Arc<std::sync::Mutex<HashMap<u64, Instant>>> = Default::default();

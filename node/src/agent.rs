@@ -225,8 +225,12 @@ pub async fn serve(
             quic.local_addr()?
         );
         let (residency, changed) = agent.residency();
+        let learner = agent.clone();
         tokio::spawn(warmpath_cache_agent::residency_net::serve(
-            quic, residency, changed,
+            quic,
+            residency,
+            changed,
+            std::sync::Arc::new(move |salts| learner.learn_tenants(salts)),
         ));
     }
     if let Some(at) = &config.metrics_listen {

@@ -109,6 +109,7 @@ pub fn admin_json(data: &[u8]) {
             model: model.into(),
             spec: PoolSpec {
                 instances: vec!["http://10.0.0.1:8000".into()],
+                agents: Vec::new(),
             },
             expected_version: None,
         })
@@ -528,6 +529,7 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         model: "m".into(),
         spec: PoolSpec {
             instances: vec!["http://10.0.0.1:8000".into()],
+            agents: Vec::new(),
         },
         expected_version: None,
     });

@@ -176,6 +176,28 @@ pub fn check_plain_key(key: &str) -> Result<(), &'static str> {
     }
 }
 
+/// A cache-agent's residency address: `HOST:PORT` (`[IPV6]:PORT`), no scheme.
+pub fn check_agent_address(a: &str) -> Result<(), &'static str> {
+    let Some((host, port)) = a.rsplit_once(':') else {
+        return Err("give HOST:PORT");
+    };
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if host.is_empty() || host.contains("://") || host.contains('/') {
+        Err("give HOST:PORT, no scheme or path")
+    } else if a.len() > MAX_VALUE_BYTES {
+        Err("longer than 512 bytes")
+    } else if a.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Err("contains whitespace or control characters")
+    } else if port.parse::<u16>().map_or(true, |p| p == 0) {
+        Err("the port must be 1 to 65535")
+    } else {
+        Ok(())
+    }
+}
+
 /// The instances serving one model. Unknown fields are ignored when read (see
 /// [`TenantSpec`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -184,6 +206,12 @@ pub struct PoolSpec {
     /// Base URLs, `http://host:port`, no path, no duplicates.
     #[schema(example = json!(["http://10.0.0.1:8000"]))]
     pub instances: Vec<String>,
+    /// The cache-agents of the pool's hosts, `HOST:PORT` of their residency (QUIC)
+    /// listeners, no duplicates: every router follows them (mutual TLS; HOST is the name
+    /// checked in the agent's certificate). Empty: routers use predictions only.
+    #[serde(default)]
+    #[schema(example = json!(["gpu-host-1:7700"]))]
+    pub agents: Vec<String>,
 }
 
 /// A change to the configuration, as stored in the Raft log.
@@ -396,6 +424,21 @@ impl ConfigState {
             }
             if !seen.insert(url) {
                 problems.push(format!("instances[{i}] {url:?}: listed twice"));
+            }
+        }
+        if spec.agents.len() > MAX_POOL_INSTANCES {
+            problems.push(format!(
+                "agents: {} agents, at most {MAX_POOL_INSTANCES}",
+                spec.agents.len()
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for (i, a) in spec.agents.iter().enumerate() {
+            if let Err(e) = check_agent_address(a) {
+                problems.push(format!("agents[{i}] {a:?}: {e}"));
+            }
+            if !seen.insert(a) {
+                problems.push(format!("agents[{i}] {a:?}: listed twice"));
             }
         }
         invalid_unless_empty(problems)?;
@@ -614,6 +657,7 @@ mod tests {
             model: model.into(),
             spec: PoolSpec {
                 instances: urls.iter().map(|s| s.to_string()).collect(),
+                agents: Vec::new(),
             },
             expected_version: None,
         })

@@ -679,6 +679,7 @@ mod tests {
                 model: model.into(),
                 spec: PoolSpec {
                     instances: vec!["http://a:1".into()],
+                    agents: Vec::new(),
                 },
                 expected_version: None,
             })),

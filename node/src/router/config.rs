@@ -202,6 +202,9 @@ pub struct PoolSection {
     pub model: String,
     /// Base URLs of the instances serving it (`http://host:port`).
     pub instances: Vec<String>,
+    /// The cache-agents of its hosts (`HOST:PORT` of their residency listeners).
+    #[serde(default)]
+    pub agents: Vec<String>,
 }
 
 /// A tenant in the config file: its id, plain API keys (hashed at once, never stored),
@@ -281,6 +284,8 @@ impl Tenant {
 pub struct Pool {
     pub model: String,
     pub instances: Vec<String>,
+    /// Cache-agents whose residency every router follows (`HOST:PORT`).
+    pub agents: Vec<String>,
 }
 
 /// Validated router settings.
@@ -423,9 +428,15 @@ impl FileConfig {
                     Err(e) => problems.push(format!("pools[{i}].instances[{j}] {url:?}: {e}")),
                 }
             }
+            for (j, a) in p.agents.iter().enumerate() {
+                if let Err(e) = warmpath_membership::raft::state::check_agent_address(a) {
+                    problems.push(format!("pools[{i}].agents[{j}] {a:?}: {e}"));
+                }
+            }
             pools.push(Pool {
                 model: p.model.clone(),
                 instances,
+                agents: p.agents.clone(),
             });
         }
         // The default tenant exists implicitly, with default settings, unless listed.

@@ -227,6 +227,7 @@ impl RouterArgs {
             file.pools.push(PoolSection {
                 model: self.model.clone(),
                 instances: self.instances.clone(),
+                agents: Vec::new(),
             });
         }
         if self.strategy.is_some()
@@ -338,6 +339,14 @@ fn describe_metrics() {
         "From request arrival to the upstream send: body read, parse, tokenize, hash, route."
     );
     describe_gauge!("warmpath_index_entries", "Blocks in the prefix index.");
+    describe_gauge!(
+        "warmpath_index_l2_blocks",
+        "Blocks the index knows in the global L2 (reported by agents)."
+    );
+    describe_gauge!(
+        "warmpath_router_residency_agents",
+        "Cache-agents this router follows (flags and the pools' agents)."
+    );
     describe_gauge!("warmpath_index_holders", "(instance, block) pairs in the index, by source: predicted (routing decisions, own and peers') or observed (agents).");
     describe_gauge!(
         "warmpath_index_bytes_per_entry",
@@ -459,6 +468,7 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
             .set(stats.predicted_holders as f64);
         metrics::gauge!("warmpath_index_holders", "source" => "observed")
             .set(stats.observed_holders as f64);
+        metrics::gauge!("warmpath_index_l2_blocks").set(stats.l2_blocks as f64);
         for (i, inst) in core.instances().iter().enumerate() {
             metrics::gauge!("warmpath_router_instance_healthy", "instance" => inst.name.clone())
                 .set(if inst.healthy { 1.0 } else { 0.0 });
@@ -617,18 +627,21 @@ pub fn run(args: RouterArgs) -> Result<()> {
         } else if !app.config.client_metrics {
             tracing::warn!("no /metrics: the client port is not on loopback; give --metrics-listen ADDR (or router.client_metrics = true)");
         }
-        if !args.residency_agents.is_empty() {
-            let (Some(dir), Some(name)) = (&args.tls_dir, &args.tls_name) else {
-                anyhow::bail!("--residency-agent needs --tls-dir and --tls-name: residency runs over mutual TLS only");
-            };
-            let tls = warmpath_cache_agent::tls::TlsFiles::in_dir(dir, name);
-            residency::start(
-                app.clone(),
-                &args.residency_agents,
-                &tls,
-                Duration::from_millis(args.residency_expiry_ms),
-            )?;
+        match (&args.tls_dir, &args.tls_name) {
+            (Some(dir), Some(name)) => {
+                let tls = warmpath_cache_agent::tls::TlsFiles::in_dir(dir, name);
+                let r = residency::Residency::start(
+                    app.clone(),
+                    &args.residency_agents,
+                    &tls,
+                    Duration::from_millis(args.residency_expiry_ms),
+                )?;
+                let _ = app.residency.set(r);
+            }
+            (None, None) if args.residency_agents.is_empty() => {}
+            _ => anyhow::bail!("residency needs both --tls-dir and --tls-name: it runs over mutual TLS only"),
         }
+        app.configure_residency(&app.config.pools);
         let mut cluster_task = None;
         if let Some(settings) = cluster {
             let (gossip, gossip_addr) =

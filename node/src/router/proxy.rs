@@ -48,6 +48,8 @@ pub struct App {
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Gossip with the other replicas, once started (absent when running alone).
     pub gossip: std::sync::OnceLock<Arc<warmpath_membership::gossip::Gossip>>,
+    /// The cache-agents this router follows, once started (absent without mutual TLS).
+    pub residency: std::sync::OnceLock<Arc<super::residency::Residency>>,
     /// Live peer routers, from gossip: rate limits are shared among them.
     pub peers: std::sync::atomic::AtomicUsize,
     /// The live peers as the admin API shows them, refreshed by the gossip loop.
@@ -95,6 +97,33 @@ impl TenantTable {
     /// tenant's whatever key it sends (as vLLM without `--api-key` behaves).
     fn keyed(&self) -> bool {
         !self.by_key.is_empty()
+    }
+
+    /// Every tenant's (cache salt, id): what agents need to key their engines' chains.
+    pub fn salts(&self) -> Vec<(String, String)> {
+        self.by_id
+            .values()
+            .map(|e| (e.tenant.cache_salt.clone(), e.tenant.id.clone()))
+            .collect()
+    }
+}
+
+impl App {
+    /// Points residency at the configuration's agents and tenants (at start and after
+    /// every configuration change).
+    pub fn configure_residency(&self, pools: &[super::config::Pool]) {
+        let agents: Vec<String> = pools.iter().flat_map(|p| p.agents.clone()).collect();
+        match self.residency.get() {
+            Some(r) => {
+                r.set_agents(&agents);
+                r.set_tenants(self.tenants().salts());
+            }
+            None if !agents.is_empty() => tracing::warn!(
+                agents = agents.len(),
+                "the configuration names cache-agents, but this router has no --tls-dir and --tls-name: it does not follow them and routes on predictions only"
+            ),
+            None => {}
+        }
     }
 }
 
@@ -181,6 +210,7 @@ impl App {
             tenants: std::sync::RwLock::new(Arc::new(tenants)),
             metrics,
             gossip: std::sync::OnceLock::new(),
+            residency: std::sync::OnceLock::new(),
             peers: std::sync::atomic::AtomicUsize::new(0),
             peer_list: Mutex::new(Vec::new()),
         }

@@ -36,6 +36,7 @@ pub fn from_state(state: &ConfigState) -> (Vec<(String, TenantSpec)>, Vec<Pool>)
         .map(|(model, p)| Pool {
             model: model.clone(),
             instances: p.instances.clone(),
+            agents: p.agents.clone(),
         })
         .collect();
     let tenants = state
@@ -72,6 +73,7 @@ pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<S
             state.version,
         );
         app.set_tenants(table);
+        app.configure_residency(&pools);
         metrics::gauge!("warmpath_config_version").set(state.version as f64);
         tracing::info!(
             config_version = state.version,
@@ -99,6 +101,7 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<(String, TenantSpec)>, pools
             model: p.model.clone(),
             spec: PoolSpec {
                 instances: p.instances.clone(),
+                agents: p.agents.clone(),
             },
             expected_version: None,
         });
