@@ -954,15 +954,18 @@ async fn explained(http: &crate::router::HttpClient, router: &str, prompt: &str)
 /// Routers that find their agent in the pool configuration (no `--residency-agent`) and
 /// send it their tenants (the agent has no `--kv-tenant`): the agent's keys, recomputed
 /// from the engine's tokens, are the routers' keys, and what its own L1 and L2 hold
-/// reaches them too.
+/// reaches them too. The engine tokenizes with o200k, as an engine serving an OpenAI-
+/// tokenizer model would, and the pool names that tokenizer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     // The engine's blocks are the routers' (64 tokens, the tenant default).
     let l2 = scratch_dir("residency-exact-l2");
     let l2_arg = format!("dir:{}", l2.display());
+    // The engine tokenizes as a real engine serving an OpenAI-tokenizer model would, and
+    // the pool names the same tokenizer: the router's blocks are the engine's.
     let r = Residency::start(
         "residency-exact",
-        &["--block-tokens", "64"],
+        &["--block-tokens", "64", "--tokenizer", "tiktoken:o200k_base"],
         &["--l2", &l2_arg, "--l2-write", "through"],
     );
     let addr = &r.addr;
@@ -971,7 +974,7 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
         &config,
         format!(
             "version = 1\n[[pools]]\nmodel = \"sim-llama\"\n\
-             instances = [\"{}\"]\nagents = [\"{}\"]\n",
+             instances = [\"{}\"]\nagents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
             r.engine.url, r.quic
         ),
     )

@@ -806,6 +806,37 @@ async fn bad_admin_requests() {
         );
     }
 
+    // A pool's tokenizer must load and its template compile on the router taking the
+    // write; agents must be HOST:PORT.
+    for (pool, needle) in [
+        (
+            json!({"instances": [], "tokenizer": "tiktoken:p50k"}),
+            "tiktoken:o200k_base",
+        ),
+        (
+            json!({"instances": [], "tokenizer": "hf:/nonexistent/tokenizer.json"}),
+            "/nonexistent/tokenizer.json",
+        ),
+        (
+            json!({"instances": [], "chat_template": "{% for %}"}),
+            "chat template",
+        ),
+        (
+            json!({"instances": [], "agents": ["http://gpu-1:7700"]}),
+            "HOST:PORT",
+        ),
+    ] {
+        let bad = admin(c, &r.admin, Method::PUT, "/pools/bad-pool", Some(&pool))
+            .await
+            .expect("answer");
+        assert_eq!(bad.status, 400, "{:?}", bad.body);
+        assert!(
+            bad.body.to_string().contains(needle),
+            "{needle}: {:?}",
+            bad.body
+        );
+    }
+
     let list = admin(c, &r.admin, Method::GET, "/tenants", None)
         .await
         .expect("answer");

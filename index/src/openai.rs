@@ -118,13 +118,19 @@ impl CompletionRequest {
 impl ChatRequest {
     /// The rendered prompt text (see [`render_chat`]).
     pub fn prompt_text(&self) -> Result<String, RequestError> {
+        self.check()?;
+        Ok(render_chat(&self.messages))
+    }
+
+    /// Whether the request names a model and has messages.
+    pub fn check(&self) -> Result<(), RequestError> {
         if self.model.is_empty() {
             return Err(RequestError::NoModel);
         }
         if self.messages.is_empty() {
             return Err(RequestError::NoMessages);
         }
-        Ok(render_chat(&self.messages))
+        Ok(())
     }
 
     /// The generation limit, whichever field carries it.

@@ -225,6 +225,65 @@ pub fn render_chat(messages: &[ChatMessage]) -> String {
     out
 }
 
+/// How prompts become token ids: the built-in tokenizer and chat rendering, or a model's
+/// own (a router's pool naming its engines' tokenizer and chat template; engine-sim acting
+/// as such an engine). Completions and chat differ as engines make them differ: a chat
+/// request is rendered by a template first, and a tokenizer may add special tokens (a BOS)
+/// to a completions prompt but not to a rendered chat, whose template writes its own.
+pub trait Tokenize: Send + Sync {
+    /// What it is, for logs and explanations (`builtin`, `tiktoken:o200k_base`, …).
+    fn name(&self) -> &str;
+    /// Token ids of a completions prompt.
+    fn completion(&self, text: &str) -> Vec<u32>;
+    /// Token ids of a chat request's messages, rendered; an error when the template fails
+    /// on them (a template may refuse a conversation, as engines' templates do).
+    fn chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String>;
+}
+
+/// The built-in tokenizer ([`tokenize`]) and chat format ([`render_chat`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Builtin;
+
+impl Tokenize for Builtin {
+    fn name(&self) -> &str {
+        "builtin"
+    }
+    fn completion(&self, text: &str) -> Vec<u32> {
+        tokenize(text)
+    }
+    fn chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        Ok(tokenize(&render_chat(messages)))
+    }
+}
+
+/// A shared [`Tokenize`], compared and shown by name.
+#[derive(Clone)]
+pub struct Tokenizer(pub std::sync::Arc<dyn Tokenize>);
+
+impl Tokenizer {
+    pub fn builtin() -> Self {
+        Tokenizer(std::sync::Arc::new(Builtin))
+    }
+}
+
+impl Default for Tokenizer {
+    fn default() -> Self {
+        Tokenizer::builtin()
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Tokenizer").field(&self.0.name()).finish()
+    }
+}
+
+impl PartialEq for Tokenizer {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.name() == other.0.name()
+    }
+}
+
 const SYLLABLES: [&str; 32] = [
     "ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "pa", "do", "fe", "gu", "ha", "ji", "ko",
     "la", "mo", "nu", "pi", "qua", "ri", "so", "tu", "va", "we", "xi", "yo", "ze", "bra", "cre",

@@ -49,6 +49,13 @@ pub struct EngineSimArgs {
     /// (1 moves real sizes; tests use less).
     #[arg(long, default_value_t = 1.0, requires = "agent")]
     pub agent_block_scale: f64,
+    /// Tokenize prompts as an engine serving this model would: builtin (default),
+    /// tiktoken:o200k_base, tiktoken:cl100k_base or hf:PATH (a tokenizer.json).
+    #[arg(long, default_value = "builtin")]
+    pub tokenizer: String,
+    /// Render chat requests with this Jinja chat template (default: the built-in format).
+    #[arg(long)]
+    pub chat_template_file: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: EngineSimArgs) -> Result<()> {
@@ -92,6 +99,14 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
         }
         None => None,
     };
+    let chat_template = match &args.chat_template_file {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("--chat-template-file {}", path.display()))?,
+        None => String::new(),
+    };
+    let tokenizer = crate::prompt::PoolText::load(&args.tokenizer, &chat_template)
+        .map_err(anyhow::Error::msg)?
+        .into_tokenizer();
     let config = EngineSimConfig {
         model: args.model.clone(),
         engine: EngineConfig {
@@ -103,6 +118,7 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
         profile,
         agent,
         kv_events: args.kv_events.clone(),
+        tokenizer,
         speedup: args.speedup,
         default_max_tokens: args.default_max_tokens,
         ..EngineSimConfig::default()

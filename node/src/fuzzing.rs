@@ -26,6 +26,7 @@ use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::router::{
     CoreConfig, InstanceSpec, PoolSpec as CorePool, RouterCore, SharedDecision,
 };
+use warmpath_index::text::Tokenizer;
 use warmpath_membership::decisions::{instance_key, BatchWire};
 use warmpath_membership::gossip::{DatagramGate, Rejected, MAC_KEY_CONTEXT};
 use warmpath_membership::raft::network::JoinRequest;
@@ -54,7 +55,7 @@ pub const TARGETS: &[(&str, Target)] = &[
 pub fn openai_request(data: &[u8]) {
     const SALT: &str = "tenant-salt";
     for endpoint in [Endpoint::Completions, Endpoint::Chat] {
-        let Ok(parsed) = parse(endpoint, data) else {
+        let Ok(parsed) = parse(endpoint, data, |_| Tokenizer::builtin()) else {
             continue;
         };
         assert!(!parsed.tokens.is_empty(), "an accepted prompt has tokens");
@@ -78,7 +79,8 @@ pub fn openai_request(data: &[u8]) {
             salt == SALT || salt.starts_with(&format!("{SALT}:")),
             "{salt:?}"
         );
-        let again = parse(endpoint, &salted).expect("the forwarded body parses as the original");
+        let again = parse(endpoint, &salted, |_| Tokenizer::builtin())
+            .expect("the forwarded body parses as the original");
         assert_eq!(again.tokens, parsed.tokens);
         assert_eq!(again.model, parsed.model);
         assert_eq!(again.stream, parsed.stream);
@@ -109,7 +111,7 @@ pub fn admin_json(data: &[u8]) {
             model: model.into(),
             spec: PoolSpec {
                 instances: vec!["http://10.0.0.1:8000".into()],
-                agents: Vec::new(),
+                ..PoolSpec::default()
             },
             expected_version: None,
         })
@@ -330,6 +332,7 @@ fn serve(state: &ConfigState) {
         .collect();
     let _table = TenantTable::new(
         &tenants,
+        &[],
         tenants.first().map(|t| t.0.clone()),
         state.version,
     );
@@ -529,7 +532,7 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         model: "m".into(),
         spec: PoolSpec {
             instances: vec!["http://10.0.0.1:8000".into()],
-            agents: Vec::new(),
+            ..PoolSpec::default()
         },
         expected_version: None,
     });

@@ -212,6 +212,35 @@ pub struct PoolSpec {
     #[serde(default)]
     #[schema(example = json!(["gpu-host-1:7700"]))]
     pub agents: Vec<String>,
+    /// The engines' tokenizer, so that routers cut blocks where the engines do: `builtin`
+    /// (the default, engine-sim's), `tiktoken:o200k_base`, `tiktoken:cl100k_base`, or
+    /// `hf:PATH` (a Hugging Face tokenizer.json present at PATH on every router).
+    #[serde(default)]
+    #[schema(example = "tiktoken:o200k_base")]
+    pub tokenizer: String,
+    /// The model's chat template (Jinja, as in its tokenizer_config.json); empty: chat
+    /// requests are rendered in the built-in format.
+    #[serde(default)]
+    pub chat_template: String,
+    /// The engines' KV block size in tokens; it replaces the `block_tokens` of the
+    /// tenants of this pool. 0: each tenant's own.
+    #[serde(default)]
+    pub block_tokens: u32,
+}
+
+/// The largest chat template a pool may carry, in bytes.
+pub const MAX_CHAT_TEMPLATE_BYTES: usize = 64 * 1024;
+
+/// Whether `t` names a tokenizer a pool may use (the file of `hf:PATH` is checked by the
+/// router that loads it, not here).
+pub fn check_tokenizer(t: &str) -> Result<(), String> {
+    match t {
+        "" | "builtin" | "tiktoken:o200k_base" | "tiktoken:cl100k_base" => Ok(()),
+        _ if t.strip_prefix("hf:").is_some_and(|p| !p.is_empty() && p.len() <= 4096) => Ok(()),
+        _ => Err(format!(
+            "{t:?}: builtin, tiktoken:o200k_base, tiktoken:cl100k_base or hf:PATH (a Hugging Face tokenizer.json)"
+        )),
+    }
 }
 
 /// A change to the configuration, as stored in the Raft log.
@@ -425,6 +454,18 @@ impl ConfigState {
             if !seen.insert(url) {
                 problems.push(format!("instances[{i}] {url:?}: listed twice"));
             }
+        }
+        if let Err(e) = check_tokenizer(&spec.tokenizer) {
+            problems.push(format!("tokenizer: {e}"));
+        }
+        if spec.chat_template.len() > MAX_CHAT_TEMPLATE_BYTES {
+            problems.push(format!(
+                "chat_template: {} bytes, at most {MAX_CHAT_TEMPLATE_BYTES}",
+                spec.chat_template.len()
+            ));
+        }
+        if spec.block_tokens > 65_536 {
+            problems.push("block_tokens: at most 65536".to_string());
         }
         if spec.agents.len() > MAX_POOL_INSTANCES {
             problems.push(format!(
@@ -657,7 +698,7 @@ mod tests {
             model: model.into(),
             spec: PoolSpec {
                 instances: urls.iter().map(|s| s.to_string()).collect(),
-                agents: Vec::new(),
+                ..PoolSpec::default()
             },
             expected_version: None,
         })

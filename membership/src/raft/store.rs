@@ -679,7 +679,7 @@ mod tests {
                 model: model.into(),
                 spec: PoolSpec {
                     instances: vec!["http://a:1".into()],
-                    agents: Vec::new(),
+                    ..PoolSpec::default()
                 },
                 expected_version: None,
             })),

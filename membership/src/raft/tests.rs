@@ -37,7 +37,7 @@ fn pool(model: &str, expected_version: Option<u64>) -> Command {
         model: model.into(),
         spec: PoolSpec {
             instances: vec!["http://10.0.0.1:8000".into()],
-            agents: Vec::new(),
+            ..PoolSpec::default()
         },
         expected_version,
     })

@@ -789,6 +789,12 @@ async fn put_pool(
     let model = path(model)?;
     let expected_version = precondition(&uri, &headers)?;
     let spec: PoolSpec = parse_strict(body, "pool")?;
+    // The state machine checks the tokenizer's name; whether it loads (a tokenizer.json
+    // here, a template that compiles) is checked on the router taking the write, so that a
+    // typo is a 400 now rather than a pool tokenized with the built-in tokenizer later.
+    if let Err(e) = crate::prompt::PoolText::load(&spec.tokenizer, &spec.chat_template) {
+        return Err(AdminError::BadRequest(format!("pool: {e}")));
+    }
     let created = !d.raft.local_state().pools.contains_key(&model);
     let version = write(
         &d,

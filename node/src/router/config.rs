@@ -195,7 +195,7 @@ impl Default for RouterSection {
     }
 }
 
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Debug, Clone, Default)]
 #[serde(deny_unknown_fields)]
 pub struct PoolSection {
     /// Model name clients ask for.
@@ -205,6 +205,19 @@ pub struct PoolSection {
     /// The cache-agents of its hosts (`HOST:PORT` of their residency listeners).
     #[serde(default)]
     pub agents: Vec<String>,
+    /// The engines' tokenizer: builtin, tiktoken:o200k_base, tiktoken:cl100k_base or
+    /// hf:PATH (see `crate::prompt`).
+    #[serde(default)]
+    pub tokenizer: String,
+    /// The model's chat template, inline (Jinja)…
+    #[serde(default)]
+    pub chat_template: String,
+    /// …or read from this file at start.
+    #[serde(default)]
+    pub chat_template_file: Option<std::path::PathBuf>,
+    /// The engines' KV block size in tokens (0: each tenant's `block_tokens`).
+    #[serde(default)]
+    pub block_tokens: u32,
 }
 
 /// A tenant in the config file: its id, plain API keys (hashed at once, never stored),
@@ -286,6 +299,11 @@ pub struct Pool {
     pub instances: Vec<String>,
     /// Cache-agents whose residency every router follows (`HOST:PORT`).
     pub agents: Vec<String>,
+    /// The engines' tokenizer and chat template (see `crate::prompt`).
+    pub tokenizer: String,
+    pub chat_template: String,
+    /// The engines' block size; replaces the pool's tenants' `block_tokens` (0: not).
+    pub block_tokens: u32,
 }
 
 /// Validated router settings.
@@ -433,10 +451,36 @@ impl FileConfig {
                     problems.push(format!("pools[{i}].agents[{j}] {a:?}: {e}"));
                 }
             }
+            let chat_template = match &p.chat_template_file {
+                Some(path) if p.chat_template.is_empty() => std::fs::read_to_string(path)
+                    .unwrap_or_else(|e| {
+                        problems.push(format!(
+                            "pools[{i}].chat_template_file {}: {e}",
+                            path.display()
+                        ));
+                        String::new()
+                    }),
+                Some(_) => {
+                    problems.push(format!(
+                        "pools[{i}]: chat_template and chat_template_file both given; give one"
+                    ));
+                    String::new()
+                }
+                None => p.chat_template.clone(),
+            };
+            if let Err(e) = crate::prompt::PoolText::load(&p.tokenizer, &chat_template) {
+                problems.push(format!("pools[{i}]: {e}"));
+            }
+            if p.block_tokens > 65_536 {
+                problems.push(format!("pools[{i}].block_tokens: at most 65536"));
+            }
             pools.push(Pool {
                 model: p.model.clone(),
                 instances,
                 agents: p.agents.clone(),
+                tokenizer: p.tokenizer.clone(),
+                chat_template,
+                block_tokens: p.block_tokens,
             });
         }
         // The default tenant exists implicitly, with default settings, unless listed.

@@ -227,7 +227,7 @@ impl RouterArgs {
             file.pools.push(PoolSection {
                 model: self.model.clone(),
                 instances: self.instances.clone(),
-                agents: Vec::new(),
+                ..PoolSection::default()
             });
         }
         if self.strategy.is_some()

@@ -24,7 +24,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use warmpath_index::keys::{token_block_keys, TenantKey};
 use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody, PromptInput};
-use warmpath_index::text::tokenize;
 use warmpath_index::InstanceId;
 use warmpath_membership::raft::state::TenantSpec;
 
@@ -48,6 +47,8 @@ pub struct App {
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Gossip with the other replicas, once started (absent when running alone).
     pub gossip: std::sync::OnceLock<Arc<warmpath_membership::gossip::Gossip>>,
+    /// Each pool's tokenizer and chat template, by model (absent: the built-in ones).
+    tokenizers: std::sync::RwLock<Arc<HashMap<String, PoolTokenizer>>>,
     /// The cache-agents this router follows, once started (absent without mutual TLS).
     pub residency: std::sync::OnceLock<Arc<super::residency::Residency>>,
     /// Live peer routers, from gossip: rate limits are shared among them.
@@ -108,7 +109,67 @@ impl TenantTable {
     }
 }
 
+/// A pool's loaded tokenizer and what it was loaded from (a change reloads it).
+#[derive(Debug, Clone)]
+struct PoolTokenizer {
+    from: (String, String),
+    tokenizer: warmpath_index::text::Tokenizer,
+}
+
 impl App {
+    /// The tokenizer of `model`'s pool.
+    pub fn tokenizer(&self, model: &str) -> warmpath_index::text::Tokenizer {
+        self.tokenizers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(model)
+            .map_or_else(warmpath_index::text::Tokenizer::builtin, |t| {
+                t.tokenizer.clone()
+            })
+    }
+
+    /// Loads the pools' tokenizers and templates (at start and after every configuration
+    /// change; unchanged ones are kept). One that does not load on this router (a
+    /// tokenizer.json missing here) is logged and counted, and its pool is tokenized with
+    /// the built-in tokenizer: its keys then miss the engines' blocks (fewer hits, never a
+    /// wrong answer).
+    pub fn set_tokenizers(&self, pools: &[super::config::Pool]) {
+        let previous = self
+            .tokenizers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut next = HashMap::new();
+        let mut failed = 0;
+        for p in pools {
+            let from = (p.tokenizer.clone(), p.chat_template.clone());
+            if from.0.is_empty() && from.1.is_empty() {
+                continue;
+            }
+            if let Some(kept) = previous.get(&p.model).filter(|t| t.from == from) {
+                next.insert(p.model.clone(), kept.clone());
+                continue;
+            }
+            match crate::prompt::PoolText::load(&from.0, &from.1) {
+                Ok(t) => {
+                    next.insert(
+                        p.model.clone(),
+                        PoolTokenizer {
+                            from,
+                            tokenizer: t.into_tokenizer(),
+                        },
+                    );
+                }
+                Err(error) => {
+                    failed += 1;
+                    tracing::error!(model = %p.model, %error, "the pool's tokenizer does not load on this router; its prompts are tokenized with the built-in tokenizer");
+                }
+            }
+        }
+        metrics::gauge!("warmpath_router_tokenizer_errors").set(f64::from(failed));
+        *self.tokenizers.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
+    }
+
     /// Points residency at the configuration's agents and tenants (at start and after
     /// every configuration change).
     pub fn configure_residency(&self, pools: &[super::config::Pool]) {
@@ -130,24 +191,34 @@ impl App {
 impl TenantTable {
     pub fn new(
         tenants: &[(String, TenantSpec)],
+        pools: &[super::config::Pool],
         default_tenant: Option<String>,
         version: u64,
     ) -> Self {
-        Self::next(None, tenants, default_tenant, version)
+        Self::next(None, tenants, pools, default_tenant, version)
     }
 
     /// The table after a configuration change, keeping `previous`'s rate-limit buckets of
     /// tenants whose rate did not change. Each tenant is compiled once, here.
+    /// A pool that names its engines' block size sets its tenants' `block_tokens`.
     pub fn next(
         previous: Option<&TenantTable>,
         tenants: &[(String, TenantSpec)],
+        pools: &[super::config::Pool],
         default_tenant: Option<String>,
         version: u64,
     ) -> Self {
         let mut by_id = HashMap::new();
         let mut by_key = HashMap::new();
         for (id, spec) in tenants {
-            let t = &Tenant::compile(id, spec);
+            let mut t = Tenant::compile(id, spec);
+            if let Some(p) = pools
+                .iter()
+                .find(|p| p.model == spec.pool && p.block_tokens > 0)
+            {
+                t.block_tokens = p.block_tokens;
+            }
+            let t = &t;
             for h in &t.api_key_hashes {
                 by_key.insert(*h, t.id.clone());
             }
@@ -202,8 +273,14 @@ impl App {
         let client = Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
-        let tenants = TenantTable::new(&config.tenants, config.default_tenant.clone(), 0);
-        App {
+        let tenants = TenantTable::new(
+            &config.tenants,
+            &config.pools,
+            config.default_tenant.clone(),
+            0,
+        );
+        let tokenizers = std::sync::RwLock::new(Arc::new(HashMap::new()));
+        let app = App {
             config,
             core: Mutex::new(core),
             client,
@@ -211,9 +288,12 @@ impl App {
             metrics,
             gossip: std::sync::OnceLock::new(),
             residency: std::sync::OnceLock::new(),
+            tokenizers,
             peers: std::sync::atomic::AtomicUsize::new(0),
             peer_list: Mutex::new(Vec::new()),
-        }
+        };
+        app.set_tokenizers(&app.config.pools);
+        app
     }
 
     fn core(&self) -> std::sync::MutexGuard<'_, RouterState> {
@@ -425,7 +505,7 @@ fn explain_with(
     } else {
         Endpoint::Completions
     };
-    let mut parsed = parse(endpoint, body)?;
+    let mut parsed = parse(endpoint, body, |m| app.tokenizer(m))?;
     let tokens = std::mem::take(&mut parsed.tokens);
     let keys = token_block_keys(&entry.key, &tokens, entry.tenant.block_tokens as usize);
     // Bound first: the lock guard must be gone before `explanation` takes it again.
@@ -437,6 +517,8 @@ fn explain_with(
             let mut v = explanation(app, &c);
             v["config_version"] = serde_json::json!(entry.config_version);
             v["strategy"] = serde_json::json!(entry.tenant.strategy.name());
+            v["tokenizer"] = serde_json::json!(app.tokenizer(&parsed.model).0.name());
+            v["block_tokens"] = serde_json::json!(entry.tenant.block_tokens);
             Ok(v)
         }
         Err(NoRoute::UnknownModel) => Err(ProxyError::UnknownModel(parsed.model)),
@@ -506,7 +588,13 @@ pub(crate) struct Parsed {
     pub(crate) own_salt: bool,
 }
 
-pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyError> {
+/// Parses a completions or chat body; the prompt is tokenized by the tokenizer of the
+/// model it names (`tokenizer_of`: the pool's, see [`App::tokenizer`]).
+pub(crate) fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+    tokenizer_of: impl Fn(&str) -> warmpath_index::text::Tokenizer,
+) -> Result<Parsed, ProxyError> {
     let bad = |e: serde_json::Error| ProxyError::BadRequest(format!("invalid request body: {e}"));
     let bad_req = |e: warmpath_index::openai::RequestError| ProxyError::BadRequest(e.to_string());
     // JSON is UTF-8 throughout; serde skips the fields it ignores without checking them, and
@@ -517,7 +605,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyErro
         Endpoint::Completions => {
             let r: CompletionRequest = serde_json::from_str(body).map_err(bad)?;
             let tokens = match r.prompt_input().map_err(bad_req)? {
-                PromptInput::Text(t) => tokenize(&t),
+                PromptInput::Text(t) => tokenizer_of(&r.model).0.completion(&t),
                 PromptInput::Tokens(ids) => ids,
             };
             Ok(Parsed {
@@ -529,7 +617,11 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ProxyErro
         }
         Endpoint::Chat => {
             let r: ChatRequest = serde_json::from_str(body).map_err(bad)?;
-            let tokens = tokenize(&r.prompt_text().map_err(bad_req)?);
+            r.check().map_err(bad_req)?;
+            let tokens = tokenizer_of(&r.model)
+                .0
+                .chat(&r.messages)
+                .map_err(|e| ProxyError::BadRequest(format!("chat template: {e}")))?;
             Ok(Parsed {
                 model: r.model,
                 tokens,
@@ -603,7 +695,7 @@ async fn handle(
     }
     let config_version = tenant.config_version;
     let body = read_body(&app, body).await?;
-    let mut parsed = parse(endpoint, &body)?;
+    let mut parsed = parse(endpoint, &body, |m| app.tokenizer(m))?;
     // The prompt is tokenized and hashed once; every attempt reuses the keys.
     let tokens = std::mem::take(&mut parsed.tokens);
     let prompt_tokens = tokens.len() as u32;
@@ -946,7 +1038,11 @@ use std::future::Future;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use warmpath_index::text::{render_chat, ChatMessage};
+    use warmpath_index::text::{render_chat, tokenize, ChatMessage, Tokenizer};
+
+    fn builtin(_model: &str) -> Tokenizer {
+        Tokenizer::builtin()
+    }
 
     #[test]
     fn cache_salt_cases() {
@@ -971,7 +1067,7 @@ mod tests {
         // A null salt is the client's field too: replaced, never left beside the tenant's
         // (an engine keeping the last duplicate key would read null and share the cache).
         let body = Bytes::from(r#"{"model":"m","prompt":"p","cache_salt":null}"#);
-        let parsed = parse(Endpoint::Completions, &body).ok().unwrap();
+        let parsed = parse(Endpoint::Completions, &body, builtin).ok().unwrap();
         assert!(parsed.own_salt);
         let salted = with_cache_salt(&body, "s", parsed.own_salt).unwrap();
         assert_eq!(
@@ -983,7 +1079,7 @@ mod tests {
 
     #[test]
     fn parse_errors_say_what_is_wrong() {
-        let err = |e: Endpoint, b: &str| match parse(e, b.as_bytes()) {
+        let err = |e: Endpoint, b: &str| match parse(e, b.as_bytes(), builtin) {
             Err(ProxyError::BadRequest(m)) => m,
             other => panic!("{b}: {:?}", other.map(|p| p.model)),
         };
@@ -994,6 +1090,7 @@ mod tests {
         let ok = parse(
             Endpoint::Chat,
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+            builtin,
         )
         .ok()
         .unwrap();
@@ -1003,6 +1100,7 @@ mod tests {
         let ids = parse(
             Endpoint::Completions,
             br#"{"model":"m","prompt":[[7,8,9]]}"#,
+            builtin,
         )
         .ok()
         .unwrap();
@@ -1015,6 +1113,7 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]},
                 {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},
                 {"role":"tool","tool_call_id":"c1","content":"42"}]}"#,
+            builtin,
         );
         assert!(parts.is_ok());
     }

@@ -353,7 +353,7 @@ mod tests {
         file.pools.push(crate::router::config::PoolSection {
             model: "m".into(),
             instances: instances.iter().map(|s| s.to_string()).collect(),
-            agents: Vec::new(),
+            ..Default::default()
         });
         let config = file.validate().unwrap();
         let (id, spec) = &config.tenants[0];

@@ -37,6 +37,9 @@ pub fn from_state(state: &ConfigState) -> (Vec<(String, TenantSpec)>, Vec<Pool>)
             model: model.clone(),
             instances: p.instances.clone(),
             agents: p.agents.clone(),
+            tokenizer: p.tokenizer.clone(),
+            chat_template: p.chat_template.clone(),
+            block_tokens: p.block_tokens,
         })
         .collect();
     let tenants = state
@@ -65,10 +68,12 @@ pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<S
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .set_pools(&pools);
+        app.set_tokenizers(&pools);
         // Rate-limit buckets carry over: a configuration change must not refill them.
         let table = TenantTable::next(
             Some(&app.tenants()),
             &tenants,
+            &pools,
             default_tenant.clone(),
             state.version,
         );
@@ -102,6 +107,9 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<(String, TenantSpec)>, pools
             spec: PoolSpec {
                 instances: p.instances.clone(),
                 agents: p.agents.clone(),
+                tokenizer: p.tokenizer.clone(),
+                chat_template: p.chat_template.clone(),
+                block_tokens: p.block_tokens,
             },
             expected_version: None,
         });

@@ -104,6 +104,9 @@ pub struct EngineSimConfig {
     pub agent: Option<AgentSettings>,
     /// Where to publish KV events (`tcp://HOST:PORT`, vLLM's format; `kv_publish.rs`).
     pub kv_events: Option<String>,
+    /// How prompts become tokens (the built-in tokenizer by default; a real one to act as
+    /// an engine serving that model).
+    pub tokenizer: text::Tokenizer,
 }
 
 impl Default for EngineSimConfig {
@@ -121,6 +124,7 @@ impl Default for EngineSimConfig {
             l2_blocks: 0,
             agent: None,
             kv_events: None,
+            tokenizer: text::Tokenizer::builtin(),
         }
     }
 }
@@ -185,6 +189,7 @@ pub async fn serve(
         next_id: AtomicU64::new(1),
         agent,
         kv_events,
+        tokenizer: config.tokenizer.clone(),
     });
     let app = Router::new()
         .route("/v1/completions", post(completions))
@@ -226,6 +231,7 @@ struct Shared {
     agent: Option<Arc<AgentSide>>,
     /// Whether KV events are published (submissions then carry their tokens).
     kv_events: bool,
+    tokenizer: text::Tokenizer,
 }
 
 /// What handlers ask of the engine loop.
@@ -803,7 +809,7 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         return resp;
     }
     let tokens = match req.prompt_input() {
-        Ok(PromptInput::Text(t)) => text::tokenize(&t),
+        Ok(PromptInput::Text(t)) => shared.tokenizer.0.completion(&t),
         Ok(PromptInput::Tokens(ids)) => ids,
         Err(e) => return request_error(&e),
     };
@@ -825,9 +831,12 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
     if let Some(resp) = check_model(&shared, &req.model) {
         return resp;
     }
-    let tokens = match req.prompt_text() {
-        Ok(prompt) => text::tokenize(&prompt),
-        Err(e) => return request_error(&e),
+    if let Err(e) = req.check() {
+        return request_error(&e);
+    }
+    let tokens = match shared.tokenizer.0.chat(&req.messages) {
+        Ok(tokens) => tokens,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("chat template: {e}")),
     };
     let generation = Generation {
         kind: Kind::Chat,

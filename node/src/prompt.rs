@@ -1,0 +1,298 @@
+//! Real tokenizers and chat templates, so that a pool's block boundaries, hence its block
+//! keys, equal those its engines make (and those an agent derives from their KV events).
+//!
+//! A pool names its tokenizer:
+//! - `builtin` (the default): warmpath's own ([`warmpath_index::text::tokenize`]), what
+//!   engine-sim uses;
+//! - `tiktoken:o200k_base` or `tiktoken:cl100k_base`: OpenAI's encodings through the
+//!   `bpe-openai` crate, whose vocabularies are built into the binary (nothing is
+//!   downloaded at run time). Their special tokens written in the text (`<|endoftext|>`…)
+//!   encode as their ids, as a Hugging Face tokenizer does with its added tokens;
+//! - `hf:PATH`: a Hugging Face `tokenizer.json`, read from PATH on each router, through
+//!   the `tokenizers` crate. A completions prompt is encoded with the tokenizer's special
+//!   tokens added (a BOS), as vLLM does; a rendered chat without (its template writes them).
+//!
+//! and its chat template (Jinja, rendered by minijinja with Python's string methods, as
+//! engines render the model's template with `messages` and `add_generation_prompt`); with
+//! none, chat requests are rendered in the built-in format.
+//!
+//! Shared prefixes are not cached: a 32 KB prompt costs what BENCHMARKS.md measures on
+//! every request (see "Router added latency with a real tokenizer").
+
+use warmpath_index::text::{render_chat, tokenize, ChatMessage, Tokenize, Tokenizer};
+
+/// The largest chat template a pool may carry.
+pub const MAX_TEMPLATE_BYTES: usize = 64 * 1024;
+
+enum Model {
+    Builtin,
+    OpenAi {
+        bpe: &'static bpe_openai::Tokenizer,
+        specials: &'static [(&'static str, u32)],
+    },
+    Hf(Box<tokenizers::Tokenizer>),
+}
+
+/// `tiktoken`'s special tokens of each encoding.
+const O200K_SPECIALS: &[(&str, u32)] = &[("<|endoftext|>", 199_999), ("<|endofprompt|>", 200_018)];
+const CL100K_SPECIALS: &[(&str, u32)] = &[
+    ("<|endoftext|>", 100_257),
+    ("<|fim_prefix|>", 100_258),
+    ("<|fim_middle|>", 100_259),
+    ("<|fim_suffix|>", 100_260),
+    ("<|endofprompt|>", 100_276),
+];
+
+/// How one pool's prompts become token ids.
+pub struct PoolText {
+    name: String,
+    model: Model,
+    template: Option<minijinja::Environment<'static>>,
+}
+
+impl std::fmt::Debug for PoolText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolText")
+            .field("tokenizer", &self.name)
+            .field("chat_template", &self.template.is_some())
+            .finish()
+    }
+}
+
+impl PoolText {
+    /// Loads a pool's tokenizer (see the module docs) and compiles its chat template ("":
+    /// none). The error says what is wrong, for the admin API and the config file.
+    pub fn load(tokenizer: &str, chat_template: &str) -> Result<PoolText, String> {
+        let model = match tokenizer {
+            "" | "builtin" => Model::Builtin,
+            "tiktoken:o200k_base" => Model::OpenAi {
+                bpe: bpe_openai::o200k_base(),
+                specials: O200K_SPECIALS,
+            },
+            "tiktoken:cl100k_base" => Model::OpenAi {
+                bpe: bpe_openai::cl100k_base(),
+                specials: CL100K_SPECIALS,
+            },
+            t => match t.strip_prefix("hf:") {
+                Some(path) if !path.is_empty() => Model::Hf(Box::new(
+                    tokenizers::Tokenizer::from_file(path)
+                        .map_err(|e| format!("tokenizer {path}: {e}"))?,
+                )),
+                _ => {
+                    return Err(format!(
+                        "tokenizer {t:?}: builtin, tiktoken:o200k_base, tiktoken:cl100k_base \
+                         or hf:PATH (a Hugging Face tokenizer.json)"
+                    ))
+                }
+            },
+        };
+        let template = match chat_template {
+            "" => None,
+            t if t.len() > MAX_TEMPLATE_BYTES => {
+                return Err(format!(
+                    "chat template of {} bytes, at most {MAX_TEMPLATE_BYTES}",
+                    t.len()
+                ))
+            }
+            t => {
+                let mut env = minijinja::Environment::new();
+                minijinja_contrib::add_to_environment(&mut env);
+                env.set_unknown_method_callback(
+                    minijinja_contrib::pycompat::unknown_method_callback,
+                );
+                env.add_function(
+                    "raise_exception",
+                    |msg: String| -> Result<String, minijinja::Error> {
+                        Err(minijinja::Error::new(
+                            minijinja::ErrorKind::InvalidOperation,
+                            msg,
+                        ))
+                    },
+                );
+                env.add_template_owned("chat", t.to_string())
+                    .map_err(|e| format!("chat template: {e}"))?;
+                Some(env)
+            }
+        };
+        let name = if tokenizer.is_empty() {
+            "builtin".to_string()
+        } else {
+            tokenizer.to_string()
+        };
+        Ok(PoolText {
+            name,
+            model,
+            template,
+        })
+    }
+
+    /// As a shared [`Tokenizer`].
+    pub fn into_tokenizer(self) -> Tokenizer {
+        Tokenizer(std::sync::Arc::new(self))
+    }
+
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
+        match &self.model {
+            Model::Builtin => tokenize(text),
+            Model::OpenAi { bpe, specials } => encode_with_specials(bpe, specials, text),
+            Model::Hf(t) => t
+                .encode_fast(text, add_special_tokens)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// `text` encoded by `bpe`, each special token in it as its id.
+fn encode_with_specials(
+    bpe: &bpe_openai::Tokenizer,
+    specials: &[(&str, u32)],
+    mut text: &str,
+) -> Vec<u32> {
+    let mut out = Vec::with_capacity(text.len() / 4 + 1);
+    loop {
+        let next = specials
+            .iter()
+            .filter_map(|&(s, id)| text.find(s).map(|at| (at, s.len(), id)))
+            .min();
+        match next {
+            Some((at, len, id)) => {
+                out.extend(bpe.encode(&text[..at]));
+                out.push(id);
+                text = &text[at + len..];
+            }
+            None => {
+                out.extend(bpe.encode(text));
+                return out;
+            }
+        }
+    }
+}
+
+impl Tokenize for PoolText {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn completion(&self, text: &str) -> Vec<u32> {
+        self.encode(text, true)
+    }
+
+    fn chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        let text = match &self.template {
+            None => render_chat(messages),
+            Some(env) => env
+                .get_template("chat")
+                .and_then(|t| {
+                    t.render(minijinja::context! {
+                        messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+                        add_generation_prompt => true,
+                        bos_token => "",
+                        eos_token => "",
+                    })
+                })
+                .map_err(|e| e.to_string())?,
+        };
+        Ok(self.encode(&text, false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_encodings_give_tiktokens_ids() {
+        let o200k = PoolText::load("tiktoken:o200k_base", "").unwrap();
+        assert_eq!(o200k.completion("Hello, world!"), vec![13225, 11, 2375, 0]);
+        let cl100k = PoolText::load("tiktoken:cl100k_base", "").unwrap();
+        assert_eq!(cl100k.completion("Hello, world!"), vec![9906, 11, 1917, 0]);
+        // A special token in the text is its id, not its spelling's pieces.
+        let t = cl100k.completion("Hi<|endoftext|>Hi");
+        assert_eq!(t, vec![13347, 100_257, 13347]);
+        assert_eq!(o200k.name(), "tiktoken:o200k_base");
+    }
+
+    #[test]
+    fn chat_templates_render_as_engines_do() {
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}\
+                      {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let t = PoolText::load("builtin", chatml).unwrap();
+        let messages = [
+            ChatMessage::text("system", "Be brief. "),
+            ChatMessage::text("user", "Hi"),
+        ];
+        assert_eq!(
+            t.chat(&messages).unwrap(),
+            tokenize("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        );
+        // Python string methods, as model templates call them.
+        let py = PoolText::load("builtin", "{{ messages[0].content.strip().upper() }}").unwrap();
+        assert_eq!(py.chat(&messages).unwrap(), tokenize("BE BRIEF."));
+        // A template that refuses a conversation is an error, not a guess.
+        let strict = PoolText::load(
+            "builtin",
+            "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}",
+        )
+        .unwrap();
+        assert!(strict.chat(&messages).unwrap_err().contains("user first"));
+        // No template: the built-in format.
+        let plain = PoolText::load("", "").unwrap();
+        assert_eq!(
+            plain.chat(&messages).unwrap(),
+            tokenize(&render_chat(&messages))
+        );
+    }
+
+    #[test]
+    fn bad_tokenizers_and_templates_are_clear_errors() {
+        assert!(PoolText::load("tiktoken:p50k", "")
+            .unwrap_err()
+            .contains("tiktoken:o200k_base"));
+        assert!(PoolText::load("hf:", "").is_err());
+        assert!(PoolText::load("hf:/nonexistent/tokenizer.json", "")
+            .unwrap_err()
+            .contains("/nonexistent/tokenizer.json"));
+        assert!(PoolText::load("", "{% for %}")
+            .unwrap_err()
+            .contains("chat template"));
+        let huge = "x".repeat(MAX_TEMPLATE_BYTES + 1);
+        assert!(PoolText::load("", &huge).unwrap_err().contains("at most"));
+    }
+
+    #[test]
+    fn hugging_face_tokenizer_json_from_a_file() {
+        // A word-level tokenizer.json with a BOS added by its post-processor, as Llama's.
+        let json = r#"{
+          "version": "1.0",
+          "added_tokens": [
+            {"id": 0, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": 5, "content": "<|eot|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+          ],
+          "normalizer": null,
+          "pre_tokenizer": {"type": "Whitespace"},
+          "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}
+          },
+          "decoder": null,
+          "model": {"type": "WordLevel", "vocab": {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3, "user": 4, "<|eot|>": 5}, "unk_token": "<unk>"}
+        }"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        let t = PoolText::load(
+            &format!("hf:{}", path.display()),
+            "{% for m in messages %}{{ m.role }} {{ m.content }}<|eot|>{% endfor %}",
+        )
+        .unwrap();
+        // Completions get the BOS; a rendered chat does not, and its added token is one id.
+        assert_eq!(t.completion("hello world"), vec![0, 2, 3]);
+        assert_eq!(
+            t.chat(&[ChatMessage::text("user", "hello")]).unwrap(),
+            vec![4, 2, 5]
+        );
+    }
+}
