@@ -16,8 +16,13 @@
 //! engines render the model's template with `messages` and `add_generation_prompt`); with
 //! none, chat requests are rendered in the built-in format.
 //!
-//! Shared prefixes are not cached: a 32 KB prompt costs what BENCHMARKS.md measures on
-//! every request (see "Router added latency with a real tokenizer").
+//! **Cost.** Byte-pair encoding is the expensive part; the pre-tokenizer's split into
+//! pieces (words, numbers, punctuation runs) is cheap, and BPE works on each piece alone.
+//! So the OpenAI encodings keep, per thread, the token ids of each piece seen before
+//! ([`PIECE_CACHE_ENTRIES`] at most, dropped whole when full): prompts repeat their
+//! words, and a shared prefix costs only its split. The ids are the same with or without
+//! the cache (a test holds them equal). A Hugging Face tokenizer is not cached.
+//! BENCHMARKS.md ("Router added latency with a real tokenizer") has the figures.
 
 use warmpath_index::text::{render_chat, tokenize, ChatMessage, Tokenize, Tokenizer};
 
@@ -28,6 +33,8 @@ enum Model {
     Builtin,
     OpenAi {
         bpe: &'static bpe_openai::Tokenizer,
+        /// Its piece cache.
+        slot: usize,
         specials: &'static [(&'static str, u32)],
     },
     Hf(Box<tokenizers::Tokenizer>),
@@ -67,10 +74,12 @@ impl PoolText {
             "" | "builtin" => Model::Builtin,
             "tiktoken:o200k_base" => Model::OpenAi {
                 bpe: bpe_openai::o200k_base(),
+                slot: 0,
                 specials: O200K_SPECIALS,
             },
             "tiktoken:cl100k_base" => Model::OpenAi {
                 bpe: bpe_openai::cl100k_base(),
+                slot: 1,
                 specials: CL100K_SPECIALS,
             },
             t => match t.strip_prefix("hf:") {
@@ -134,7 +143,11 @@ impl PoolText {
     fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
         match &self.model {
             Model::Builtin => tokenize(text),
-            Model::OpenAi { bpe, specials } => encode_with_specials(bpe, specials, text),
+            Model::OpenAi {
+                bpe,
+                slot,
+                specials,
+            } => encode_with_specials(bpe, *slot, specials, text),
             Model::Hf(t) => t
                 .encode_fast(text, add_special_tokens)
                 .map(|e| e.get_ids().to_vec())
@@ -143,9 +156,40 @@ impl PoolText {
     }
 }
 
+/// Pieces whose ids a thread keeps, at most (about 50 bytes each).
+pub const PIECE_CACHE_ENTRIES: usize = 65_536;
+
+thread_local! {
+    /// Per encoding (o200k, cl100k): piece → its token ids.
+    static PIECES: std::cell::RefCell<[std::collections::HashMap<Box<str>, Box<[u32]>>; 2]> =
+        std::cell::RefCell::new([std::collections::HashMap::new(), std::collections::HashMap::new()]);
+}
+
+/// `text` encoded by `bpe` (the OpenAI encodings do not normalize), through the piece
+/// cache of encoding `slot`.
+fn encode_pieces(bpe: &bpe_openai::Tokenizer, slot: usize, text: &str, out: &mut Vec<u32>) {
+    PIECES.with(|caches| {
+        let cache = &mut caches.borrow_mut()[slot];
+        for piece in bpe.split(text) {
+            match cache.get(piece) {
+                Some(ids) => out.extend_from_slice(ids),
+                None => {
+                    let ids = bpe.bpe.encode_via_backtracking(piece.as_bytes());
+                    out.extend_from_slice(&ids);
+                    if cache.len() >= PIECE_CACHE_ENTRIES {
+                        cache.clear();
+                    }
+                    cache.insert(piece.into(), ids.into_boxed_slice());
+                }
+            }
+        }
+    });
+}
+
 /// `text` encoded by `bpe`, each special token in it as its id.
 fn encode_with_specials(
     bpe: &bpe_openai::Tokenizer,
+    slot: usize,
     specials: &[(&str, u32)],
     mut text: &str,
 ) -> Vec<u32> {
@@ -157,12 +201,12 @@ fn encode_with_specials(
             .min();
         match next {
             Some((at, len, id)) => {
-                out.extend(bpe.encode(&text[..at]));
+                encode_pieces(bpe, slot, &text[..at], &mut out);
                 out.push(id);
                 text = &text[at + len..];
             }
             None => {
-                out.extend(bpe.encode(text));
+                encode_pieces(bpe, slot, text, &mut out);
                 return out;
             }
         }
@@ -211,6 +255,14 @@ mod tests {
         let t = cl100k.completion("Hi<|endoftext|>Hi");
         assert_eq!(t, vec![13347, 100_257, 13347]);
         assert_eq!(o200k.name(), "tiktoken:o200k_base");
+        // The piece cache changes nothing: a long text, twice (the second time from the
+        // cache), equals the crate's own uncached encoding.
+        let text: String = (0..PIECE_CACHE_ENTRIES / 8 + 10)
+            .map(|i| format!("w{i} {}, ", warmpath_index::text::words(i as u64, 3)))
+            .collect();
+        let plain = bpe_openai::o200k_base().encode(text.as_str());
+        assert_eq!(o200k.completion(&text), plain);
+        assert_eq!(o200k.completion(&text), plain);
     }
 
     #[test]

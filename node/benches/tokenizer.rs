@@ -1,0 +1,205 @@
+//! What a real tokenizer adds to a router's latency: the same requests sent straight to an
+//! engine-sim, through a router whose pool uses the built-in tokenizer, and through one
+//! whose pool names `tiktoken:o200k_base`, interleaved in one run so all see the same
+//! machine noise; for a 4 KB and a 32 KB prompt. Also the tokenizers alone, in process.
+//!
+//! Run with `cargo bench -p warmpath --bench tokenizer`. Real processes on loopback: one
+//! engine-sim with a huge speed-up (the engine's own time near zero) and two routers. Each
+//! request is a non-streaming completion with one output token; prompts are pseudo-words
+//! (a shared prefix and a unique tail), which BPE splits into more pieces than English.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+mod common;
+
+use common::{percentile, start};
+use std::time::{Duration, Instant};
+use warmpath_index::text::Tokenize;
+
+const PAIRS: usize = 1500;
+const WARMUP: usize = 100;
+
+async fn send(client: &Client<HttpConnector, Full<Bytes>>, url: &str, body: &Bytes) -> Duration {
+    let req = hyper::Request::post(format!("{url}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .expect("valid request");
+    let t = Instant::now();
+    let resp = client.request(req).await.expect("request succeeds");
+    assert!(resp.status().is_success(), "status {}", resp.status());
+    resp.into_body().collect().await.expect("body");
+    t.elapsed()
+}
+
+/// A prompt of about `bytes` bytes: a prefix shared by all, then a tail unique to `i`.
+fn prompt(bytes: usize, i: usize) -> String {
+    let prefix = warmpath_index::text::words(1, bytes / 8);
+    let mut p = format!(
+        "{prefix}{}",
+        warmpath_index::text::words(1000 + i as u64, 40)
+    );
+    while p.len() < bytes {
+        p.push_str(&warmpath_index::text::words(2000 + i as u64, 40));
+    }
+    let mut end = bytes;
+    while !p.is_char_boundary(end) {
+        end -= 1;
+    }
+    p.truncate(end);
+    p
+}
+
+fn main() {
+    let engine = start(
+        &[
+            "engine-sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--speedup",
+            "1000000",
+        ],
+        1,
+    );
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let config = dir.path().join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
+            engine.url
+        ),
+    )
+    .expect("config written");
+    let builtin = start(
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--instance",
+            &engine.url,
+        ],
+        1,
+    );
+    let o200k = start(
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            config.to_str().expect("utf-8 path"),
+        ],
+        1,
+    );
+    let under = [
+        ("builtin", builtin.url.clone()),
+        ("o200k", o200k.url.clone()),
+    ];
+    println!(
+        "router added latency by tokenizer: {PAIRS} interleaved rounds after {WARMUP} warm-up rounds per prompt size, 1 output token, one connection each; machine: {} cores, shared by client, routers and engine-sim",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+
+    // The tokenizers alone, in this process (median of 200 calls).
+    let o200k_text = warmpath::prompt::PoolText::load("tiktoken:o200k_base", "").expect("o200k");
+    for size in [4096usize, 32768] {
+        let p = prompt(size, 7);
+        let time = |f: &dyn Fn() -> usize| {
+            let mut t: Vec<f64> = (0..200)
+                .map(|_| {
+                    let s = Instant::now();
+                    std::hint::black_box(f());
+                    s.elapsed().as_secs_f64() * 1e6
+                })
+                .collect();
+            t.sort_by(f64::total_cmp);
+            percentile(&t, 0.5)
+        };
+        let (nb, no) = (
+            warmpath_index::text::tokenize(&p).len(),
+            o200k_text.completion(&p).len(),
+        );
+        // A cold piece cache: each call on a thread of its own (the cache is per thread).
+        let mut cold: Vec<f64> = (0..50)
+            .map(|_| {
+                std::thread::scope(|s| {
+                    s.spawn(|| {
+                        let t = Instant::now();
+                        std::hint::black_box(o200k_text.completion(&p));
+                        t.elapsed().as_secs_f64() * 1e6
+                    })
+                    .join()
+                    .expect("a timing thread")
+                })
+            })
+            .collect();
+        cold.sort_by(f64::total_cmp);
+        let uncached = time(&|| bpe_openai::o200k_base().encode(p.as_str()).len());
+        println!(
+            "  tokenizer alone, {} KB: builtin {:.1} µs ({nb} tokens); o200k {:.1} µs warm piece cache, {:.1} µs cold, {uncached:.1} µs without the cache ({no} tokens)",
+            size / 1024,
+            time(&|| warmpath_index::text::tokenize(&p).len()),
+            time(&|| o200k_text.completion(&p).len()),
+            percentile(&cold, 0.5),
+        );
+    }
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new());
+        for size in [4096usize, 32768] {
+            let make = |i: usize| {
+                Bytes::from(
+                    serde_json::json!({"model": "sim-llama", "prompt": prompt(size, i), "max_tokens": 1})
+                        .to_string(),
+                )
+            };
+            for i in 0..WARMUP {
+                let body = make(i);
+                send(&client, &engine.url, &body).await;
+                for (_, url) in &under {
+                    send(&client, url, &body).await;
+                }
+            }
+            let mut direct = Vec::new();
+            let mut diff: Vec<Vec<f64>> = vec![Vec::new(); under.len()];
+            for i in 0..PAIRS {
+                let body = make(WARMUP + i);
+                let n = under.len() + 1;
+                let mut times = vec![Duration::ZERO; n];
+                // Rotate which goes first, so none always warms another's path.
+                for k in 0..n {
+                    let who = (i + k) % n;
+                    let url = if who == 0 { &engine.url } else { &under[who - 1].1 };
+                    times[who] = send(&client, url, &body).await;
+                }
+                let d = times[0].as_secs_f64() * 1e6;
+                direct.push(d);
+                for (j, t) in times[1..].iter().enumerate() {
+                    diff[j].push(t.as_secs_f64() * 1e6 - d);
+                }
+            }
+            direct.sort_by(f64::total_cmp);
+            println!(
+                "  {} KB prompt: direct to engine-sim p50 {:.1} µs, p99 {:.1} µs",
+                size / 1024,
+                percentile(&direct, 0.5),
+                percentile(&direct, 0.99)
+            );
+            for (j, (name, _)) in under.iter().enumerate() {
+                diff[j].sort_by(f64::total_cmp);
+                println!(
+                    "    added by the router, {name:<8} p50 {:7.1} µs  p99 {:7.1} µs",
+                    percentile(&diff[j], 0.5),
+                    percentile(&diff[j], 0.99)
+                );
+            }
+        }
+        println!("  (DESIGN.md's target, for a 4 KB prompt: added p50 < 100 µs, p99 < 500 µs)");
+    });
+}
