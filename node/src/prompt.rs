@@ -159,10 +159,13 @@ impl PoolText {
 /// Pieces whose ids a thread keeps, at most (about 50 bytes each).
 pub const PIECE_CACHE_ENTRIES: usize = 65_536;
 
+/// A piece → its token ids.
+type PieceIds = std::collections::HashMap<Box<str>, Box<[u32]>>;
+
 thread_local! {
-    /// Per encoding (o200k, cl100k): piece → its token ids.
-    static PIECES: std::cell::RefCell<[std::collections::HashMap<Box<str>, Box<[u32]>>; 2]> =
-        std::cell::RefCell::new([std::collections::HashMap::new(), std::collections::HashMap::new()]);
+    /// Per encoding (o200k, cl100k).
+    static PIECES: std::cell::RefCell<[PieceIds; 2]> =
+        std::cell::RefCell::new([PieceIds::new(), PieceIds::new()]);
 }
 
 /// `text` encoded by `bpe` (the OpenAI encodings do not normalize), through the piece
