@@ -96,6 +96,8 @@ pub struct InstanceState {
     pub failures: u32,
     /// Skipped while `now` is before this, after failures; 0 when not ejected.
     pub ejected_until: u64,
+    /// An agent reports this instance's GPU cache (its KV events reach this router).
+    pub observed: bool,
 }
 
 impl InstanceState {
@@ -203,6 +205,7 @@ impl RouterCore {
                             healthy: true,
                             failures: 0,
                             ejected_until: 0,
+                            observed: false,
                         });
                         self.by_key.insert(spec.key, id);
                         id
@@ -413,6 +416,31 @@ impl RouterCore {
             .observe(instance, key, parent, tier, present, now);
     }
 
+    /// Whether an agent now reports `instance`'s GPU cache (a snapshot arrived), or no
+    /// longer does (it expired or left): see [`RouterCore::completed`].
+    pub fn set_observed(&mut self, instance: InstanceId, observed: bool) {
+        if let Some(info) = self.instances.get_mut(instance.0 as usize) {
+            info.observed = observed;
+        }
+    }
+
+    /// A request routed to `instance` at `decided_at` completed. On an instance whose
+    /// cache an agent reports, the engine's KV events have said by now what that prefill
+    /// stored and what it evicted; so every prediction on the instance made up to this
+    /// decision retires, and only what is observed (and the predictions of requests routed
+    /// since, which may still be queued) attracts requests. Without an agent, predictions
+    /// live out their time-to-live, as before. Engines admit requests in arrival order, so
+    /// those routed before this one have been prefilled too.
+    pub fn completed(&mut self, instance: InstanceId, decided_at: u64) {
+        if self
+            .instances
+            .get(instance.0 as usize)
+            .is_some_and(|i| i.observed)
+        {
+            self.index.forget_predictions_before(instance, decided_at);
+        }
+    }
+
     /// Starts collecting decisions for the other routers.
     pub fn enable_sharing(&mut self) {
         self.outbox.get_or_insert_with(Vec::new);
@@ -606,6 +634,46 @@ mod tests {
         c.finish(InstanceId(first), 1, true);
         c.finish(InstanceId(first), 1, false);
         assert_eq!(c.in_flight(InstanceId(first)), 0);
+    }
+
+    #[test]
+    fn a_completed_request_retires_predictions_only_where_an_agent_reports() {
+        let matched = |c: &RouterCore, i: InstanceId, ks: &[u64], now| {
+            c.index.match_prefix(&keys(ks), now).of(i).gpu
+        };
+        let mut c = core(&["a", "b"]);
+        let a = InstanceId(send(&mut c, &[1, 2, 3], &[], 10).unwrap());
+        // No agent: the prediction lives on after the request completes.
+        c.completed(a, 10);
+        assert_eq!(matched(&c, a, &[1, 2, 3], 20), 3);
+        // An agent reports a: what the engine stored is observed (here blocks 1 and 2;
+        // it evicted 3), and a completed request retires the predictions made up to its
+        // decision, not those of requests routed since.
+        c.set_observed(a, true);
+        c.observe(a, BlockKey(1), None, Tier::Gpu, true, 30);
+        c.observe(a, BlockKey(2), Some(BlockKey(1)), Tier::Gpu, true, 30);
+        assert_eq!(send(&mut c, &[1, 2, 3, 4], &[b_of(a)], 50), Ok(a.0));
+        c.completed(a, 10);
+        assert_eq!(
+            matched(&c, a, &[1, 2, 3, 4], 60),
+            4,
+            "routed at 50, still queued"
+        );
+        c.completed(a, 50);
+        assert_eq!(
+            matched(&c, a, &[1, 2, 3, 4], 60),
+            2,
+            "only what the agent reported"
+        );
+        // The agent gone, predictions live their time again.
+        c.set_observed(a, false);
+        assert_eq!(send(&mut c, &[1, 2, 3, 4], &[b_of(a)], 70), Ok(a.0));
+        c.completed(a, 70);
+        assert_eq!(matched(&c, a, &[1, 2, 3, 4], 80), 4);
+    }
+
+    fn b_of(a: InstanceId) -> InstanceId {
+        InstanceId(1 - a.0)
     }
 
     #[test]

@@ -72,6 +72,27 @@ pub struct DemoArgs {
     /// load times are modeled from the real sizes either way).
     #[arg(long, default_value_t = 1.0 / 256.0)]
     pub agent_block_scale: f64,
+    /// Routers see what the engines' caches hold: each engine publishes KV events, a
+    /// cache-agent per host follows them and serves residency over QUIC (mutual TLS,
+    /// certificates made for the run), and every router follows every agent. Without it,
+    /// routers know only their own predictions.
+    #[arg(long)]
+    pub residency: bool,
+    /// The routers cut prompts into blocks of this many tokens (the pool's block size);
+    /// 0 keeps the default tenant's 64. `--residency` sets the engines' 16, so that the
+    /// agents' keys are the routers'; give 16 without it to compare like with like.
+    #[arg(long, default_value_t = 0)]
+    pub router_block_tokens: u32,
+}
+
+/// The engines' block size in the demo (vLLM's default); routers cut blocks the same way
+/// when they follow residency, so the agents' keys are theirs.
+const ENGINE_BLOCK_TOKENS: u32 = 16;
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// The bytes a demo agent holds for `tokens` tokens of KV (default profile, 16-token blocks,
@@ -127,6 +148,8 @@ struct Cluster {
     routers: Vec<Proc>,
     engines: Vec<Proc>,
     agents: Vec<Proc>,
+    /// The routers' config and a `--residency` run's certificates, removed when dropped.
+    _run_dir: tempfile::TempDir,
     /// The L2 store of this run (a temp dir or a redis-server), removed when dropped.
     _l2: Option<L2Store>,
 }
@@ -194,6 +217,93 @@ impl L2Store {
     }
 }
 
+/// One simulated host: its engine-sim and, with agents or residency, its cache-agent (and
+/// the agent's residency address).
+async fn start_host(
+    args: &DemoArgs,
+    certs: Option<&String>,
+    l2: Option<&L2Store>,
+) -> Result<(Proc, Option<Proc>, Option<String>)> {
+    let mut agent_proc = None;
+    let mut quic_addr = None;
+    // With residency the engine's address is chosen first: an agent names its engine by
+    // URL. (Another process may take the port meanwhile: the caller then tries again.)
+    let engine_url = if args.residency {
+        format!("http://127.0.0.1:{}", free_port()?)
+    } else {
+        "http://127.0.0.1:0".to_string()
+    };
+    let mut engine_args: Vec<String> = vec![
+        "engine-sim".into(),
+        "--listen".into(),
+        engine_url.trim_start_matches("http://").to_string(),
+        "--speedup".into(),
+        args.speedup.to_string(),
+        "--gpu-kv-tokens".into(),
+        args.gpu_kv_tokens.to_string(),
+        "--block-tokens".into(),
+        ENGINE_BLOCK_TOKENS.to_string(),
+    ];
+    if args.l1_kv_tokens > 0 || args.residency {
+        let l1_tokens = if args.l1_kv_tokens > 0 {
+            args.l1_kv_tokens
+        } else {
+            u64::from(ENGINE_BLOCK_TOKENS)
+        };
+        let mut agent_args: Vec<String> = vec![
+            "agent".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--l1-bytes".into(),
+            kv_bytes(l1_tokens, args.agent_block_scale).to_string(),
+        ];
+        if let Some(certs) = &certs {
+            let events = format!("tcp://127.0.0.1:{}", free_port()?);
+            engine_args.extend(["--kv-events".into(), events.clone()]);
+            agent_args.extend([
+                "--kv-events".into(),
+                format!("{engine_url}={events}"),
+                "--residency-listen".into(),
+                "127.0.0.1:0".into(),
+                "--tls-dir".into(),
+                certs.to_string(),
+                "--tls-name".into(),
+                "agent".into(),
+            ]);
+        }
+        if let Some(l2) = l2 {
+            agent_args.extend(["--l2".into(), l2.flag()]);
+            if let L2Store::Dir(_) = l2 {
+                // The agents share the directory: each bounds its share of it.
+                let share =
+                    kv_bytes(args.l2_kv_tokens, args.agent_block_scale) / u64::from(args.instances);
+                agent_args.extend(["--l2-bytes".into(), share.max(1).to_string()]);
+            }
+        }
+        let (agent, lines) =
+            spawn_with_lines(&agent_args, if args.residency { 2 } else { 1 }).await?;
+        if args.residency {
+            let quic = lines[1]
+                .rsplit(" on ")
+                .next()
+                .context("the agent's residency line")?
+                .trim();
+            quic_addr = Some(quic.to_string());
+        }
+        if args.l1_kv_tokens > 0 {
+            engine_args.extend([
+                "--agent".into(),
+                agent.url.clone(),
+                "--agent-block-scale".into(),
+                args.agent_block_scale.to_string(),
+            ]);
+        }
+        agent_proc = Some(agent);
+    }
+    let engine = spawn(&engine_args).await?;
+    Ok((engine, agent_proc, quic_addr))
+}
+
 async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
     let l2 = if args.l1_kv_tokens > 0 {
         L2Store::start(
@@ -204,46 +314,61 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
     } else {
         None
     };
+    let run_dir = tempfile::tempdir().context("cannot make the run's directory")?;
+    let certs = if args.residency {
+        let certs = run_dir.path().join("certs");
+        warmpath_cache_agent::tls::generate(
+            &certs,
+            &["agent".to_string(), "router".to_string()],
+            &[],
+        )
+        .map_err(anyhow::Error::msg)?;
+        Some(certs.display().to_string())
+    } else {
+        None
+    };
     let mut engines = Vec::new();
     let mut agents = Vec::new();
+    let mut residency_agents = Vec::new();
     for _ in 0..args.instances {
-        let mut engine_args: Vec<String> = vec![
-            "engine-sim".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--speedup".into(),
-            args.speedup.to_string(),
-            "--gpu-kv-tokens".into(),
-            args.gpu_kv_tokens.to_string(),
-        ];
-        if args.l1_kv_tokens > 0 {
-            let mut agent_args: Vec<String> = vec![
-                "agent".into(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--l1-bytes".into(),
-                kv_bytes(args.l1_kv_tokens, args.agent_block_scale).to_string(),
-            ];
-            if let Some(l2) = &l2 {
-                agent_args.extend(["--l2".into(), l2.flag()]);
-                if let L2Store::Dir(_) = l2 {
-                    // The agents share the directory: each bounds its share of it.
-                    let share = kv_bytes(args.l2_kv_tokens, args.agent_block_scale)
-                        / u64::from(args.instances);
-                    agent_args.extend(["--l2-bytes".into(), share.max(1).to_string()]);
+        let mut tries = 0;
+        let (engine, agent, quic) = loop {
+            tries += 1;
+            match start_host(args, certs.as_ref(), l2.as_ref()).await {
+                Ok(host) => break host,
+                Err(e) if args.residency && tries < 3 => {
+                    tracing::warn!(error = %e, "a simulated host did not start; trying again");
                 }
+                Err(e) => return Err(e),
             }
-            let agent = spawn(&agent_args).await?;
-            engine_args.extend([
-                "--agent".into(),
-                agent.url.clone(),
-                "--agent-block-scale".into(),
-                args.agent_block_scale.to_string(),
-            ]);
-            agents.push(agent);
-        }
-        engines.push(spawn(&engine_args).await?);
+        };
+        engines.push(engine);
+        agents.extend(agent);
+        residency_agents.extend(quic);
     }
+    // The routers' pool: the engines, their agents, and the block size routers cut.
+    let config = run_dir.path().join("router.toml");
+    let quote = |v: &[String]| {
+        v.iter()
+            .map(|s| format!("{s:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let urls: Vec<String> = engines.iter().map(|e| e.url.clone()).collect();
+    let block_tokens = if args.residency {
+        ENGINE_BLOCK_TOKENS
+    } else {
+        args.router_block_tokens
+    };
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [{}]\nagents = [{}]\nblock_tokens = {block_tokens}\n",
+            quote(&urls),
+            quote(&residency_agents)
+        ),
+    )?;
+    let config = config.display().to_string();
     let mut routers = Vec::new();
     let mut seed: Option<String> = None;
     for r in 0..args.routers.max(1) {
@@ -256,9 +381,14 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
             // The demo's routers are on loopback and the demo is about seeing decisions.
             "--allow-explain".into(),
         ];
-        for e in &engines {
-            router_args.push("--instance".into());
-            router_args.push(e.url.clone());
+        router_args.extend(["--config".into(), config.clone()]);
+        if let Some(certs) = &certs {
+            router_args.extend([
+                "--tls-dir".into(),
+                certs.clone(),
+                "--tls-name".into(),
+                "router".into(),
+            ]);
         }
         let gossip = args.routers > 1 && !args.isolated;
         if gossip {
@@ -285,6 +415,7 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
         routers,
         engines,
         agents,
+        _run_dir: run_dir,
         _l2: l2,
     })
 }
@@ -315,6 +446,24 @@ async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
         prompt += value("vllm:prompt_tokens_total{");
     }
     Ok(hits.map(|h| if prompt > 0.0 { h / prompt } else { 0.0 }))
+}
+
+/// The router's index holders by source (observed, predicted), from its `/metrics`.
+async fn index_holders(url: &str) -> Result<(f64, f64)> {
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    use http_body_util::BodyExt;
+    let resp = client.get(format!("{url}/metrics").parse()?).await?;
+    let text = String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string();
+    let value = |source: &str| -> f64 {
+        let prefix = format!("warmpath_index_holders{{source=\"{source}\"}}");
+        text.lines()
+            .find(|l| l.starts_with(&prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    Ok((value("observed"), value("predicted")))
 }
 
 /// p50 and p99 of the router's overhead summary, in µs.
@@ -356,6 +505,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
     if !(args.agent_block_scale.is_finite() && args.agent_block_scale > 0.0) {
         bail!("--agent-block-scale must be positive");
     }
+    if args.residency && ![0, ENGINE_BLOCK_TOKENS].contains(&args.router_block_tokens) {
+        bail!("--residency cuts blocks as the engines do ({ENGINE_BLOCK_TOKENS} tokens): drop --router-block-tokens");
+    }
     let kind: SyntheticKind = args.workload.parse()?;
     let params = SyntheticParams {
         rate_per_s: args.rate,
@@ -376,6 +528,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         args.routers.max(1),
         if args.routers > 1 && args.isolated { " that do not gossip" } else if args.routers > 1 { " gossiping with each other" } else { "" }
     );
+    if args.residency {
+        println!(
+            "routers follow observed residency: each engine publishes KV events to its host's cache-agent, which every router follows over QUIC (mutual TLS); routers cut {ENGINE_BLOCK_TOKENS}-token blocks as the engines do"
+        );
+    }
     if args.l1_kv_tokens > 0 {
         println!(
             "a cache-agent per engine-sim: L1 of {} KV tokens, L2 {}{}; payloads at {}× the real KV bytes",
@@ -415,6 +572,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
             let overhead_us = router_overhead_us(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
             let tiers = tier_hit_rates(&cluster.engines).await.unwrap_or([f64::NAN; 3]);
             println!("  {:<13} done at {:5.1} s: {} ok, {} errors", strategy.name(), started.elapsed().as_secs_f64(), report.ok, report.error_count());
+            if args.residency {
+                let (observed, predicted) = index_holders(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
+                println!("  {:<13} router index at the end: {observed} observed (instance, block) holders, {predicted} predicted", "");
+            }
             use std::io::Write;
             let _ = std::io::stdout().flush();
             rows.push(Row { strategy, report, overhead_us, tiers });

@@ -152,6 +152,8 @@ struct Track {
     pending: u32,
     /// The routing decision, for the engine's account of what it found cached.
     decision: Option<Decision>,
+    /// When it was decided.
+    decided_at: u64,
 }
 
 /// The model name the simulated pool serves.
@@ -191,6 +193,8 @@ pub fn simulate(
                 u64::from(config.engine.gpu_blocks) * u64::from(config.engine.block_tokens);
             for i in 0..config.instances {
                 core.set_kv_capacity(InstanceId(i), capacity);
+                // With the agent feed, every router sees every engine's cache.
+                core.set_observed(InstanceId(i), config.agent_feed_delay_us.is_some());
             }
             if matches!(config.sharing, Sharing::Delayed(_)) {
                 core.enable_sharing();
@@ -315,6 +319,7 @@ pub fn simulate(
                     }
                 }
                 let pending = decision.uncached_tokens;
+                let decided_at = decision.decided_at;
                 tracks[i] = Track {
                     router: r,
                     instance: inst.0,
@@ -322,6 +327,7 @@ pub fn simulate(
                     last_token_us: now,
                     pending,
                     decision: Some(decision),
+                    decided_at,
                 };
                 stepped = inst.0;
                 let engine = &mut engines[inst.0 as usize];
@@ -414,7 +420,9 @@ pub fn simulate(
                     let t = &tracks[i];
                     completed += 1;
                     e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    replicas[t.router as usize].finish(InstanceId(t.instance), t.pending, true);
+                    let replica = &mut replicas[t.router as usize];
+                    replica.finish(InstanceId(t.instance), t.pending, true);
+                    replica.completed(InstanceId(t.instance), t.decided_at);
                 }
                 EngineEvent::Rejected { id, .. } => {
                     let i = id as usize;

@@ -849,6 +849,7 @@ async fn attempt_once(
         prompt_tokens,
         prefilled: false,
         done: false,
+        decided_at: chosen.decision.decided_at,
         chosen: Some(chosen.clone()),
     };
     let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
@@ -913,6 +914,7 @@ struct LoadGuard {
     done: bool,
     /// The decision, until the engine's `usage` has been checked against it.
     chosen: Option<Chosen>,
+    decided_at: u64,
 }
 
 impl LoadGuard {
@@ -949,9 +951,11 @@ impl LoadGuard {
     fn finish(&mut self) {
         if !self.done {
             self.done = true;
-            self.app
-                .core()
-                .finish(self.instance, self.prompt_tokens, self.prefilled);
+            let mut core = self.app.core();
+            core.finish(self.instance, self.prompt_tokens, self.prefilled);
+            if self.prefilled {
+                core.completed(self.instance, self.decided_at);
+            }
         }
     }
 }

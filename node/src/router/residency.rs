@@ -110,7 +110,9 @@ impl Residency {
 /// Applies every follower's outcomes to the routing core.
 async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
     while let Some(outcome) = rx.recv().await {
-        let (instances, changes, kind) = match outcome {
+        // Between a reset and the next snapshot an agent's engines are not observed: their
+        // predictions then live out their time as without an agent.
+        let (instances, changes, kind, observed) = match outcome {
             Outcome::Apply {
                 instances,
                 changes,
@@ -122,18 +124,18 @@ async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
                     metrics::histogram!("warmpath_router_residency_lag_seconds")
                         .record(lag_ms as f64 / 1e3);
                 }
-                (instances, changes, "apply")
+                (instances, changes, "apply", true)
             }
             Outcome::Reset {
                 instances, removed, ..
-            } => (instances, removed, "reset"),
+            } => (instances, removed, "reset", false),
             Outcome::Nothing => continue,
         };
-        let applied = app
-            .core
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .apply_residency(&instances, &changes);
+        let applied = {
+            let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            core.set_observed(&instances, observed);
+            core.apply_residency(&instances, &changes)
+        };
         metrics::counter!("warmpath_router_residency_changes_total", "kind" => kind)
             .increment(applied as u64);
     }

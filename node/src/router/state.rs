@@ -198,6 +198,21 @@ impl RouterState {
         self.core.finish(instance, prompt_tokens, prefilled);
     }
 
+    /// A request routed at `decided_at` completed on `instance` (see
+    /// [`warmpath_index::router::RouterCore::completed`]).
+    pub fn completed(&mut self, instance: InstanceId, decided_at: u64) {
+        self.core.completed(instance, decided_at);
+    }
+
+    /// Marks the engines an agent reports (by URL) as observed, or no longer.
+    pub fn set_observed(&mut self, instances: &[String], observed: bool) {
+        for url in instances {
+            if let Some(id) = self.core.instance_by_key(instance_key(url)) {
+                self.core.set_observed(id, observed);
+            }
+        }
+    }
+
     /// Starts collecting decisions for the other routers.
     pub fn enable_sharing(&mut self) {
         self.core.enable_sharing();
