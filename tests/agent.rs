@@ -684,6 +684,150 @@ async fn bad_kv_events_are_counted_and_gaps_drop_the_view() {
     );
 }
 
+/// A gap in an engine's KV events is filled from its replay socket (vLLM's protocol),
+/// instead of dropping the engine's view; and engine-sim serves that replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_event_gaps_are_filled_from_the_replay_socket() {
+    use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
+    use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+    let stored = |hash: u64, tokens: std::ops::Range<u32>| {
+        encode_batch(
+            0.0,
+            &[KvEvent::Stored {
+                block_hashes: vec![EngineHash(hash.to_be_bytes().to_vec())],
+                parent: None,
+                token_ids: tokens.collect(),
+                block_size: 16,
+                lora_id: None,
+                medium: Some("GPU".into()),
+                lora_name: None,
+                extra_keys: vec![],
+            }],
+            Shape::Array,
+        )
+    };
+    let frames = |seq: u64, payload: Vec<u8>| {
+        ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::from(payload),
+        ])
+        .unwrap()
+    };
+    let (kv, replay) = (
+        format!("tcp://{}", crate::free_addr()),
+        format!("tcp://{}", crate::free_addr()),
+    );
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.bind(&kv).await.unwrap();
+    // The engine's replay socket keeps batches 1 and 2, which the subscriber will miss.
+    let mut router = zeromq::RouterSocket::new();
+    router.bind(&replay).await.unwrap();
+    let replays = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let served = replays.clone();
+    tokio::spawn(async move {
+        while let Ok(request) = router.recv().await {
+            let f = request.into_vec();
+            let start = u64::from_be_bytes(f.last().unwrap()[..].try_into().unwrap());
+            served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let kept = [(1u64, stored(10, 16..32)), (2, stored(11, 32..48))];
+            let end = (u64::MAX, Vec::new());
+            for (seq, payload) in kept.into_iter().filter(|(s, _)| *s >= start).chain([end]) {
+                let reply = vec![
+                    f[0].clone(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    Bytes::from(payload),
+                ];
+                router
+                    .send(ZmqMessage::try_from(reply).unwrap())
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+    let (_agent, addr) = agent(&["--kv-events", &format!("e0={kv},{replay}")]);
+    let c = connect(&addr).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.stats().await.unwrap().residency_blocks != 1 {
+        assert!(Instant::now() < deadline, "the agent never subscribed");
+        let _ = publisher.send(frames(0, stored(1, 0..16))).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Batch 3 arrives; 1 and 2 were missed: the agent asks for them and keeps its view.
+    publisher.send(frames(3, stored(12, 48..64))).await.unwrap();
+    eventually("the missed batches replayed", || async {
+        c.stats().await.unwrap().residency_blocks == 4
+    })
+    .await;
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.kv_gaps, 0, "{s:?}");
+    assert_eq!(replays.load(std::sync::atomic::Ordering::Relaxed), 1);
+    // Batch 9: the replay no longer has 4 to 8, so the gap drops the view, as without one.
+    publisher.send(frames(9, stored(13, 64..80))).await.unwrap();
+    eventually("the unfillable gap seen", || async {
+        let s = c.stats().await.unwrap();
+        s.kv_gaps == 1 && s.residency_blocks == 1
+    })
+    .await;
+
+    // engine-sim keeps what it publishes and answers the same protocol.
+    let (events, replay) = (
+        format!("tcp://{}", crate::free_addr()),
+        format!("tcp://{}", crate::free_addr()),
+    );
+    let engine = Proc::start(&[
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        "50",
+        "--kv-events",
+        &events,
+        "--kv-replay",
+        &replay,
+    ]);
+    let r = post(
+        &client(),
+        &engine.url,
+        "/v1/completions",
+        completion(&long_prompt(3), 1, false),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let mut dealer = zeromq::DealerSocket::new();
+    dealer.connect(&replay).await.unwrap();
+    let mut seqs = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seqs.is_empty() {
+        assert!(Instant::now() < deadline, "engine-sim replayed nothing");
+        let ask = vec![Bytes::new(), Bytes::copy_from_slice(&0u64.to_be_bytes())];
+        dealer
+            .send(ZmqMessage::try_from(ask).unwrap())
+            .await
+            .unwrap();
+        loop {
+            let f = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+                .await
+                .expect("a replay answer")
+                .unwrap()
+                .into_vec();
+            assert_eq!(f.len(), 3, "[empty, sequence, batch]");
+            if f[2].is_empty() {
+                assert_eq!(f[1][..], (-1i64).to_be_bytes()[..], "the end marker");
+                break;
+            }
+            let batch = warmpath_cache_agent::kv_events::decode_batch(&f[2]).expect("a batch");
+            assert!(!batch.events.is_empty());
+            seqs.push(u64::from_be_bytes(f[1][..].try_into().unwrap()));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(seqs[0], 0, "{seqs:?}");
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+}
+
 /// A free UDP port on loopback.
 fn free_udp() -> String {
     let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();

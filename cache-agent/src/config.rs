@@ -102,7 +102,8 @@ pub struct AgentConfig {
     pub max_lease: Duration,
     /// Open block API connections at most.
     pub max_connections: usize,
-    /// The host's engines: (name, KV-event endpoint `tcp://HOST:PORT`), in order.
+    /// The host's engines: (name, KV-event endpoint `tcp://HOST:PORT`, optionally followed
+    /// by `,tcp://HOST:PORT` of its replay socket), in order.
     pub kv_events: Vec<(String, String)>,
     /// The tenants whose chains KV events may carry: (id, cache salt). Empty: every chain
     /// belongs to tenant `engine-sim` with its own salt (engine-sim served directly).
@@ -274,9 +275,11 @@ impl AgentConfig {
             return Err("more engines than a host can have".into());
         }
         for (name, endpoint) in &self.kv_events {
-            if !endpoint.starts_with("tcp://") {
+            let parts: Vec<&str> = endpoint.split(',').collect();
+            if parts.len() > 2 || parts.iter().any(|p| !p.starts_with("tcp://")) {
                 return Err(format!(
-                    "KV events of {name}: {endpoint:?} is not tcp://HOST:PORT"
+                    "KV events of {name}: {endpoint:?} is not tcp://HOST:PORT, optionally \
+                     followed by ,tcp://HOST:PORT of the engine's replay socket"
                 ));
             }
         }

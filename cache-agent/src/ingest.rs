@@ -17,8 +17,11 @@
 //! reported as the host's L1) are skipped and counted.
 //!
 //! **Gaps.** A batch whose sequence number is not the previous one plus one means events
-//! were lost; without a replay this agent's view of that engine may be wrong, so all of it
-//! is dropped (routers fall back to predictions for it) and rebuilt from what follows.
+//! were lost. The subscriber first asks the engine's replay socket for the missing
+//! batches (`kv_subscribe.rs`) and applies them in order; when it cannot (no replay
+//! socket, or the batches are gone from the engine's buffer), this agent's view of that
+//! engine may be wrong, so all of it is dropped (routers fall back to predictions for it)
+//! and rebuilt from what follows.
 
 use std::collections::HashMap;
 
@@ -136,6 +139,11 @@ impl Ingest {
                 self.keys.len() - 1
             }
         }
+    }
+
+    /// The sequence number of the last batch applied for `engine`.
+    pub fn last_seq(&self, engine: usize) -> Option<u64> {
+        self.engines.get(engine).and_then(|e| e.last_seq)
     }
 
     /// Blocks known for `engine`.

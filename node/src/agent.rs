@@ -59,7 +59,8 @@ pub struct AgentArgs {
     #[arg(long)]
     pub max_block_bytes: Option<String>,
     /// An engine on this host and its KV-event endpoint, NAME=tcp://HOST:PORT (repeat per
-    /// engine; NAME is how routers know the instance).
+    /// engine; NAME is how routers know the instance), optionally followed by
+    /// ,tcp://HOST:PORT of its replay socket, from which missed batches are recovered.
     #[arg(long = "kv-events", value_name = "NAME=ENDPOINT")]
     pub kv_events: Vec<String>,
     /// A tenant whose chains the engines' KV events carry, ID or ID=SALT (repeatable; the

@@ -259,10 +259,16 @@ async fn start_host(
         ];
         if let Some(certs) = &certs {
             let events = format!("tcp://127.0.0.1:{}", free_port()?);
-            engine_args.extend(["--kv-events".into(), events.clone()]);
+            let replay = format!("tcp://127.0.0.1:{}", free_port()?);
+            engine_args.extend([
+                "--kv-events".into(),
+                events.clone(),
+                "--kv-replay".into(),
+                replay.clone(),
+            ]);
             agent_args.extend([
                 "--kv-events".into(),
-                format!("{engine_url}={events}"),
+                format!("{engine_url}={events},{replay}"),
                 "--residency-listen".into(),
                 "127.0.0.1:0".into(),
                 "--tls-dir".into(),

@@ -45,6 +45,10 @@ pub struct EngineSimArgs {
     /// tcp://127.0.0.1:5557.
     #[arg(long)]
     pub kv_events: Option<String>,
+    /// Serve the replay of recent KV-event batches on this endpoint (vLLM's replay
+    /// socket), e.g. tcp://127.0.0.1:5558.
+    #[arg(long, requires = "kv_events")]
+    pub kv_replay: Option<String>,
     /// Payload bytes per block = the profile's KV bytes per token × block tokens × this
     /// (1 moves real sizes; tests use less).
     #[arg(long, default_value_t = 1.0, requires = "agent")]
@@ -118,6 +122,7 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
         profile,
         agent,
         kv_events: args.kv_events.clone(),
+        kv_replay: args.kv_replay.clone(),
         tokenizer,
         speedup: args.speedup,
         default_max_tokens: args.default_max_tokens,

@@ -11,14 +11,26 @@
 //! The engine loop hands each step's events to [`KvPublisher::publish`], which never waits:
 //! batches go through a bounded queue to a task that owns the socket (a full queue drops
 //! the batch, which the subscriber sees as a sequence gap).
+//!
+//! With a replay endpoint (`--kv-replay tcp://HOST:PORT`), the last [`REPLAY_BATCHES`]
+//! batches are kept and served as vLLM's replay socket serves them: a ROUTER socket takes a
+//! request whose last frame is the 8-byte big-endian sequence number to start from, and
+//! answers each kept batch from there as `[sequence, payload]`, then an end marker (the
+//! sequence -1, an empty payload).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
 use warmpath_index::keys::BlockKey;
-use zeromq::{Socket, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// Batches kept for replay (vLLM's default buffer is 10,000 steps).
+pub const REPLAY_BATCHES: usize = 10_000;
+
+type Kept = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
 /// What engine-sim knows of a block it may store: its parent, tokens and the salt of its
 /// chain's first block.
@@ -42,22 +54,48 @@ pub struct KvPublisher {
 }
 
 impl KvPublisher {
-    /// Binds a PUB socket at `endpoint` (`tcp://HOST:PORT`) and starts the sending task;
-    /// returns the bound endpoint (port 0 picks one).
-    pub async fn bind(endpoint: &str, block_tokens: u32) -> Result<(KvPublisher, String), String> {
+    /// Binds a PUB socket at `endpoint` (`tcp://HOST:PORT`), and a replay socket at
+    /// `replay` if given, and starts the sending task; returns the bound endpoint (port 0
+    /// picks one).
+    pub async fn bind(
+        endpoint: &str,
+        replay: Option<&str>,
+        block_tokens: u32,
+    ) -> Result<(KvPublisher, String), String> {
         let mut socket = zeromq::PubSocket::new();
         let bound = socket
             .bind(endpoint)
             .await
             .map_err(|e| format!("cannot publish KV events on {endpoint}: {e}"))?;
+        let kept: Option<Kept> = match replay {
+            Some(at) => {
+                let mut router = zeromq::RouterSocket::new();
+                router
+                    .bind(at)
+                    .await
+                    .map_err(|e| format!("cannot serve KV-event replay on {at}: {e}"))?;
+                let kept = Kept::default();
+                tokio::spawn(serve_replay(router, kept.clone()));
+                Some(kept)
+            }
+            None => None,
+        };
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(1024);
         tokio::spawn(async move {
             let mut seq: u64 = 0;
             while let Some(payload) = rx.recv().await {
+                let payload = Bytes::from(payload);
+                if let Some(kept) = &kept {
+                    let mut k = kept.lock().unwrap_or_else(|e| e.into_inner());
+                    if k.len() >= REPLAY_BATCHES {
+                        k.pop_front();
+                    }
+                    k.push_back((seq, payload.clone()));
+                }
                 let frames = vec![
                     Bytes::new(),
                     Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    Bytes::from(payload),
+                    payload,
                 ];
                 seq += 1;
                 if let Ok(msg) = ZmqMessage::try_from(frames) {
@@ -141,6 +179,47 @@ impl KvPublisher {
         self.pending.clear();
         if self.tx.try_send(payload).is_err() {
             self.dropped += 1;
+        }
+    }
+}
+
+/// Answers replay requests from the kept batches until the socket fails.
+async fn serve_replay(mut router: zeromq::RouterSocket, kept: Kept) {
+    loop {
+        let Ok(request) = router.recv().await else {
+            return;
+        };
+        let frames = request.into_vec();
+        // [identity, (empty delimiter of a REQ peer), start sequence]
+        let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
+            continue;
+        };
+        let Ok(start) = <[u8; 8]>::try_from(&start[..]) else {
+            continue;
+        };
+        let start = u64::from_be_bytes(start);
+        let delimited = frames.len() == 3;
+        let batches: Vec<(u64, Bytes)> = kept
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(seq, _)| *seq >= start)
+            .cloned()
+            .collect();
+        let end = (u64::MAX, Bytes::new()); // -1 as a signed 8-byte number
+        for (seq, payload) in batches.into_iter().chain(std::iter::once(end)) {
+            let mut reply = vec![identity.clone()];
+            if delimited {
+                reply.push(Bytes::new());
+            }
+            reply.push(Bytes::copy_from_slice(&seq.to_be_bytes()));
+            reply.push(payload);
+            let Ok(msg) = ZmqMessage::try_from(reply) else {
+                break;
+            };
+            if router.send(msg).await.is_err() {
+                break;
+            }
         }
     }
 }

@@ -104,6 +104,8 @@ pub struct EngineSimConfig {
     pub agent: Option<AgentSettings>,
     /// Where to publish KV events (`tcp://HOST:PORT`, vLLM's format; `kv_publish.rs`).
     pub kv_events: Option<String>,
+    /// Where to serve the replay of recent KV-event batches (vLLM's replay socket).
+    pub kv_replay: Option<String>,
     /// How prompts become tokens (the built-in tokenizer by default; a real one to act as
     /// an engine serving that model).
     pub tokenizer: text::Tokenizer,
@@ -124,6 +126,7 @@ impl Default for EngineSimConfig {
             l2_blocks: 0,
             agent: None,
             kv_events: None,
+            kv_replay: None,
             tokenizer: text::Tokenizer::builtin(),
         }
     }
@@ -152,9 +155,10 @@ pub async fn serve(
     let agent = config.agent.clone().map(AgentSide::start);
     let kv = match &config.kv_events {
         Some(endpoint) => {
-            let (publisher, bound) = KvPublisher::bind(endpoint, block_tokens as u32)
-                .await
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e))?;
+            let (publisher, bound) =
+                KvPublisher::bind(endpoint, config.kv_replay.as_deref(), block_tokens as u32)
+                    .await
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e))?;
             tracing::info!(endpoint = %bound, "publishing KV events");
             Some(publisher)
         }
