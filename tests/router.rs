@@ -764,6 +764,8 @@ async fn metrics_stay_off_a_public_client_port() {
 async fn a_body_over_the_engines_limit_gets_an_openai_413() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // An engine whose body limit is tiny: every POST gets a plain-text 413; GETs are healthy.
+    // It reads the whole request first: answering and closing while the router still
+    // sends the body would make the router see a failed send (and retry), not the 413.
     let fake = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let fake_url = format!("http://{}", fake.local_addr().unwrap());
     tokio::spawn(async move {
@@ -771,7 +773,19 @@ async fn a_body_over_the_engines_limit_gets_an_openai_413() {
             tokio::spawn(async move {
                 let mut head = Vec::new();
                 let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let complete = |head: &[u8]| {
+                    let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        return false;
+                    };
+                    let text = String::from_utf8_lossy(&head[..end]).to_ascii_lowercase();
+                    let length = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    head.len() >= end + 4 + length
+                };
+                while !complete(&head) {
                     match tcp.read(&mut buf).await {
                         Ok(0) | Err(_) => return,
                         Ok(n) => head.extend_from_slice(&buf[..n]),
