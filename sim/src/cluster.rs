@@ -5,8 +5,11 @@
 //! a [`RouterCore`], the live router's own decision path, called on the virtual clock; the
 //! chosen engine (an [`Engine`], one per instance, one instance per host) runs the
 //! request. What a replica learns of other replicas' decisions depends on [`Sharing`];
-//! what it learns of real cache contents comes from the agents' feed (engine block
-//! events, delivered after `agent_feed_delay_us`), when enabled. Load is exact per
+//! what it learns of real cache contents comes from the agents' feed, when enabled: each
+//! host's agent records its engine's block events in the residency session's
+//! [`Publisher`], every replica follows every agent with a [`Subscriber`] (the same state
+//! machines the live agent and router run), and each delta reaches the replicas
+//! `agent_feed_delay_us` after the engine step that produced it. Load is exact per
 //! replica for its own requests; in shared modes replicas also see the others' (the
 //! cluster publishes it), in isolated mode they do not.
 //!
@@ -21,6 +24,7 @@ use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::rc::Rc;
+use warmpath_cache_agent::residency::{Change, Msg, Outcome, Publisher, Scope, Subscriber};
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::BlockKey;
@@ -127,19 +131,30 @@ enum Event {
         /// What the deciding replica shared (sampled keys, as the live routers share).
         batch: Rc<Vec<SharedDecision>>,
     },
-    /// A batch of agent observations reaches `router`.
-    Observed {
+    /// A residency message of `host`'s agent reaches `router`.
+    Residency {
         router: u32,
-        batch: Rc<Vec<Observation>>,
+        host: u32,
+        msg: Rc<Msg>,
     },
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Observation {
-    instance: u32,
-    key: BlockKey,
-    tier: Tier,
-    present: bool,
+/// The residency scope of an engine event's tier (one engine per host: its GPU is the
+/// agent's engine 0).
+fn scope_of(tier: Tier) -> Scope {
+    match tier {
+        Tier::Gpu => Scope::Gpu(0),
+        Tier::L1 => Scope::L1,
+        Tier::L2 => Scope::L2,
+    }
+}
+
+fn tier_of(scope: Scope) -> Tier {
+    match scope {
+        Scope::Gpu(_) => Tier::Gpu,
+        Scope::L1 => Tier::L1,
+        Scope::L2 => Tier::L2,
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -231,6 +246,26 @@ pub fn simulate(
     for (i, r) in workload.requests.iter().enumerate() {
         push(&mut queue, &mut events, r.arrival_us, Event::Arrival(i));
     }
+
+    // One agent per host, every replica following each from its (empty) first snapshot;
+    // nothing is lost on the way, so an agent never expires.
+    let mut publishers: Vec<Publisher> = (0..config.instances)
+        .map(|i| Publisher::new(u64::from(i) + 1, vec![format!("i{i}")]))
+        .collect();
+    let mut subscribers: Vec<Vec<Subscriber>> = (0..config.routers)
+        .map(|_| {
+            publishers
+                .iter()
+                .map(|p| {
+                    let mut s = Subscriber::new(u64::MAX);
+                    for m in p.snapshot() {
+                        s.handle(0, m);
+                    }
+                    s
+                })
+                .collect()
+        })
+        .collect();
 
     let mut tracks = vec![Track::default(); workload.requests.len()];
     let (mut ttft, mut itl, mut e2e) = (Samples::new(), Samples::new(), Samples::new());
@@ -359,16 +394,21 @@ pub fn simulate(
             Event::Decisions { router, batch } => {
                 replicas[router as usize].apply_shared(&batch, now);
             }
-            Event::Observed { router, batch } => {
+            Event::Residency { router, host, msg } => {
+                let subscriber = &mut subscribers[router as usize][host as usize];
+                let changes = match subscriber.handle(now, (*msg).clone()) {
+                    Outcome::Apply { changes, .. } => changes,
+                    Outcome::Reset { removed, .. } => removed,
+                    Outcome::Nothing => Vec::new(),
+                };
                 let replica = &mut replicas[router as usize];
-                for o in batch.iter() {
-                    let parent = parent_of.get(&o.key).copied();
+                for c in changes {
                     replica.observe(
-                        InstanceId(o.instance),
-                        o.key,
-                        parent,
-                        o.tier,
-                        o.present,
+                        InstanceId(host),
+                        BlockKey(c.key),
+                        c.parent.map(BlockKey),
+                        tier_of(c.scope),
+                        c.present,
                         now,
                     );
                 }
@@ -376,7 +416,7 @@ pub fn simulate(
         }
 
         // Account for what the engines produced.
-        let mut observed = Vec::new();
+        let mut observed = false;
         for e in engine_events.drain(..) {
             match e {
                 EngineEvent::FirstToken {
@@ -433,29 +473,32 @@ pub fn simulate(
                 EngineEvent::Stored { key, tier } | EngineEvent::Removed { key, tier }
                     if config.agent_feed_delay_us.is_some() =>
                 {
-                    let present = matches!(e, EngineEvent::Stored { .. });
-                    observed.push(Observation {
-                        instance: stepped,
-                        key,
-                        tier,
-                        present,
+                    publishers[stepped as usize].record(Change {
+                        scope: scope_of(tier),
+                        key: key.0,
+                        parent: parent_of.get(&key).map(|p| p.0),
+                        present: matches!(e, EngineEvent::Stored { .. }),
                     });
+                    observed = true;
                 }
                 EngineEvent::Stored { .. } | EngineEvent::Removed { .. } => {}
             }
         }
-        if let (Some(delay), false) = (config.agent_feed_delay_us, observed.is_empty()) {
-            let batch = Rc::new(observed);
-            for router in 0..config.routers {
-                push(
-                    &mut queue,
-                    &mut events,
-                    now + delay,
-                    Event::Observed {
-                        router,
-                        batch: batch.clone(),
-                    },
-                );
+        if let (Some(delay), true) = (config.agent_feed_delay_us, observed) {
+            if let Some(msg) = publishers[stepped as usize].next(false, now / 1000) {
+                let msg = Rc::new(msg);
+                for router in 0..config.routers {
+                    push(
+                        &mut queue,
+                        &mut events,
+                        now + delay,
+                        Event::Residency {
+                            router,
+                            host: stepped,
+                            msg: msg.clone(),
+                        },
+                    );
+                }
             }
         }
     }
