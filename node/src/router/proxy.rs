@@ -807,9 +807,13 @@ fn explanation(app: &App, chosen: &Chosen) -> serde_json::Value {
         "blocks_considered": chosen.decision.blocks_considered,
         "matched": {
             "gpu": chosen.decision.matched.gpu, "l1": chosen.decision.matched.l1, "l2": chosen.decision.matched.l2,
-            // Of the GPU depth, what a cache-agent reported; the rest is predicted.
+            // The source of every depth: of the GPU depth, what a cache-agent reported and
+            // what is predicted from routing decisions; beyond it, host memory (L1) and the
+            // global L2 are known only from agents.
             "gpu_observed": chosen.decision.matched.observed_gpu,
             "gpu_predicted": chosen.decision.matched.gpu.saturating_sub(chosen.decision.matched.observed_gpu),
+            "l1_observed": chosen.decision.matched.l1.saturating_sub(chosen.decision.matched.gpu),
+            "l2_observed": chosen.decision.matched.l2.saturating_sub(chosen.decision.matched.l1),
         },
         "candidates": chosen.decision.candidates.as_ref().map(|cs| cs.iter().map(|c| serde_json::json!({
             "instance": url(c.instance),
