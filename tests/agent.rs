@@ -587,31 +587,14 @@ async fn the_agent_follows_an_engines_kv_events() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_kv_events_are_counted_and_gaps_drop_the_view() {
-    use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
+    use warmpath_cache_agent::kv_events::{encode_batch, Shape};
     use zeromq::{Socket, SocketSend, ZmqMessage};
     let kv = format!("tcp://{}", crate::free_addr());
     let mut publisher = zeromq::PubSocket::new();
     publisher.bind(&kv).await.unwrap();
     let (mut agent_proc, addr) = agent(&["--kv-events", &format!("e0={kv}")]);
     let c = connect(&addr).await;
-    let stored = |hash: u64, tokens: std::ops::Range<u32>| KvEvent::Stored {
-        block_hashes: vec![EngineHash(hash.to_be_bytes().to_vec())],
-        parent: None,
-        token_ids: tokens.collect(),
-        block_size: 16,
-        lora_id: None,
-        medium: Some("GPU".into()),
-        lora_name: None,
-        extra_keys: vec![],
-    };
-    let frames = |seq: u64, payload: Vec<u8>| {
-        ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            Bytes::from(payload),
-        ])
-        .unwrap()
-    };
+    let (stored, frames) = (stored_event, kv_message);
     // The subscription takes a moment: publish until the first good batch lands.
     let deadline = Instant::now() + Duration::from_secs(10);
     while c.stats().await.unwrap().residency_blocks != 1 {
@@ -684,36 +667,45 @@ async fn bad_kv_events_are_counted_and_gaps_drop_the_view() {
     );
 }
 
+/// vLLM's BlockStored event of one block (engine hash `hash`) with no parent and no salt.
+fn stored_event(
+    hash: u64,
+    tokens: std::ops::Range<u32>,
+) -> warmpath_cache_agent::kv_events::KvEvent {
+    warmpath_cache_agent::kv_events::KvEvent::Stored {
+        block_hashes: vec![warmpath_cache_agent::kv_events::EngineHash(
+            hash.to_be_bytes().to_vec(),
+        )],
+        parent: None,
+        token_ids: tokens.collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: vec![],
+    }
+}
+
+/// A KV-event message as vLLM publishes it: topic (empty), sequence, batch.
+fn kv_message(seq: u64, payload: Vec<u8>) -> zeromq::ZmqMessage {
+    zeromq::ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        Bytes::from(payload),
+    ])
+    .unwrap()
+}
+
 /// A gap in an engine's KV events is filled from its replay socket (vLLM's protocol),
 /// instead of dropping the engine's view; and engine-sim serves that replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_event_gaps_are_filled_from_the_replay_socket() {
-    use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
+    use warmpath_cache_agent::kv_events::{encode_batch, Shape};
     use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
     let stored = |hash: u64, tokens: std::ops::Range<u32>| {
-        encode_batch(
-            0.0,
-            &[KvEvent::Stored {
-                block_hashes: vec![EngineHash(hash.to_be_bytes().to_vec())],
-                parent: None,
-                token_ids: tokens.collect(),
-                block_size: 16,
-                lora_id: None,
-                medium: Some("GPU".into()),
-                lora_name: None,
-                extra_keys: vec![],
-            }],
-            Shape::Array,
-        )
+        encode_batch(0.0, &[stored_event(hash, tokens)], Shape::Array)
     };
-    let frames = |seq: u64, payload: Vec<u8>| {
-        ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            Bytes::from(payload),
-        ])
-        .unwrap()
-    };
+    let frames = kv_message;
     let (kv, replay) = (
         format!("tcp://{}", crate::free_addr()),
         format!("tcp://{}", crate::free_addr()),

@@ -14,28 +14,16 @@
 //! with the router's CPU seconds, and its resident memory afterwards.
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 mod common;
 
-use common::{cpu_seconds, percentile, start};
+use common::{cpu_seconds, percentile, send_completion, start};
 use std::time::{Duration, Instant};
 
 const PAIRS: usize = 3000;
 const WARMUP: usize = 200;
-
-async fn send(client: &Client<HttpConnector, Full<Bytes>>, url: &str, body: &Bytes) -> Duration {
-    let req = hyper::Request::post(format!("{url}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(body.clone()))
-        .expect("valid request");
-    let t = Instant::now();
-    let resp = client.request(req).await.expect("request succeeds");
-    assert!(resp.status().is_success(), "status {}", resp.status());
-    resp.into_body().collect().await.expect("body");
-    t.elapsed()
-}
 
 /// A router under test: its name, URL and process id.
 struct Under {
@@ -174,9 +162,9 @@ fn main() {
             }
         }
         for i in 0..WARMUP {
-            send(&client, &engine.url, &make(i)).await;
+            send_completion(&client, &engine.url, &make(i)).await;
             for u in &under {
-                send(&client, &u.url, &make(i)).await;
+                send_completion(&client, &u.url, &make(i)).await;
             }
         }
         let mut direct = Vec::new();
@@ -190,7 +178,7 @@ fn main() {
             for k in 0..n {
                 let who = (i + k) % n;
                 let url = if who == 0 { &engine.url } else { &under[who - 1].url };
-                times[who] = send(&client, url, &body).await;
+                times[who] = send_completion(&client, url, &body).await;
             }
             let d = times[0].as_secs_f64() * 1e6;
             direct.push(d);
@@ -228,7 +216,7 @@ fn main() {
                 tasks.push(tokio::spawn(async move {
                     let mut n = 0u64;
                     while Instant::now() < deadline {
-                        send(&client, &url, &bodies[n as usize % bodies.len()]).await;
+                        send_completion(&client, &url, &bodies[n as usize % bodies.len()]).await;
                         n += 1;
                     }
                     n

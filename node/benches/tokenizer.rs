@@ -9,29 +9,17 @@
 //! (a shared prefix and a unique tail), which BPE splits into more pieces than English.
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 mod common;
 
-use common::{percentile, start};
+use common::{percentile, send_completion, start};
 use std::time::{Duration, Instant};
 use warmpath_index::text::Tokenize;
 
 const PAIRS: usize = 1500;
 const WARMUP: usize = 100;
-
-async fn send(client: &Client<HttpConnector, Full<Bytes>>, url: &str, body: &Bytes) -> Duration {
-    let req = hyper::Request::post(format!("{url}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(body.clone()))
-        .expect("valid request");
-    let t = Instant::now();
-    let resp = client.request(req).await.expect("request succeeds");
-    assert!(resp.status().is_success(), "status {}", resp.status());
-    resp.into_body().collect().await.expect("body");
-    t.elapsed()
-}
 
 /// A prompt of about `bytes` bytes: a prefix shared by all, then a tail unique to `i`.
 fn prompt(bytes: usize, i: usize) -> String {
@@ -161,9 +149,9 @@ fn main() {
             };
             for i in 0..WARMUP {
                 let body = make(i);
-                send(&client, &engine.url, &body).await;
+                send_completion(&client, &engine.url, &body).await;
                 for (_, url) in &under {
-                    send(&client, url, &body).await;
+                    send_completion(&client, url, &body).await;
                 }
             }
             let mut direct = Vec::new();
@@ -176,7 +164,7 @@ fn main() {
                 for k in 0..n {
                     let who = (i + k) % n;
                     let url = if who == 0 { &engine.url } else { &under[who - 1].1 };
-                    times[who] = send(&client, url, &body).await;
+                    times[who] = send_completion(&client, url, &body).await;
                 }
                 let d = times[0].as_secs_f64() * 1e6;
                 direct.push(d);

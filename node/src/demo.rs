@@ -426,24 +426,30 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
     })
 }
 
-/// Prompt tokens the engines found in each tier (gpu, l1, l2) over all prompt tokens, from
-/// their `/metrics`.
-async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
+/// The value of the first sample in `text` whose line starts with `prefix`.
+fn metric_value(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+}
+
+/// The `/metrics` text of the process at `url`.
+async fn metrics_text(url: &str) -> Result<String> {
+    use http_body_util::BodyExt;
     let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .build_http();
-    use http_body_util::BodyExt;
+    let resp = client.get(format!("{url}/metrics").parse()?).await?;
+    Ok(String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string())
+}
+
+/// Prompt tokens the engines found in each tier (gpu, l1, l2) over all prompt tokens, from
+/// their `/metrics`.
+async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
     let (mut hits, mut prompt) = ([0.0; 3], 0.0);
     for e in engines {
-        let resp = client.get(format!("{}/metrics", e.url).parse()?).await?;
-        let text =
-            String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string();
-        let value = |prefix: &str| -> f64 {
-            text.lines()
-                .find(|l| l.starts_with(prefix))
-                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
+        let text = metrics_text(&e.url).await?;
+        let value = |prefix: &str| metric_value(&text, prefix).unwrap_or(0.0);
         for (i, tier) in ["gpu", "l1", "l2"].iter().enumerate() {
             hits[i] += value(&format!(
                 "warmpath_engine_prefix_hit_tokens_total{{model_name=\"sim-llama\",tier=\"{tier}\"}}"
@@ -456,36 +462,26 @@ async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
 
 /// The router's index holders by source (observed, predicted), from its `/metrics`.
 async fn index_holders(url: &str) -> Result<(f64, f64)> {
-    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .build_http();
-    use http_body_util::BodyExt;
-    let resp = client.get(format!("{url}/metrics").parse()?).await?;
-    let text = String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string();
-    let value = |source: &str| -> f64 {
-        let prefix = format!("warmpath_index_holders{{source=\"{source}\"}}");
-        text.lines()
-            .find(|l| l.starts_with(&prefix))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
+    let text = metrics_text(url).await?;
+    let value = |source: &str| {
+        metric_value(
+            &text,
+            &format!("warmpath_index_holders{{source=\"{source}\"}}"),
+        )
+        .unwrap_or(0.0)
     };
     Ok((value("observed"), value("predicted")))
 }
 
 /// p50 and p99 of the router's overhead summary, in µs.
 async fn router_overhead_us(url: &str) -> Result<(f64, f64)> {
-    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .build_http();
-    use http_body_util::BodyExt;
-    let resp = client.get(format!("{url}/metrics").parse()?).await?;
-    let text = String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string();
-    let quantile = |q: &str| -> f64 {
-        let prefix = format!("warmpath_router_overhead_seconds{{quantile=\"{q}\"}}");
-        text.lines()
-            .find(|l| l.starts_with(&prefix))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .map_or(f64::NAN, |s| s * 1e6)
+    let text = metrics_text(url).await?;
+    let quantile = |q: &str| {
+        metric_value(
+            &text,
+            &format!("warmpath_router_overhead_seconds{{quantile=\"{q}\"}}"),
+        )
+        .map_or(f64::NAN, |s| s * 1e6)
     };
     Ok((quantile("0.5"), quantile("0.99")))
 }

@@ -76,3 +76,28 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     (ticks(11) + ticks(12)) / 100.0
 }
+
+/// The HTTP client the request-path benchmarks use.
+pub type HttpClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
+/// POSTs `body` to `url`'s `/v1/completions`, reads the whole answer (which must be a
+/// success) and returns how long that took.
+pub async fn send_completion(
+    client: &HttpClient,
+    url: &str,
+    body: &bytes::Bytes,
+) -> std::time::Duration {
+    use http_body_util::BodyExt;
+    let req = hyper::Request::post(format!("{url}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(body.clone()))
+        .expect("valid request");
+    let t = std::time::Instant::now();
+    let resp = client.request(req).await.expect("request succeeds");
+    assert!(resp.status().is_success(), "status {}", resp.status());
+    resp.into_body().collect().await.expect("body");
+    t.elapsed()
+}

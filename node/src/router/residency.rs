@@ -23,6 +23,9 @@ use warmpath_cache_agent::tls::TlsFiles;
 
 use super::proxy::App;
 
+/// Residency changes applied under one hold of the routing core's lock.
+const APPLY_CHUNK: usize = 256;
+
 /// The agents this router follows.
 #[derive(Debug)]
 pub struct Residency {
@@ -131,11 +134,20 @@ async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
             } => (instances, removed, "reset", false),
             Outcome::Nothing => continue,
         };
-        let applied = {
-            let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
-            core.set_observed(&instances, observed);
-            core.apply_residency(&instances, &changes)
-        };
+        // The routing core's lock is taken per chunk, not for a whole snapshot or burst:
+        // requests routed meanwhile wait for at most one chunk.
+        let mut applied = 0;
+        app.core
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_observed(&instances, observed);
+        for chunk in changes.chunks(APPLY_CHUNK) {
+            applied += app
+                .core
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .apply_residency(&instances, chunk);
+        }
         metrics::counter!("warmpath_router_residency_changes_total", "kind" => kind)
             .increment(applied as u64);
     }
