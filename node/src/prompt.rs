@@ -16,12 +16,18 @@
 //! engines render the model's template with `messages` and `add_generation_prompt`); with
 //! none, chat requests are rendered in the built-in format.
 //!
-//! **Cost.** Byte-pair encoding is the expensive part; the pre-tokenizer's split into
-//! pieces (words, numbers, punctuation runs) is cheap, and BPE works on each piece alone.
-//! So the OpenAI encodings keep, per thread, the token ids of each piece seen before
-//! ([`PIECE_CACHE_ENTRIES`] at most, dropped whole when full): prompts repeat their
-//! words, and a shared prefix costs only its split. The ids are the same with or without
-//! the cache (a test holds them equal). A Hugging Face tokenizer is not cached.
+//! **Cost.** The OpenAI encodings keep two caches per thread, both exact (tests hold the
+//! ids equal to the uncached encoder's):
+//! - pieces: BPE works on each pre-tokenized piece (a word, a number, a punctuation run)
+//!   alone, so the ids of each piece seen before are kept ([`PIECE_CACHE_ENTRIES`] at
+//!   most, dropped whole when full): prompts repeat their words;
+//! - segments: a text cut where the pre-tokenizer would cut anyway (a space between two
+//!   ASCII letters) encodes as its parts do, so a prompt is cut about every 512 bytes and
+//!   the ids of each segment are kept under a hash of all the text before its end
+//!   ([`SEGMENT_CACHE_ENTRIES`] at most): a shared prefix (a system prompt, a document, a
+//!   conversation so far) is neither split nor encoded again.
+//!
+//! A Hugging Face tokenizer is not cached.
 //! BENCHMARKS.md ("Router added latency with a real tokenizer") has the figures.
 
 use warmpath_index::text::{render_chat, tokenize, ChatMessage, Tokenize, Tokenizer};
@@ -189,6 +195,98 @@ fn encode_pieces(bpe: &bpe_openai::Tokenizer, slot: usize, text: &str, out: &mut
     });
 }
 
+/// Bytes between the cut points of the segment cache (each cut moved back to the nearest
+/// exact boundary).
+const SEGMENT_BYTES: usize = 512;
+
+/// Segments a thread keeps, at most (each the ids of about `SEGMENT_BYTES` of text).
+pub const SEGMENT_CACHE_ENTRIES: usize = 4096;
+
+/// Chained hash of the text up to a segment's end → (the segment's length, its ids).
+type SegmentIds = std::collections::HashMap<u64, (usize, Box<[u32]>)>;
+
+thread_local! {
+    /// Per encoding: chained hash of the text up to a segment's end → (its length, the
+    /// segment's ids). The hash names the whole text before the cut, so a segment is found
+    /// again only after the same preceding text: a shared prefix.
+    static SEGMENTS: std::cell::RefCell<[SegmentIds; 2]> =
+        std::cell::RefCell::new(Default::default());
+}
+
+/// Where `text` may be cut without changing its encoding: a space between two ASCII
+/// letters. Both OpenAI pre-tokenizers end a letter run at a space and start the next
+/// piece there (` word`), so the pieces, hence the ids, of the two sides are those of the
+/// whole.
+fn is_cut(text: &[u8], at: usize) -> bool {
+    at > 0
+        && at + 1 < text.len()
+        && text[at] == b' '
+        && text[at - 1].is_ascii_alphabetic()
+        && text[at + 1].is_ascii_alphabetic()
+}
+
+/// `text` encoded through the segment cache, then the piece cache: the text is cut about
+/// every [`SEGMENT_BYTES`] at exact boundaries, the leading segments found in the cache
+/// are taken as they are, and the rest is encoded and kept segment by segment. A shared
+/// prefix (a system prompt, a document, a conversation so far) is then not split or
+/// encoded again.
+fn encode_segments(bpe: &bpe_openai::Tokenizer, slot: usize, text: &str, out: &mut Vec<u32>) {
+    use std::hash::{Hash, Hasher};
+    let bytes = text.as_bytes();
+    let mut cuts = Vec::new();
+    let mut target = SEGMENT_BYTES;
+    while target < bytes.len() {
+        let floor = cuts.last().copied().unwrap_or(0);
+        if let Some(at) = (floor + 1..=target)
+            .rev()
+            .take(64)
+            .find(|&at| is_cut(bytes, at))
+        {
+            cuts.push(at);
+        }
+        target += SEGMENT_BYTES;
+    }
+    if cuts.is_empty() {
+        return encode_pieces(bpe, slot, text, out);
+    }
+    // Chained hashes: each cut's names the whole text before it.
+    let mut keys = Vec::with_capacity(cuts.len());
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut from = 0;
+    for &at in &cuts {
+        text[from..at].hash(&mut h);
+        keys.push(h.finish());
+        from = at;
+    }
+    SEGMENTS.with(|caches| {
+        let mut caches = caches.borrow_mut();
+        let cache = &mut caches[slot];
+        let mut start = 0;
+        let mut found = 0;
+        for (i, &at) in cuts.iter().enumerate() {
+            match cache.get(&keys[i]) {
+                Some((len, ids)) if *len == at - start => {
+                    out.extend_from_slice(ids);
+                    start = at;
+                    found += 1;
+                }
+                _ => break,
+            }
+        }
+        for i in found..cuts.len() {
+            let at = cuts[i];
+            let before = out.len();
+            encode_pieces(bpe, slot, &text[start..at], out);
+            if cache.len() >= SEGMENT_CACHE_ENTRIES {
+                cache.clear();
+            }
+            cache.insert(keys[i], (at - start, out[before..].into()));
+            start = at;
+        }
+        encode_pieces(bpe, slot, &text[start..], out);
+    });
+}
+
 /// `text` encoded by `bpe`, each special token in it as its id.
 fn encode_with_specials(
     bpe: &bpe_openai::Tokenizer,
@@ -204,12 +302,12 @@ fn encode_with_specials(
             .min();
         match next {
             Some((at, len, id)) => {
-                encode_pieces(bpe, slot, &text[..at], &mut out);
+                encode_segments(bpe, slot, &text[..at], &mut out);
                 out.push(id);
                 text = &text[at + len..];
             }
             None => {
-                encode_pieces(bpe, slot, text, &mut out);
+                encode_segments(bpe, slot, text, &mut out);
                 return out;
             }
         }
@@ -266,6 +364,43 @@ mod tests {
         let plain = bpe_openai::o200k_base().encode(text.as_str());
         assert_eq!(o200k.completion(&text), plain);
         assert_eq!(o200k.completion(&text), plain);
+    }
+
+    #[test]
+    fn cached_segments_of_a_shared_prefix_change_no_id() {
+        // Prompts sharing prefixes of every length, with text that tempts a wrong cut
+        // (spaces runs, digits, punctuation, contractions, non-ASCII letters, newlines).
+        let prefix: String = (0..400)
+            .map(|i| match i % 7 {
+                0 => format!("word{i} "),
+                1 => "it's  done, ".to_string(),
+                2 => "naïve café ".to_string(),
+                3 => "x\n\n  y ".to_string(),
+                4 => format!("{} ", i * 12345),
+                5 => "Hello World ".to_string(),
+                _ => "a b ".to_string(),
+            })
+            .collect();
+        for encoding in ["tiktoken:o200k_base", "tiktoken:cl100k_base"] {
+            let t = PoolText::load(encoding, "").unwrap();
+            let plain = |s: &str| match encoding {
+                "tiktoken:o200k_base" => bpe_openai::o200k_base().encode(s),
+                _ => bpe_openai::cl100k_base().encode(s),
+            };
+            for (cut, tail) in [
+                (prefix.len(), " tail one"),
+                (3000, " other tail"),
+                (1200, "zz"),
+                (prefix.len(), " tail two"),
+            ] {
+                let mut end = cut.min(prefix.len());
+                while !prefix.is_char_boundary(end) {
+                    end -= 1;
+                }
+                let text = format!("{}{tail}", &prefix[..end]);
+                assert_eq!(t.completion(&text), plain(&text), "{encoding}, cut {end}");
+            }
+        }
     }
 
     #[test]
