@@ -261,8 +261,13 @@ impl Tokenize for Builtin {
 pub struct Tokenizer(pub std::sync::Arc<dyn Tokenize>);
 
 impl Tokenizer {
+    /// The built-in one: one shared instance, so that asking for it (a router does, for
+    /// every request of a pool without a tokenizer of its own) allocates nothing.
     pub fn builtin() -> Self {
-        Tokenizer(std::sync::Arc::new(Builtin))
+        static BUILTIN: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+        BUILTIN
+            .get_or_init(|| Tokenizer(std::sync::Arc::new(Builtin)))
+            .clone()
     }
 }
 
