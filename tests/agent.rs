@@ -688,11 +688,10 @@ fn stored_event(
 
 /// A KV-event message as vLLM publishes it: topic (empty), sequence, batch.
 fn kv_message(seq: u64, payload: Vec<u8>) -> zeromq::ZmqMessage {
-    zeromq::ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&seq.to_be_bytes()),
+    zeromq::ZmqMessage::try_from(warmpath_cache_agent::kv_events::message(
+        seq,
         Bytes::from(payload),
-    ])
+    ))
     .unwrap()
 }
 

@@ -82,6 +82,25 @@ pub enum DecodeError {
     Event { kind: &'static str, why: String },
 }
 
+/// A KV-event message's frames as vLLM's publisher sends them: the topic (empty, as
+/// engines publish by default), the 8-byte big-endian sequence number, the batch.
+pub fn message(seq: u64, batch: bytes::Bytes) -> Vec<bytes::Bytes> {
+    vec![
+        bytes::Bytes::new(),
+        bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+        batch,
+    ]
+}
+
+/// The sequence number and batch of a message's frames, when they have the shape of
+/// [`message`] (any topic).
+pub fn parse_message(frames: &[bytes::Bytes]) -> Option<(u64, &bytes::Bytes)> {
+    match frames {
+        [_topic, seq, batch] => Some((u64::from_be_bytes(seq[..].try_into().ok()?), batch)),
+        _ => None,
+    }
+}
+
 /// Decodes one `EventBatch` payload.
 pub fn decode_batch(payload: &[u8]) -> Result<Decoded, DecodeError> {
     let mut rd = Cursor::new(payload);

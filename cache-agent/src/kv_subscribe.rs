@@ -71,11 +71,8 @@ pub async fn subscribe(
         };
         let frames = msg.into_vec();
         let size: usize = frames.iter().map(|f| f.len()).sum();
-        let (seq, payload) = match frames.as_slice() {
-            [_topic, seq, payload] if seq.len() == 8 && size <= MAX_MESSAGE_BYTES => (
-                u64::from_be_bytes(seq[..].try_into().unwrap_or([0; 8])),
-                payload,
-            ),
+        let (seq, payload) = match crate::kv_events::parse_message(&frames) {
+            Some(m) if size <= MAX_MESSAGE_BYTES => m,
             _ => {
                 counter!("warmpath_agent_kv_batches_total", "result" => "malformed").increment(1);
                 continue;
@@ -169,13 +166,10 @@ async fn fill_gap(
             *replay = None;
             return got;
         };
+        // `[empty delimiter, sequence, batch]`: the shape of a published message.
         let frames = msg.into_vec();
-        let (seq, payload) = match frames.as_slice() {
-            [_, seq, payload] | [seq, payload] if seq.len() == 8 => (
-                u64::from_be_bytes(seq[..].try_into().unwrap_or([0; 8])),
-                payload,
-            ),
-            _ => return got,
+        let Some((seq, payload)) = crate::kv_events::parse_message(&frames) else {
+            return got;
         };
         if payload.is_empty() {
             return got; // the end marker

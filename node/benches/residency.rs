@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{percentile, start};
-use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
+use warmpath_cache_agent::kv_events::{encode_batch, message, EngineHash, KvEvent, Shape};
 use warmpath_cache_agent::residency::Outcome;
 use warmpath_cache_agent::residency_net::{endpoint, follow, AgentTarget};
 use warmpath_cache_agent::tls::TlsFiles;
@@ -158,12 +158,7 @@ fn main() {
                     }
                 }
                 let payload = encode_batch(0.0, &events, Shape::Array);
-                let msg = ZmqMessage::try_from(vec![
-                    Bytes::new(),
-                    Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    Bytes::from(payload),
-                ])
-                .expect("frames");
+                let msg = ZmqMessage::try_from(message(seq, Bytes::from(payload))).expect("frames");
                 let _ = publisher.send(msg).await;
                 seq += 1;
                 n += PER_BATCH;
@@ -218,11 +213,10 @@ fn main() {
         // Give the new agent something to hold so its snapshot is not empty.
         let _ = publisher
             .send(
-                ZmqMessage::try_from(vec![
-                    Bytes::new(),
-                    Bytes::copy_from_slice(&0u64.to_be_bytes()),
+                ZmqMessage::try_from(message(
+                    0,
                     Bytes::from(encode_batch(0.0, &[stored(u64::MAX / 2)], Shape::Array)),
-                ])
+                ))
                 .expect("frames"),
             )
             .await;
@@ -243,11 +237,10 @@ fn main() {
                 // The subscription may not have been up for the first event: publish again.
                 let _ = publisher
                     .send(
-                        ZmqMessage::try_from(vec![
-                            Bytes::new(),
-                            Bytes::copy_from_slice(&1u64.to_be_bytes()),
+                        ZmqMessage::try_from(message(
+                            1,
                             Bytes::from(encode_batch(0.0, &[stored(u64::MAX / 2)], Shape::Array)),
-                        ])
+                        ))
                         .expect("frames"),
                     )
                     .await;

@@ -15,7 +15,7 @@
 //! With a replay endpoint (`--kv-replay tcp://HOST:PORT`), the last [`REPLAY_BATCHES`]
 //! batches are kept and served as vLLM's replay socket serves them: a ROUTER socket takes a
 //! request whose last frame is the 8-byte big-endian sequence number to start from, and
-//! answers each kept batch from there as `[sequence, payload]`, then an end marker (the
+//! answers each kept batch from there as `[empty, sequence, payload]`, then an end marker (the
 //! sequence -1, an empty payload).
 
 use std::collections::{HashMap, VecDeque};
@@ -92,11 +92,7 @@ impl KvPublisher {
                     }
                     k.push_back((seq, payload.clone()));
                 }
-                let frames = vec![
-                    Bytes::new(),
-                    Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    payload,
-                ];
+                let frames = warmpath_cache_agent::kv_events::message(seq, payload);
                 seq += 1;
                 if let Ok(msg) = ZmqMessage::try_from(frames) {
                     if let Err(e) = socket.send(msg).await {
@@ -198,7 +194,6 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Kept) {
             continue;
         };
         let start = u64::from_be_bytes(start);
-        let delimited = frames.len() == 3;
         let batches: Vec<(u64, Bytes)> = kept
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -208,12 +203,10 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Kept) {
             .collect();
         let end = (u64::MAX, Bytes::new()); // -1 as a signed 8-byte number
         for (seq, payload) in batches.into_iter().chain(std::iter::once(end)) {
+            // vLLM answers `[identity, empty, sequence, batch]`: a published message's
+            // frames behind the peer's identity.
             let mut reply = vec![identity.clone()];
-            if delimited {
-                reply.push(Bytes::new());
-            }
-            reply.push(Bytes::copy_from_slice(&seq.to_be_bytes()));
-            reply.push(payload);
+            reply.extend(warmpath_cache_agent::kv_events::message(seq, payload));
             let Ok(msg) = ZmqMessage::try_from(reply) else {
                 break;
             };
