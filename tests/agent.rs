@@ -48,6 +48,46 @@ async fn put_chain(c: &AgentClient, keys: std::ops::Range<u64>, len: usize) {
 }
 
 /// Polls `f` until it returns true or 10 s pass.
+/// Posts a fresh completion (`long_prompt(seed)`, one token) to `url`; it must succeed.
+async fn post_fresh(http: &crate::router::HttpClient, url: &str, seed: u64) {
+    let body = completion(&long_prompt(seed), 1, false);
+    assert_eq!(
+        post(http, url, "/v1/completions", body, &[]).await.status,
+        200
+    );
+}
+
+/// The (instance, block) pairs the router at `url` holds as observed (from agents).
+async fn observed_holders(url: &str) -> f64 {
+    crate::router::metric(
+        &http_get(&format!("{url}/metrics")).await,
+        "warmpath_index_holders{source=\"observed\"}",
+    )
+}
+
+/// Sends fresh prompts (`long_prompt(base + 1)`, `base + 2`, …) through `ask` until the
+/// agent behind `c` has stored one (its residency grew), for at most 15 s; returns that
+/// prompt. A KV-event publisher drops what it sends before its subscriber joined, so the
+/// first prompts may go unseen.
+async fn first_stored_prompt<F, Fut>(c: &AgentClient, base: u64, mut ask: F) -> String
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for seed in base + 1.. {
+        let p = long_prompt(seed);
+        let before = c.stats().await.unwrap().residency_blocks;
+        ask(p.clone()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if c.stats().await.unwrap().residency_blocks > before {
+            return p;
+        }
+        assert!(Instant::now() < deadline, "the agent never saw a store");
+    }
+    unreachable!()
+}
+
 async fn eventually<F, Fut>(what: &str, mut f: F)
 where
     F: FnMut() -> Fut,
@@ -545,13 +585,7 @@ async fn the_agent_follows_an_engines_kv_events() {
             "the agent never received a KV event"
         );
         seed += 1;
-        let body = completion(&long_prompt(seed), 1, false);
-        assert_eq!(
-            post(&http, &engine.url, "/v1/completions", body, &[])
-                .await
-                .status,
-            200
-        );
+        post_fresh(&http, &engine.url, seed).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -919,24 +953,16 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     let router = start_router();
     let c = connect(addr).await;
     let http = client();
-    let observed =
-        |text: &str| crate::router::metric(text, "warmpath_index_holders{source=\"observed\"}");
     // Requests through the router until the agent holds blocks and the router observes
     // exactly as many.
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut seed = 0;
     loop {
         seed += 1;
-        let body = completion(&long_prompt(seed), 1, false);
-        assert_eq!(
-            post(&http, &router.url, "/v1/completions", body, &[])
-                .await
-                .status,
-            200
-        );
+        post_fresh(&http, &router.url, seed).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let held = c.stats().await.unwrap().residency_blocks;
-        let seen = observed(&http_get(&format!("{}/metrics", router.url)).await);
+        let seen = observed_holders(&router.url).await;
         if held > 0 && seen == held as f64 {
             break;
         }
@@ -959,13 +985,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
             "no residency lag measured: {text}"
         );
         seed += 1;
-        let body = completion(&long_prompt(seed), 1, false);
-        assert_eq!(
-            post(&http, &router.url, "/v1/completions", body, &[])
-                .await
-                .status,
-            200
-        );
+        post_fresh(&http, &router.url, seed).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -1045,7 +1065,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let held = c.stats().await.unwrap().residency_blocks as f64;
-        let seen = observed(&http_get(&format!("{}/metrics", router.url)).await);
+        let seen = observed_holders(&router.url).await;
         if held > 0.0 && seen == held {
             break;
         }
@@ -1059,7 +1079,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     // The agent dies: within the expiry the router drops what it observed.
     r.agent.kill();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while observed(&http_get(&format!("{}/metrics", router.url)).await) > 0.0 {
+    while observed_holders(&router.url).await > 0.0 {
         assert!(
             Instant::now() < deadline,
             "the dead agent's residency never expired"
@@ -1133,38 +1153,31 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     let (a, b) = (router(), router());
     let c = connect(addr).await;
     let http = client();
-    let metric = |text: &str, name: &str| crate::router::metric(text, name);
-    let observed = |text: &str| metric(text, "warmpath_index_holders{source=\"observed\"}");
 
     // The agent's own tiers: three blocks put into L1, written through to L2.
     put_chain(&c, 1..4, 4096).await;
     eventually("router B to see the agent's L1 and L2", || async {
         let m = http_get(&format!("{}/metrics", b.url)).await;
-        observed(&m) == 3.0 && metric(&m, "warmpath_index_l2_blocks") == 3.0
+        observed_holders(&b.url).await == 3.0
+            && crate::router::metric(&m, "warmpath_index_l2_blocks") == 3.0
     })
     .await;
     assert_eq!(c.stats().await.unwrap().residency_blocks, 6);
 
     // Router A serves prompts until the agent has seen the engine store one.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let mut seed = 0;
-    let prompt = loop {
-        seed += 1;
-        let p = long_prompt(500 + seed);
-        let before = c.stats().await.unwrap().residency_blocks;
-        explained(&http, &a.url, &p).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if c.stats().await.unwrap().residency_blocks > before {
-            break p;
+    let prompt = first_stored_prompt(&c, 500, |p| {
+        let (http, url) = (http.clone(), a.url.clone());
+        async move {
+            explained(&http, &url, &p).await;
         }
-        assert!(Instant::now() < deadline, "the agent never saw a store");
-    };
+    })
+    .await;
     // Router B never routed it: what it knows of this prompt can only come from the agent.
     // Wait until B observes everything the agent holds (its L2 blocks are not holders),
     // then ask once (a second request would find B's own prediction from the first).
     eventually("router B to catch up with the agent", || async {
         let held = c.stats().await.unwrap().residency_blocks as f64 - 3.0;
-        observed(&http_get(&format!("{}/metrics", b.url)).await) == held
+        observed_holders(&b.url).await == held
     })
     .await;
     let e = explained(&http, &b.url, &prompt).await;
@@ -1219,31 +1232,18 @@ async fn two_tenants_with_the_same_prompt_never_see_each_others_residency() {
         }
     };
     // Tenant a's prompt through router A, until the agent has seen a store of it.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let mut seed = 0;
-    let prompt = loop {
-        seed += 1;
-        let p = long_prompt(700 + seed);
-        let before = c.stats().await.unwrap().residency_blocks;
-        ask(ra.url.clone(), "Bearer key-a", p.clone()).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if c.stats().await.unwrap().residency_blocks > before {
-            break p;
+    let prompt = first_stored_prompt(&c, 700, |p| {
+        let url = ra.url.clone();
+        let ask = &ask;
+        async move {
+            ask(url, "Bearer key-a", p).await;
         }
-        assert!(Instant::now() < deadline, "the agent never saw a store");
-    };
-    let observed =
-        |text: &str| crate::router::metric(text, "warmpath_index_holders{source=\"observed\"}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while observed(&http_get(&format!("{}/metrics", rb.url)).await)
-        != c.stats().await.unwrap().residency_blocks as f64
-    {
-        assert!(
-            Instant::now() < deadline,
-            "router B never caught up with the agent"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
+    eventually("router B to catch up with the agent", || async {
+        observed_holders(&rb.url).await == c.stats().await.unwrap().residency_blocks as f64
+    })
+    .await;
     // The same prompt as tenant b finds nothing; as tenant a, what the agent reported.
     let as_b = ask(rb.url.clone(), "Bearer key-b", prompt.clone()).await;
     assert_eq!(as_b["matched"]["gpu"].as_u64(), Some(0), "{as_b}");
