@@ -9,8 +9,7 @@
 
 mod common;
 
-use common::{start, Proc};
-use std::process::Command;
+use common::{scrape, start, value, Proc};
 use std::time::{Duration, Instant};
 use warmpath_sim::live::loadgen::{self, Endpoint, LoadgenConfig, Mode};
 use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, SyntheticParams};
@@ -18,21 +17,6 @@ use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, Sy
 const ROUTERS: usize = 8;
 const RATE: f64 = 1000.0;
 const SECONDS: f64 = 10.0;
-
-fn scrape(url: &str) -> String {
-    let out = Command::new("curl")
-        .args(["-s", &format!("{url}/metrics")])
-        .output()
-        .expect("curl runs");
-    String::from_utf8_lossy(&out.stdout).to_string()
-}
-
-fn value(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(f64::NAN)
-}
 
 fn main() {
     let engines: Vec<Proc> = (0..2)

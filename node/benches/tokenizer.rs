@@ -14,7 +14,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 mod common;
 
-use common::{percentile, send_completion, start};
+use common::{cpu_seconds, percentile, scrape, send_completion, start, value};
 use std::time::{Duration, Instant};
 use warmpath_index::text::Tokenize;
 
@@ -37,6 +37,34 @@ fn prompt(bytes: usize, i: usize) -> String {
     }
     p.truncate(end);
     p
+}
+
+/// A router's own timings, from its metrics: totals, or means over an interval.
+struct Inside {
+    tokenize_us: f64,
+    overhead_us: f64,
+    count: f64,
+}
+
+impl Inside {
+    fn of(url: &str) -> Inside {
+        let m = scrape(url);
+        Inside {
+            tokenize_us: value(&m, "warmpath_router_tokenize_seconds_sum") * 1e6,
+            overhead_us: value(&m, "warmpath_router_overhead_seconds_sum") * 1e6,
+            count: value(&m, "warmpath_router_overhead_seconds_count"),
+        }
+    }
+
+    /// Means per request since `before`.
+    fn since(&self, before: &Inside) -> Inside {
+        let n = self.count - before.count;
+        Inside {
+            tokenize_us: (self.tokenize_us - before.tokenize_us) / n,
+            overhead_us: (self.overhead_us - before.overhead_us) / n,
+            count: n,
+        }
+    }
 }
 
 fn main() {
@@ -81,8 +109,8 @@ fn main() {
         1,
     );
     let under = [
-        ("builtin", builtin.url.clone()),
-        ("o200k", o200k.url.clone()),
+        ("builtin", builtin.url.clone(), builtin.child.id()),
+        ("o200k", o200k.url.clone(), o200k.child.id()),
     ];
     println!(
         "router added latency by tokenizer: {PAIRS} interleaved rounds after {WARMUP} warm-up rounds per prompt size, 1 output token, one connection each; machine: {} cores, shared by client, routers and engine-sim",
@@ -150,10 +178,12 @@ fn main() {
             for i in 0..WARMUP {
                 let body = make(i);
                 send_completion(&client, &engine.url, &body).await;
-                for (_, url) in &under {
+                for (_, url, _) in &under {
                     send_completion(&client, url, &body).await;
                 }
             }
+            let cpu0: Vec<f64> = under.iter().map(|u| cpu_seconds(u.2)).collect();
+            let inside0: Vec<Inside> = under.iter().map(|u| Inside::of(&u.1)).collect();
             let mut direct = Vec::new();
             let mut diff: Vec<Vec<f64>> = vec![Vec::new(); under.len()];
             for i in 0..PAIRS {
@@ -163,7 +193,11 @@ fn main() {
                 // Rotate which goes first, so none always warms another's path.
                 for k in 0..n {
                     let who = (i + k) % n;
-                    let url = if who == 0 { &engine.url } else { &under[who - 1].1 };
+                    let url = if who == 0 {
+                        &engine.url
+                    } else {
+                        &under[who - 1].1
+                    };
                     times[who] = send_completion(&client, url, &body).await;
                 }
                 let d = times[0].as_secs_f64() * 1e6;
@@ -172,6 +206,16 @@ fn main() {
                     diff[j].push(t.as_secs_f64() * 1e6 - d);
                 }
             }
+            let cpu: Vec<f64> = under
+                .iter()
+                .zip(&cpu0)
+                .map(|(u, c0)| (cpu_seconds(u.2) - c0) * 1e6 / PAIRS as f64)
+                .collect();
+            let inside: Vec<Inside> = under
+                .iter()
+                .zip(&inside0)
+                .map(|(u, i0)| Inside::of(&u.1).since(i0))
+                .collect();
             direct.sort_by(f64::total_cmp);
             println!(
                 "  {} KB prompt: direct to engine-sim p50 {:.1} µs, p99 {:.1} µs",
@@ -179,12 +223,15 @@ fn main() {
                 percentile(&direct, 0.5),
                 percentile(&direct, 0.99)
             );
-            for (j, (name, _)) in under.iter().enumerate() {
+            for (j, (name, _, _)) in under.iter().enumerate() {
                 diff[j].sort_by(f64::total_cmp);
                 println!(
-                    "    added by the router, {name:<8} p50 {:7.1} µs  p99 {:7.1} µs",
+                    "    added by the router, {name:<8} p50 {:7.1} µs  p99 {:7.1} µs; inside the router, mean: parse and tokenize {:5.1} µs, arrival to upstream send {:5.1} µs; router CPU {:5.1} µs per request",
                     percentile(&diff[j], 0.5),
-                    percentile(&diff[j], 0.99)
+                    percentile(&diff[j], 0.99),
+                    inside[j].tokenize_us,
+                    inside[j].overhead_us,
+                    cpu[j]
                 );
             }
         }

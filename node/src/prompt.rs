@@ -30,6 +30,7 @@
 //! A Hugging Face tokenizer is not cached.
 //! BENCHMARKS.md ("Router added latency with a real tokenizer") has the figures.
 
+use crate::pretokenize::{self, Pattern};
 use warmpath_index::text::{render_chat, tokenize, ChatMessage, Tokenize, Tokenizer};
 
 /// The largest chat template a pool may carry.
@@ -37,13 +38,19 @@ pub const MAX_TEMPLATE_BYTES: usize = 64 * 1024;
 
 enum Model {
     Builtin,
-    OpenAi {
-        bpe: &'static bpe_openai::Tokenizer,
-        /// Its piece cache.
-        slot: usize,
-        specials: &'static [(&'static str, u32)],
-    },
+    OpenAi(OpenAi),
     Hf(Box<tokenizers::Tokenizer>),
+}
+
+/// One of OpenAI's encodings.
+#[derive(Clone, Copy)]
+struct OpenAi {
+    bpe: &'static bpe_openai::Tokenizer,
+    /// Its pre-tokenizer on ASCII text.
+    pattern: Pattern,
+    /// Its caches, per thread.
+    slot: usize,
+    specials: &'static [(&'static str, u32)],
 }
 
 /// `tiktoken`'s special tokens of each encoding.
@@ -78,16 +85,18 @@ impl PoolText {
     pub fn load(tokenizer: &str, chat_template: &str) -> Result<PoolText, String> {
         let model = match tokenizer {
             "" | "builtin" => Model::Builtin,
-            "tiktoken:o200k_base" => Model::OpenAi {
+            "tiktoken:o200k_base" => Model::OpenAi(OpenAi {
                 bpe: bpe_openai::o200k_base(),
+                pattern: Pattern::O200k,
                 slot: 0,
                 specials: O200K_SPECIALS,
-            },
-            "tiktoken:cl100k_base" => Model::OpenAi {
+            }),
+            "tiktoken:cl100k_base" => Model::OpenAi(OpenAi {
                 bpe: bpe_openai::cl100k_base(),
+                pattern: Pattern::Cl100k,
                 slot: 1,
                 specials: CL100K_SPECIALS,
-            },
+            }),
             t => match t.strip_prefix("hf:") {
                 Some(path) if !path.is_empty() => Model::Hf(Box::new(
                     tokenizers::Tokenizer::from_file(path)
@@ -149,11 +158,7 @@ impl PoolText {
     fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
         match &self.model {
             Model::Builtin => tokenize(text),
-            Model::OpenAi {
-                bpe,
-                slot,
-                specials,
-            } => encode_with_specials(bpe, *slot, specials, text),
+            Model::OpenAi(enc) => encode_with_specials(*enc, text),
             Model::Hf(t) => t
                 .encode_fast(text, add_special_tokens)
                 .map(|e| e.get_ids().to_vec())
@@ -165,32 +170,36 @@ impl PoolText {
 /// Pieces whose ids a thread keeps, at most (about 50 bytes each).
 pub const PIECE_CACHE_ENTRIES: usize = 65_536;
 
-/// A piece → its token ids.
-type PieceIds = std::collections::HashMap<Box<str>, Box<[u32]>>;
+/// A piece → its token ids. FxHash: a piece is a few bytes, hashed on every lookup, and
+/// SipHash's flood resistance buys nothing in a cache emptied whole when full.
+type PieceIds = rustc_hash::FxHashMap<Box<str>, Box<[u32]>>;
 
 thread_local! {
     /// Per encoding (o200k, cl100k).
     static PIECES: std::cell::RefCell<[PieceIds; 2]> =
-        std::cell::RefCell::new([PieceIds::new(), PieceIds::new()]);
+        std::cell::RefCell::new([PieceIds::default(), PieceIds::default()]);
 }
 
-/// `text` encoded by `bpe` (the OpenAI encodings do not normalize), through the piece
-/// cache of encoding `slot`.
-fn encode_pieces(bpe: &bpe_openai::Tokenizer, slot: usize, text: &str, out: &mut Vec<u32>) {
+/// `text` encoded by `enc` (the OpenAI encodings do not normalize), through its piece
+/// cache; ASCII text is cut by [`crate::pretokenize`], any other by the encoding's regex.
+fn encode_pieces(enc: OpenAi, text: &str, out: &mut Vec<u32>) {
     PIECES.with(|caches| {
-        let cache = &mut caches.borrow_mut()[slot];
-        for piece in bpe.split(text) {
-            match cache.get(piece) {
-                Some(ids) => out.extend_from_slice(ids),
-                None => {
-                    let ids = bpe.bpe.encode_via_backtracking(piece.as_bytes());
-                    out.extend_from_slice(&ids);
-                    if cache.len() >= PIECE_CACHE_ENTRIES {
-                        cache.clear();
-                    }
-                    cache.insert(piece.into(), ids.into_boxed_slice());
+        let cache = &mut caches.borrow_mut()[enc.slot];
+        let mut encode = |piece: &str| match cache.get(piece) {
+            Some(ids) => out.extend_from_slice(ids),
+            None => {
+                let ids = enc.bpe.bpe.encode_via_backtracking(piece.as_bytes());
+                out.extend_from_slice(&ids);
+                if cache.len() >= PIECE_CACHE_ENTRIES {
+                    cache.clear();
                 }
+                cache.insert(piece.into(), ids.into_boxed_slice());
             }
+        };
+        if text.is_ascii() {
+            pretokenize::split(enc.pattern, text).for_each(&mut encode);
+        } else {
+            enc.bpe.split(text).for_each(&mut encode);
         }
     });
 }
@@ -230,8 +239,7 @@ fn is_cut(text: &[u8], at: usize) -> bool {
 /// are taken as they are, and the rest is encoded and kept segment by segment. A shared
 /// prefix (a system prompt, a document, a conversation so far) is then not split or
 /// encoded again.
-fn encode_segments(bpe: &bpe_openai::Tokenizer, slot: usize, text: &str, out: &mut Vec<u32>) {
-    use std::hash::{Hash, Hasher};
+fn encode_segments(enc: OpenAi, text: &str, out: &mut Vec<u32>) {
     let bytes = text.as_bytes();
     let mut cuts = Vec::new();
     let mut target = SEGMENT_BYTES;
@@ -247,20 +255,20 @@ fn encode_segments(bpe: &bpe_openai::Tokenizer, slot: usize, text: &str, out: &m
         target += SEGMENT_BYTES;
     }
     if cuts.is_empty() {
-        return encode_pieces(bpe, slot, text, out);
+        return encode_pieces(enc, text, out);
     }
     // Chained hashes: each cut's names the whole text before it.
     let mut keys = Vec::with_capacity(cuts.len());
-    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
     let mut from = 0;
     for &at in &cuts {
-        text[from..at].hash(&mut h);
-        keys.push(h.finish());
+        h.update(&bytes[from..at]);
+        keys.push(h.digest());
         from = at;
     }
     SEGMENTS.with(|caches| {
         let mut caches = caches.borrow_mut();
-        let cache = &mut caches[slot];
+        let cache = &mut caches[enc.slot];
         let mut start = 0;
         let mut found = 0;
         for (i, &at) in cuts.iter().enumerate() {
@@ -276,38 +284,43 @@ fn encode_segments(bpe: &bpe_openai::Tokenizer, slot: usize, text: &str, out: &m
         for i in found..cuts.len() {
             let at = cuts[i];
             let before = out.len();
-            encode_pieces(bpe, slot, &text[start..at], out);
+            encode_pieces(enc, &text[start..at], out);
             if cache.len() >= SEGMENT_CACHE_ENTRIES {
                 cache.clear();
             }
             cache.insert(keys[i], (at - start, out[before..].into()));
             start = at;
         }
-        encode_pieces(bpe, slot, &text[start..], out);
+        encode_pieces(enc, &text[start..], out);
     });
 }
 
+/// Every special token of the OpenAI encodings starts so: one scan finds them all.
+const SPECIAL_OPENER: &[u8] = b"<|";
+
+/// The first special token in `text`: (its offset, its length, its id).
+fn next_special(text: &str, specials: &[(&str, u32)]) -> Option<(usize, usize, u32)> {
+    memchr::memmem::find_iter(text.as_bytes(), SPECIAL_OPENER).find_map(|at| {
+        specials
+            .iter()
+            .find(|(s, _)| text[at..].starts_with(s))
+            .map(|&(s, id)| (at, s.len(), id))
+    })
+}
+
 /// `text` encoded by `bpe`, each special token in it as its id.
-fn encode_with_specials(
-    bpe: &bpe_openai::Tokenizer,
-    slot: usize,
-    specials: &[(&str, u32)],
-    mut text: &str,
-) -> Vec<u32> {
+fn encode_with_specials(enc: OpenAi, mut text: &str) -> Vec<u32> {
     let mut out = Vec::with_capacity(text.len() / 4 + 1);
     loop {
-        let next = specials
-            .iter()
-            .filter_map(|&(s, id)| text.find(s).map(|at| (at, s.len(), id)))
-            .min();
+        let next = next_special(text, enc.specials);
         match next {
             Some((at, len, id)) => {
-                encode_segments(bpe, slot, &text[..at], &mut out);
+                encode_segments(enc, &text[..at], &mut out);
                 out.push(id);
                 text = &text[at + len..];
             }
             None => {
-                encode_segments(bpe, slot, text, &mut out);
+                encode_segments(enc, text, &mut out);
                 return out;
             }
         }
@@ -355,6 +368,14 @@ mod tests {
         // A special token in the text is its id, not its spelling's pieces.
         let t = cl100k.completion("Hi<|endoftext|>Hi");
         assert_eq!(t, vec![13347, 100_257, 13347]);
+        // A "<|" that opens no special token is text; the next one still counts.
+        let plain = bpe_openai::cl100k_base().encode("a<|b ");
+        let mut want = plain.clone();
+        want.extend([100_276, 13347]);
+        assert_eq!(cl100k.completion("a<|b <|endofprompt|>Hi"), want);
+        for (s, _) in O200K_SPECIALS.iter().chain(CL100K_SPECIALS) {
+            assert!(s.as_bytes().starts_with(SPECIAL_OPENER), "{s}");
+        }
         assert_eq!(o200k.name(), "tiktoken:o200k_base");
         // The piece cache changes nothing: a long text, twice (the second time from the
         // cache), equals the crate's own uncached encoding.

@@ -101,3 +101,20 @@ pub async fn send_completion(
     resp.into_body().collect().await.expect("body");
     t.elapsed()
 }
+
+/// The text of `url`'s `/metrics`.
+pub fn scrape(url: &str) -> String {
+    let out = std::process::Command::new("curl")
+        .args(["-s", &format!("{url}/metrics")])
+        .output()
+        .expect("curl runs");
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// The value of the first sample in `text` whose line starts with `prefix` (NaN: none).
+pub fn value(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}

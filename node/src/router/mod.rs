@@ -338,6 +338,11 @@ fn describe_metrics() {
         Unit::Seconds,
         "From request arrival to the upstream send: body read, parse, tokenize, hash, route."
     );
+    describe_histogram!(
+        "warmpath_router_tokenize_seconds",
+        Unit::Seconds,
+        "Parsing a request body and tokenizing its prompt with the pool's tokenizer and chat template (part of the overhead)."
+    );
     describe_gauge!("warmpath_index_entries", "Blocks in the prefix index.");
     describe_gauge!(
         "warmpath_index_l2_blocks",

@@ -695,7 +695,10 @@ async fn handle(
     }
     let config_version = tenant.config_version;
     let body = read_body(&app, body).await?;
+    let parse_started = Instant::now();
     let mut parsed = parse(endpoint, &body, |m| app.tokenizer(m))?;
+    metrics::histogram!("warmpath_router_tokenize_seconds")
+        .record(parse_started.elapsed().as_secs_f64());
     // The prompt is tokenized and hashed once; every attempt reuses the keys.
     let tokens = std::mem::take(&mut parsed.tokens);
     let prompt_tokens = tokens.len() as u32;
