@@ -67,6 +67,68 @@ impl Inside {
     }
 }
 
+/// o200k written as a Hugging Face `tokenizer.json` (byte-level BPE with o200k's pattern,
+/// vocabulary and, for each token, every pair of lower-ranked tokens that forms it, in
+/// rank order): a stand-in for the tokenizer.json of a real model of that size, which this
+/// machine cannot download. Its ids are compared with o200k's before it is timed.
+fn o200k_as_hugging_face() -> String {
+    let bpe = &bpe_openai::o200k_base().bpe;
+    // GPT-2's byte-to-character map, which byte-level BPE vocabularies are written in.
+    let mut printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
+    let mut chars = [0u32; 256];
+    let mut extra = 0;
+    for b in 0..256u32 {
+        chars[b as usize] = if printable.contains(&b) {
+            b
+        } else {
+            extra += 1;
+            255 + extra
+        };
+    }
+    printable.clear();
+    let spell = |bytes: &[u8]| -> String {
+        bytes
+            .iter()
+            .map(|&b| char::from_u32(chars[b as usize]).expect("a char"))
+            .collect()
+    };
+    let n = bpe.num_tokens() as u32;
+    let ids: std::collections::HashMap<&[u8], u32> =
+        (0..n).map(|id| (bpe.token_bytes(id), id)).collect();
+    let mut vocab = serde_json::Map::new();
+    let mut merges = Vec::new();
+    for id in 0..n {
+        let bytes = bpe.token_bytes(id);
+        vocab.insert(spell(bytes), serde_json::json!(id));
+        for cut in 1..bytes.len() {
+            let (a, b) = (ids.get(&bytes[..cut]), ids.get(&bytes[cut..]));
+            if let (Some(&a), Some(&b)) = (a, b) {
+                if a < id && b < id {
+                    merges.push(serde_json::json!([spell(&bytes[..cut]), spell(&bytes[cut..])]));
+                }
+            }
+        }
+    }
+    let pattern = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}
+        ]},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": merges}
+    })
+    .to_string()
+}
+
 fn main() {
     let engine = start(
         &[
@@ -108,9 +170,32 @@ fn main() {
         ],
         1,
     );
+    let hf_path = dir.path().join("o200k-hf.json");
+    std::fs::write(&hf_path, o200k_as_hugging_face()).expect("tokenizer.json written");
+    let hf_config = dir.path().join("router-hf.toml");
+    std::fs::write(
+        &hf_config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\ntokenizer = \"hf:{}\"\n",
+            engine.url,
+            hf_path.display()
+        ),
+    )
+    .expect("config written");
+    let hf = start(
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            hf_config.to_str().expect("utf-8 path"),
+        ],
+        1,
+    );
     let under = [
         ("builtin", builtin.url.clone(), builtin.child.id()),
         ("o200k", o200k.url.clone(), o200k.child.id()),
+        ("hf-o200k", hf.url.clone(), hf.child.id()),
     ];
     println!(
         "router added latency by tokenizer: {PAIRS} interleaved rounds after {WARMUP} warm-up rounds per prompt size, 1 output token, one connection each; machine: {} cores, shared by client, routers and engine-sim",
@@ -119,6 +204,8 @@ fn main() {
 
     // The tokenizers alone, in this process (median of 200 calls).
     let o200k_text = warmpath::prompt::PoolText::load("tiktoken:o200k_base", "").expect("o200k");
+    let hf_text = warmpath::prompt::PoolText::load(&format!("hf:{}", hf_path.display()), "")
+        .expect("the converted tokenizer.json loads");
     for size in [4096usize, 32768] {
         let p = prompt(size, 7);
         let time = |f: &dyn Fn() -> usize| {
@@ -152,12 +239,14 @@ fn main() {
             .collect();
         cold.sort_by(f64::total_cmp);
         let uncached = time(&|| bpe_openai::o200k_base().encode(p.as_str()).len());
+        let same = hf_text.completion(&p) == o200k_text.completion(&p);
         println!(
-            "  tokenizer alone, {} KB: builtin {:.1} µs ({nb} tokens); o200k {:.1} µs warm piece cache, {:.1} µs cold, {uncached:.1} µs without the cache ({no} tokens)",
+            "  tokenizer alone, {} KB: builtin {:.1} µs ({nb} tokens); o200k {:.1} µs warm piece cache, {:.1} µs cold, {uncached:.1} µs without the cache ({no} tokens); o200k as a Hugging Face tokenizer.json {:.1} µs (ids equal to o200k's: {same})",
             size / 1024,
             time(&|| warmpath_index::text::tokenize(&p).len()),
             time(&|| o200k_text.completion(&p).len()),
             percentile(&cold, 0.5),
+            time(&|| hf_text.completion(&p).len()),
         );
     }
 

@@ -19,8 +19,9 @@
 //! **Cost.** The OpenAI encodings keep two caches per thread, both exact (tests hold the
 //! ids equal to the uncached encoder's):
 //! - pieces: BPE works on each pre-tokenized piece (a word, a number, a punctuation run)
-//!   alone, so the ids of each piece seen before are kept ([`PIECE_CACHE_ENTRIES`] at
-//!   most, dropped whole when full): prompts repeat their words;
+//!   alone, so the ids of each piece seen before are kept, in a direct-mapped table of
+//!   [`PIECE_CACHE_SLOTS`] one-cache-line slots (a piece of up to 22 bytes and 8 ids; a new
+//!   piece replaces the one in its slot): prompts repeat their words;
 //! - segments: a text cut where the pre-tokenizer would cut anyway (a space between two
 //!   ASCII letters) encodes as its parts do, so a prompt is cut about every 512 bytes and
 //!   the ids of each segment are kept under a hash of all the text before its end
@@ -167,35 +168,94 @@ impl PoolText {
     }
 }
 
-/// Pieces whose ids a thread keeps, at most (about 50 bytes each).
-pub const PIECE_CACHE_ENTRIES: usize = 65_536;
+/// Slots of a thread's piece cache, per encoding: a power of two, 64 bytes each (2 MiB).
+pub const PIECE_CACHE_SLOTS: usize = 1 << 15;
+/// The longest piece a slot holds, in bytes, and the most ids.
+const SLOT_BYTES: usize = 22;
+const SLOT_IDS: usize = 8;
 
-/// A piece → its token ids. FxHash: a piece is a few bytes, hashed on every lookup, and
-/// SipHash's flood resistance buys nothing in a cache emptied whole when full.
-type PieceIds = rustc_hash::FxHashMap<Box<str>, Box<[u32]>>;
+/// One piece and its ids, in one cache line: a lookup reads one line of memory, where a
+/// hash map of boxed strings read three (the router's caches are cold between requests on
+/// a busy host).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Slot {
+    hash: u64,
+    /// 0: empty (pieces are never empty).
+    len: u8,
+    n: u8,
+    bytes: [u8; SLOT_BYTES],
+    ids: [u32; SLOT_IDS],
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    hash: 0,
+    len: 0,
+    n: 0,
+    bytes: [0; SLOT_BYTES],
+    ids: [0; SLOT_IDS],
+};
+
+/// A direct-mapped cache of pieces → ids: a new piece replaces the one in its slot.
+/// Pieces longer than a slot are encoded every time.
+struct PieceCache(Box<[Slot]>);
+
+impl PieceCache {
+    fn new() -> Self {
+        PieceCache(vec![EMPTY_SLOT; PIECE_CACHE_SLOTS].into_boxed_slice())
+    }
+
+    /// The slot for `piece` and the piece's hash.
+    fn slot(&mut self, piece: &[u8]) -> (&mut Slot, u64) {
+        use std::hash::Hasher;
+        let mut h = rustc_hash::FxHasher::default();
+        h.write(piece);
+        let hash = h.finish();
+        // FxHash mixes into the high bits.
+        let at = (hash >> (64 - PIECE_CACHE_SLOTS.trailing_zeros())) as usize;
+        (&mut self.0[at], hash)
+    }
+
+    /// Appends the ids of `piece` to `out`, encoding it with `bpe` unless cached.
+    fn encode(&mut self, bpe: &bpe_openai::Tokenizer, piece: &str, out: &mut Vec<u32>) {
+        let bytes = piece.as_bytes();
+        if bytes.len() > SLOT_BYTES {
+            out.extend(bpe.bpe.encode_via_backtracking(bytes));
+            return;
+        }
+        let (slot, hash) = self.slot(bytes);
+        if slot.hash == hash
+            && usize::from(slot.len) == bytes.len()
+            && &slot.bytes[..bytes.len()] == bytes
+        {
+            out.extend_from_slice(&slot.ids[..usize::from(slot.n)]);
+            return;
+        }
+        let ids = bpe.bpe.encode_via_backtracking(bytes);
+        out.extend_from_slice(&ids);
+        if ids.len() <= SLOT_IDS {
+            slot.hash = hash;
+            slot.len = bytes.len() as u8;
+            slot.n = ids.len() as u8;
+            slot.bytes[..bytes.len()].copy_from_slice(bytes);
+            slot.ids[..ids.len()].copy_from_slice(&ids);
+        }
+    }
+}
 
 thread_local! {
-    /// Per encoding (o200k, cl100k).
-    static PIECES: std::cell::RefCell<[PieceIds; 2]> =
-        std::cell::RefCell::new([PieceIds::default(), PieceIds::default()]);
+    /// Per encoding (o200k, cl100k), made on first use.
+    static PIECES: std::cell::RefCell<[Option<PieceCache>; 2]> =
+        const { std::cell::RefCell::new([None, None]) };
 }
 
 /// `text` encoded by `enc` (the OpenAI encodings do not normalize), through its piece
 /// cache; ASCII text is cut by [`crate::pretokenize`], any other by the encoding's regex.
 fn encode_pieces(enc: OpenAi, text: &str, out: &mut Vec<u32>) {
     PIECES.with(|caches| {
-        let cache = &mut caches.borrow_mut()[enc.slot];
-        let mut encode = |piece: &str| match cache.get(piece) {
-            Some(ids) => out.extend_from_slice(ids),
-            None => {
-                let ids = enc.bpe.bpe.encode_via_backtracking(piece.as_bytes());
-                out.extend_from_slice(&ids);
-                if cache.len() >= PIECE_CACHE_ENTRIES {
-                    cache.clear();
-                }
-                cache.insert(piece.into(), ids.into_boxed_slice());
-            }
-        };
+        let mut caches = caches.borrow_mut();
+        let cache = caches[enc.slot].get_or_insert_with(PieceCache::new);
+        let mut encode = |piece: &str| cache.encode(enc.bpe, piece, out);
         if text.is_ascii() {
             pretokenize::split(enc.pattern, text).for_each(&mut encode);
         } else {
@@ -379,7 +439,7 @@ mod tests {
         assert_eq!(o200k.name(), "tiktoken:o200k_base");
         // The piece cache changes nothing: a long text, twice (the second time from the
         // cache), equals the crate's own uncached encoding.
-        let text: String = (0..PIECE_CACHE_ENTRIES / 8 + 10)
+        let text: String = (0..PIECE_CACHE_SLOTS / 4 + 10)
             .map(|i| format!("w{i} {}, ", warmpath_index::text::words(i as u64, 3)))
             .collect();
         let plain = bpe_openai::o200k_base().encode(text.as_str());
