@@ -73,23 +73,10 @@ impl Inside {
 /// machine cannot download. Its ids are compared with o200k's before it is timed.
 fn o200k_as_hugging_face() -> String {
     let bpe = &bpe_openai::o200k_base().bpe;
-    // GPT-2's byte-to-character map, which byte-level BPE vocabularies are written in.
-    let mut printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
-    let mut chars = [0u32; 256];
-    let mut extra = 0;
-    for b in 0..256u32 {
-        chars[b as usize] = if printable.contains(&b) {
-            b
-        } else {
-            extra += 1;
-            255 + extra
-        };
-    }
-    printable.clear();
     let spell = |bytes: &[u8]| -> String {
         bytes
             .iter()
-            .map(|&b| char::from_u32(chars[b as usize]).expect("a char"))
+            .map(|&b| warmpath::prompt::byte_level_char(b))
             .collect()
     };
     let n = bpe.num_tokens() as u32;
@@ -104,12 +91,15 @@ fn o200k_as_hugging_face() -> String {
             let (a, b) = (ids.get(&bytes[..cut]), ids.get(&bytes[cut..]));
             if let (Some(&a), Some(&b)) = (a, b) {
                 if a < id && b < id {
-                    merges.push(serde_json::json!([spell(&bytes[..cut]), spell(&bytes[cut..])]));
+                    merges.push(serde_json::json!([
+                        spell(&bytes[..cut]),
+                        spell(&bytes[cut..])
+                    ]));
                 }
             }
         }
     }
-    let pattern = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+    let pattern = warmpath::pretokenize::O200K_REGEX;
     serde_json::json!({
         "version": "1.0",
         "truncation": null,

@@ -17,6 +17,30 @@ pub enum Pattern {
     Cl100k,
 }
 
+/// tiktoken's o200k pattern, as a Hugging Face `tokenizer.json` writes it.
+pub const O200K_REGEX: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// tiktoken's cl100k pattern, which Llama 3's `tokenizer.json` also uses.
+pub const CL100K_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+impl Pattern {
+    /// The pattern a `tokenizer.json` regex spells, if it is one of these.
+    pub fn from_regex(regex: &str) -> Option<Pattern> {
+        match regex {
+            O200K_REGEX => Some(Pattern::O200k),
+            CL100K_REGEX => Some(Pattern::Cl100k),
+            _ => None,
+        }
+    }
+
+    /// `bpe-openai`'s tokenizer with this pattern, whose regex cuts non-ASCII text.
+    fn regex(self) -> &'static bpe_openai::Tokenizer {
+        match self {
+            Pattern::O200k => bpe_openai::o200k_base(),
+            Pattern::Cl100k => bpe_openai::cl100k_base(),
+        }
+    }
+}
+
 fn is_space(b: u8) -> bool {
     // `\s` on ASCII: tab, line feed, vertical tab, form feed, carriage return, space.
     matches!(b, b'\t' | b'\n' | 0x0b | 0x0c | b'\r' | b' ')
@@ -112,8 +136,18 @@ fn piece_len(pattern: Pattern, t: &[u8]) -> usize {
     }
 }
 
+/// Calls `f` with each piece of `text`: cut by the rules above when it is ASCII, by the
+/// pattern's regex otherwise.
+pub fn for_each_piece<'t>(pattern: Pattern, text: &'t str, f: impl FnMut(&'t str)) {
+    if text.is_ascii() {
+        ascii_pieces(pattern, text).for_each(f);
+    } else {
+        pattern.regex().split(text).for_each(f);
+    }
+}
+
 /// The pieces of `text`, which must be ASCII.
-pub fn split(pattern: Pattern, text: &str) -> impl Iterator<Item = &str> {
+fn ascii_pieces(pattern: Pattern, text: &str) -> impl Iterator<Item = &str> {
     debug_assert!(text.is_ascii());
     let mut rest = text;
     std::iter::from_fn(move || {
@@ -145,11 +179,19 @@ mod tests {
                 let text: String = (0..len)
                     .map(|_| alphabet[rng.below(alphabet.len() as u64) as usize] as char)
                     .collect();
-                let ours: Vec<&str> = split(pattern, &text).collect();
+                let ours: Vec<&str> = ascii_pieces(pattern, &text).collect();
                 let theirs: Vec<&str> = bpe.split(&text).collect();
                 assert_eq!(ours, theirs, "{pattern:?} case {case}: {text:?}");
             }
         }
+    }
+
+    #[test]
+    fn known_patterns_are_recognised() {
+        assert_eq!(Pattern::from_regex(O200K_REGEX), Some(Pattern::O200k));
+        assert_eq!(Pattern::from_regex(CL100K_REGEX), Some(Pattern::Cl100k));
+        assert_eq!(Pattern::from_regex("\\s+"), None);
+        assert!(O200K_REGEX.contains(r"\p{N}{1,3}| ?[^\s"));
     }
 
     #[test]
@@ -158,18 +200,25 @@ mod tests {
             (
                 Pattern::O200k,
                 "Hello, WORLD's 12345 don't\n\n  x",
-                &["Hello", ",", " WORLD's", " ", "123", "45", " don't", "\n\n", " ", " x"],
+                &[
+                    "Hello", ",", " WORLD's", " ", "123", "45", " don't", "\n\n", " ", " x",
+                ],
             ),
             (
                 Pattern::Cl100k,
                 "Hello, WORLD's 12345 don't\n\n  x",
-                &["Hello", ",", " WORLD", "'s", " ", "123", "45", " don", "'t", "\n\n", " ", " x"],
+                &[
+                    "Hello", ",", " WORLD", "'s", " ", "123", "45", " don", "'t", "\n\n", " ", " x",
+                ],
             ),
             (Pattern::O200k, "a//b/\n", &["a", "//", "b", "/\n"]),
             (Pattern::O200k, "tail   ", &["tail", "   "]),
+            // Non-ASCII text goes through the regex.
+            (Pattern::O200k, "Grüße, 世界", &["Grüße", ",", " 世界"]),
         ];
         for (pattern, text, want) in cases {
-            let got: Vec<&str> = split(*pattern, text).collect();
+            let mut got = Vec::new();
+            for_each_piece(*pattern, text, |p| got.push(p));
             assert_eq!(&got, want, "{pattern:?} {text:?}");
         }
     }

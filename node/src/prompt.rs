@@ -39,19 +39,48 @@ pub const MAX_TEMPLATE_BYTES: usize = 64 * 1024;
 
 enum Model {
     Builtin,
-    OpenAi(OpenAi),
+    /// Pieces cut and cached by warmpath (see the module docs).
+    Fast(Fast),
+    /// A Hugging Face tokenizer off the fast path, encoded by the `tokenizers` crate whole.
     Hf(Box<tokenizers::Tokenizer>),
 }
 
-/// One of OpenAI's encodings.
-#[derive(Clone, Copy)]
-struct OpenAi {
-    bpe: &'static bpe_openai::Tokenizer,
-    /// Its pre-tokenizer on ASCII text.
+/// A byte-pair encoding whose pieces warmpath cuts ([`crate::pretokenize`]) and caches:
+/// one of OpenAI's encodings, or a Hugging Face byte-level BPE with one of their patterns.
+struct Fast {
+    bpe: Bpe,
     pattern: Pattern,
-    /// Its caches, per thread.
-    slot: usize,
-    specials: &'static [(&'static str, u32)],
+    /// Names its caches in every thread.
+    cache: usize,
+    specials: Specials,
+    /// Ids a completions prompt starts and ends with (a post-processor's BOS, say).
+    open: Vec<u32>,
+    close: Vec<u32>,
+}
+
+/// What encodes one piece.
+enum Bpe {
+    OpenAi(&'static bpe_openai::Tokenizer),
+    /// The tokenizer's own model, on the piece's bytes in the byte-level alphabet.
+    Hf(Box<tokenizers::Tokenizer>),
+}
+
+/// Tokens written in the text that encode as one id.
+enum Specials {
+    /// OpenAI's: all start with [`SPECIAL_OPENER`].
+    OpenAi(&'static [(&'static str, u32)]),
+    /// A tokenizer.json's added tokens, found leftmost-longest as `tokenizers` finds them.
+    Added {
+        finder: aho_corasick::AhoCorasick,
+        ids: Vec<u32>,
+    },
+}
+
+/// Caches made so far, each a new name for [`Fast::cache`].
+static CACHE_NAMES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn new_cache_name() -> usize {
+    CACHE_NAMES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// `tiktoken`'s special tokens of each encoding.
@@ -86,23 +115,18 @@ impl PoolText {
     pub fn load(tokenizer: &str, chat_template: &str) -> Result<PoolText, String> {
         let model = match tokenizer {
             "" | "builtin" => Model::Builtin,
-            "tiktoken:o200k_base" => Model::OpenAi(OpenAi {
-                bpe: bpe_openai::o200k_base(),
-                pattern: Pattern::O200k,
-                slot: 0,
-                specials: O200K_SPECIALS,
-            }),
-            "tiktoken:cl100k_base" => Model::OpenAi(OpenAi {
-                bpe: bpe_openai::cl100k_base(),
-                pattern: Pattern::Cl100k,
-                slot: 1,
-                specials: CL100K_SPECIALS,
-            }),
+            "tiktoken:o200k_base" => Model::Fast(Fast::openai(
+                bpe_openai::o200k_base(),
+                Pattern::O200k,
+                O200K_SPECIALS,
+            )),
+            "tiktoken:cl100k_base" => Model::Fast(Fast::openai(
+                bpe_openai::cl100k_base(),
+                Pattern::Cl100k,
+                CL100K_SPECIALS,
+            )),
             t => match t.strip_prefix("hf:") {
-                Some(path) if !path.is_empty() => Model::Hf(Box::new(
-                    tokenizers::Tokenizer::from_file(path)
-                        .map_err(|e| format!("tokenizer {path}: {e}"))?,
-                )),
+                Some(path) if !path.is_empty() => load_hf(path)?,
                 _ => {
                     return Err(format!(
                         "tokenizer {t:?}: builtin, tiktoken:o200k_base, tiktoken:cl100k_base \
@@ -156,16 +180,124 @@ impl PoolText {
         Tokenizer(std::sync::Arc::new(self))
     }
 
+    /// Whether its pieces are cut and cached by warmpath (false: the built-in tokenizer,
+    /// or a Hugging Face tokenizer encoded whole by the `tokenizers` crate).
+    pub fn fast(&self) -> bool {
+        matches!(self.model, Model::Fast(_))
+    }
+
     fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
         match &self.model {
             Model::Builtin => tokenize(text),
-            Model::OpenAi(enc) => encode_with_specials(*enc, text),
-            Model::Hf(t) => t
-                .encode_fast(text, add_special_tokens)
-                .map(|e| e.get_ids().to_vec())
-                .unwrap_or_default(),
+            Model::Fast(f) => f.encode(text, add_special_tokens),
+            Model::Hf(t) => hf_encode(t, text, add_special_tokens),
         }
     }
+}
+
+fn hf_encode(t: &tokenizers::Tokenizer, text: &str, add_special_tokens: bool) -> Vec<u32> {
+    t.encode_fast(text, add_special_tokens)
+        .map(|e| e.get_ids().to_vec())
+        .unwrap_or_default()
+}
+
+/// Loads a Hugging Face `tokenizer.json`: on the fast path when it is a byte-level BPE
+/// that warmpath cuts exactly ([`fast_hf`]), else whole through the `tokenizers` crate.
+fn load_hf(path: &str) -> Result<Model, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("tokenizer {path}: {e}"))?;
+    let tokenizer: tokenizers::Tokenizer =
+        text.parse().map_err(|e| format!("tokenizer {path}: {e}"))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("tokenizer {path}: {e}"))?;
+    match fast_hf(&json, &tokenizer) {
+        Ok(fast) => Ok(Model::Fast(fast)),
+        Err(why) => {
+            tracing::info!(
+                path,
+                why,
+                "the tokenizer is encoded whole by the tokenizers crate (slower: BENCHMARKS.md)"
+            );
+            Ok(Model::Hf(Box::new(tokenizer)))
+        }
+    }
+}
+
+/// The fast path for a `tokenizer.json`, or why not: no
+/// normalizer; a `Split` of one of [`Pattern`]'s regexes, isolated, then `ByteLevel`
+/// without its own regex; a BPE model; added tokens matched as written (no stripping,
+/// not single words); and the same ids as the `tokenizers` crate on a probe text that
+/// exercises every kind of piece.
+fn fast_hf(json: &serde_json::Value, tokenizer: &tokenizers::Tokenizer) -> Result<Fast, String> {
+    if !json["normalizer"].is_null() {
+        return Err("it has a normalizer".into());
+    }
+    if json["model"]["type"] != "BPE" {
+        return Err("its model is not BPE".into());
+    }
+    let pre = &json["pre_tokenizer"];
+    let steps = pre["pretokenizers"].as_array().map(Vec::as_slice);
+    let (split, byte_level) = match (pre["type"].as_str(), steps) {
+        (Some("Sequence"), Some([split, byte_level])) => (split, byte_level),
+        _ => return Err("its pre-tokenizer is not Split then ByteLevel".into()),
+    };
+    let pattern =
+        (split["type"] == "Split" && split["behavior"] == "Isolated" && split["invert"] == false)
+            .then(|| split["pattern"]["Regex"].as_str())
+            .flatten()
+            .and_then(Pattern::from_regex)
+            .ok_or("its Split is not an isolated o200k or cl100k pattern")?;
+    if byte_level["type"] != "ByteLevel"
+        || byte_level["use_regex"] != false
+        || byte_level["add_prefix_space"] == true
+    {
+        return Err("its ByteLevel step has a regex or adds a space".into());
+    }
+    // As the tokenizers crate numbers them (a file's ids outside the model's vocabulary
+    // are renumbered on load).
+    let mut added: Vec<(String, u32)> = Vec::new();
+    for (id, t) in tokenizer.get_added_tokens_decoder() {
+        if t.lstrip || t.rstrip || t.single_word {
+            return Err("an added token strips spaces or must be a word".into());
+        }
+        added.push((t.content, id));
+    }
+    added.sort_by_key(|&(_, id)| id);
+    let finder = aho_corasick::AhoCorasick::builder()
+        .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+        .build(added.iter().map(|(c, _)| c))
+        .map_err(|e| format!("its added tokens: {e}"))?;
+    // What its post-processor puts around a completions prompt.
+    let probe = "warmpath probe";
+    let bare = hf_encode(tokenizer, probe, false);
+    let full = hf_encode(tokenizer, probe, true);
+    let at = (0..=full.len().saturating_sub(bare.len()))
+        .find(|&i| full[i..].starts_with(&bare))
+        .filter(|_| !bare.is_empty())
+        .ok_or("its post-processor changes the prompt's own ids")?;
+    let fast = Fast {
+        bpe: Bpe::Hf(Box::new(tokenizer.clone())),
+        pattern,
+        cache: new_cache_name(),
+        specials: Specials::Added {
+            finder,
+            ids: added.iter().map(|&(_, id)| id).collect(),
+        },
+        open: full[..at].to_vec(),
+        close: full[at + bare.len()..].to_vec(),
+    };
+    let mut probe = String::from(
+        "Hello, WORLD's 12345 don't\n\n  x\ttabs\r\n// code(); ünïcödé 世界 🦀 'LL  end  ",
+    );
+    if let Some((content, _)) = added.first() {
+        probe.push_str(content);
+        probe.push_str(" after");
+    }
+    for special in [true, false] {
+        if fast.encode(&probe, special) != hf_encode(tokenizer, &probe, special) {
+            return Err("warmpath's pieces give other ids than the tokenizers crate".into());
+        }
+    }
+    Ok(fast)
 }
 
 /// Slots of a thread's piece cache, per encoding: a power of two, 64 bytes each (2 MiB).
@@ -217,10 +349,10 @@ impl PieceCache {
     }
 
     /// Appends the ids of `piece` to `out`, encoding it with `bpe` unless cached.
-    fn encode(&mut self, bpe: &bpe_openai::Tokenizer, piece: &str, out: &mut Vec<u32>) {
+    fn encode(&mut self, bpe: &Bpe, piece: &str, out: &mut Vec<u32>) {
         let bytes = piece.as_bytes();
         if bytes.len() > SLOT_BYTES {
-            out.extend(bpe.bpe.encode_via_backtracking(bytes));
+            out.extend(bpe.encode(bytes));
             return;
         }
         let (slot, hash) = self.slot(bytes);
@@ -231,7 +363,7 @@ impl PieceCache {
             out.extend_from_slice(&slot.ids[..usize::from(slot.n)]);
             return;
         }
-        let ids = bpe.bpe.encode_via_backtracking(bytes);
+        let ids = bpe.encode(bytes);
         out.extend_from_slice(&ids);
         if ids.len() <= SLOT_IDS {
             slot.hash = hash;
@@ -243,25 +375,56 @@ impl PieceCache {
     }
 }
 
-thread_local! {
-    /// Per encoding (o200k, cl100k), made on first use.
-    static PIECES: std::cell::RefCell<[Option<PieceCache>; 2]> =
-        const { std::cell::RefCell::new([None, None]) };
+impl Bpe {
+    fn encode(&self, piece: &[u8]) -> Vec<u32> {
+        match self {
+            Bpe::OpenAi(t) => t.bpe.encode_via_backtracking(piece),
+            Bpe::Hf(t) => {
+                use tokenizers::Model as _;
+                let spelled: String = piece.iter().map(|&b| byte_level_char(b)).collect();
+                t.get_model()
+                    .tokenize(&spelled)
+                    .map(|tokens| tokens.iter().map(|t| t.id).collect())
+                    .unwrap_or_default()
+            }
+        }
+    }
 }
 
-/// `text` encoded by `enc` (the OpenAI encodings do not normalize), through its piece
-/// cache; ASCII text is cut by [`crate::pretokenize`], any other by the encoding's regex.
-fn encode_pieces(enc: OpenAi, text: &str, out: &mut Vec<u32>) {
-    PIECES.with(|caches| {
-        let mut caches = caches.borrow_mut();
-        let cache = caches[enc.slot].get_or_insert_with(PieceCache::new);
-        let mut encode = |piece: &str| cache.encode(enc.bpe, piece, out);
-        if text.is_ascii() {
-            pretokenize::split(enc.pattern, text).for_each(&mut encode);
-        } else {
-            enc.bpe.split(text).for_each(&mut encode);
+/// The character byte-level BPE vocabularies (GPT-2's, and the `tokenizer.json` files of
+/// models since) write byte `b` as: printable Latin-1 bytes as themselves, the others as
+/// the characters from U+0100 on, in byte order.
+pub fn byte_level_char(b: u8) -> char {
+    static CHARS: std::sync::OnceLock<[char; 256]> = std::sync::OnceLock::new();
+    CHARS.get_or_init(|| {
+        let printable = |b: u8| matches!(b, 33..=126 | 161..=172 | 174..=255);
+        let mut chars = ['\0'; 256];
+        let mut next = 256;
+        for b in 0..=255u8 {
+            chars[usize::from(b)] = if printable(b) {
+                char::from(b)
+            } else {
+                next += 1;
+                char::from_u32(next - 1).expect("below U+0200")
+            };
         }
-    });
+        chars
+    })[usize::from(b)]
+}
+
+/// One [`Fast`] tokenizer's caches in one thread.
+struct Caches {
+    name: usize,
+    pieces: PieceCache,
+    segments: SegmentIds,
+}
+
+/// Tokenizers a thread keeps caches for, at most: a configuration change makes new ones.
+const CACHED_TOKENIZERS: usize = 4;
+
+thread_local! {
+    /// Made on first use; the oldest goes when a fifth tokenizer comes.
+    static CACHES: std::cell::RefCell<Vec<Caches>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Bytes between the cut points of the segment cache (each cut moved back to the nearest
@@ -271,21 +434,14 @@ const SEGMENT_BYTES: usize = 512;
 /// Segments a thread keeps, at most (each the ids of about `SEGMENT_BYTES` of text).
 pub const SEGMENT_CACHE_ENTRIES: usize = 4096;
 
-/// Chained hash of the text up to a segment's end → (the segment's length, its ids).
+/// Chained hash of the text up to a segment's end → (the segment's length, its ids). The
+/// hash names the whole text before the cut, so a segment is found again only after the
+/// same preceding text: a shared prefix.
 type SegmentIds = std::collections::HashMap<u64, (usize, Box<[u32]>)>;
 
-thread_local! {
-    /// Per encoding: chained hash of the text up to a segment's end → (its length, the
-    /// segment's ids). The hash names the whole text before the cut, so a segment is found
-    /// again only after the same preceding text: a shared prefix.
-    static SEGMENTS: std::cell::RefCell<[SegmentIds; 2]> =
-        std::cell::RefCell::new(Default::default());
-}
-
 /// Where `text` may be cut without changing its encoding: a space between two ASCII
-/// letters. Both OpenAI pre-tokenizers end a letter run at a space and start the next
-/// piece there (` word`), so the pieces, hence the ids, of the two sides are those of the
-/// whole.
+/// letters. Both patterns end a letter run at a space and start the next piece there
+/// (` word`), so the pieces, hence the ids, of the two sides are those of the whole.
 fn is_cut(text: &[u8], at: usize) -> bool {
     at > 0
         && at + 1 < text.len()
@@ -294,45 +450,109 @@ fn is_cut(text: &[u8], at: usize) -> bool {
         && text[at + 1].is_ascii_alphabetic()
 }
 
-/// `text` encoded through the segment cache, then the piece cache: the text is cut about
-/// every [`SEGMENT_BYTES`] at exact boundaries, the leading segments found in the cache
-/// are taken as they are, and the rest is encoded and kept segment by segment. A shared
-/// prefix (a system prompt, a document, a conversation so far) is then not split or
-/// encoded again.
-fn encode_segments(enc: OpenAi, text: &str, out: &mut Vec<u32>) {
-    let bytes = text.as_bytes();
-    let mut cuts = Vec::new();
-    let mut target = SEGMENT_BYTES;
-    while target < bytes.len() {
-        let floor = cuts.last().copied().unwrap_or(0);
-        if let Some(at) = (floor + 1..=target)
-            .rev()
-            .take(64)
-            .find(|&at| is_cut(bytes, at))
-        {
-            cuts.push(at);
+impl Fast {
+    fn openai(
+        bpe: &'static bpe_openai::Tokenizer,
+        pattern: Pattern,
+        specials: &'static [(&'static str, u32)],
+    ) -> Fast {
+        Fast {
+            bpe: Bpe::OpenAi(bpe),
+            pattern,
+            cache: new_cache_name(),
+            specials: Specials::OpenAi(specials),
+            open: Vec::new(),
+            close: Vec::new(),
         }
-        target += SEGMENT_BYTES;
     }
-    if cuts.is_empty() {
-        return encode_pieces(enc, text, out);
+
+    /// `text` encoded, each special token in it as its id, between [`Fast::open`] and
+    /// [`Fast::close`] when `add_special_tokens`.
+    fn encode(&self, mut text: &str, add_special_tokens: bool) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 4 + 1);
+        if add_special_tokens {
+            out.extend_from_slice(&self.open);
+        }
+        CACHES.with(|all| {
+            let mut all = all.borrow_mut();
+            let at = match all.iter().position(|c| c.name == self.cache) {
+                Some(at) => at,
+                None => {
+                    if all.len() >= CACHED_TOKENIZERS {
+                        all.remove(0);
+                    }
+                    all.push(Caches {
+                        name: self.cache,
+                        pieces: PieceCache::new(),
+                        segments: SegmentIds::new(),
+                    });
+                    all.len() - 1
+                }
+            };
+            let caches = &mut all[at];
+            while let Some((at, len, id)) = self.next_special(text) {
+                self.encode_segments(&text[..at], caches, &mut out);
+                out.push(id);
+                text = &text[at + len..];
+            }
+            self.encode_segments(text, caches, &mut out);
+        });
+        if add_special_tokens {
+            out.extend_from_slice(&self.close);
+        }
+        out
     }
-    // Chained hashes: each cut's names the whole text before it.
-    let mut keys = Vec::with_capacity(cuts.len());
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    let mut from = 0;
-    for &at in &cuts {
-        h.update(&bytes[from..at]);
-        keys.push(h.digest());
-        from = at;
+
+    /// The first special token in `text`: (its offset, its length, its id).
+    fn next_special(&self, text: &str) -> Option<(usize, usize, u32)> {
+        match &self.specials {
+            Specials::OpenAi(specials) => {
+                memchr::memmem::find_iter(text.as_bytes(), SPECIAL_OPENER).find_map(|at| {
+                    specials
+                        .iter()
+                        .find(|(s, _)| text[at..].starts_with(s))
+                        .map(|&(s, id)| (at, s.len(), id))
+                })
+            }
+            Specials::Added { finder, ids } => finder
+                .find(text)
+                .map(|m| (m.start(), m.len(), ids[m.pattern().as_usize()])),
+        }
     }
-    SEGMENTS.with(|caches| {
-        let mut caches = caches.borrow_mut();
-        let cache = &mut caches[enc.slot];
+
+    /// `text` encoded through the segment cache, then the piece cache: the text is cut
+    /// about every [`SEGMENT_BYTES`] at exact boundaries, the leading segments found in the
+    /// cache are taken as they are, and the rest is encoded and kept segment by segment. A
+    /// shared prefix (a system prompt, a document, a conversation so far) is then not split
+    /// or encoded again.
+    fn encode_segments(&self, text: &str, caches: &mut Caches, out: &mut Vec<u32>) {
+        let bytes = text.as_bytes();
+        let mut cuts = Vec::new();
+        let mut target = SEGMENT_BYTES;
+        while target < bytes.len() {
+            let floor = cuts.last().copied().unwrap_or(0);
+            if let Some(at) = (floor + 1..=target)
+                .rev()
+                .take(64)
+                .find(|&at| is_cut(bytes, at))
+            {
+                cuts.push(at);
+            }
+            target += SEGMENT_BYTES;
+        }
+        // Chained hashes: each cut's names the whole text before it.
+        let mut keys = Vec::with_capacity(cuts.len());
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut from = 0;
+        for &at in &cuts {
+            h.update(&bytes[from..at]);
+            keys.push(h.digest());
+            from = at;
+        }
         let mut start = 0;
         let mut found = 0;
         for (i, &at) in cuts.iter().enumerate() {
-            match cache.get(&keys[i]) {
+            match caches.segments.get(&keys[i]) {
                 Some((len, ids)) if *len == at - start => {
                     out.extend_from_slice(ids);
                     start = at;
@@ -344,48 +564,29 @@ fn encode_segments(enc: OpenAi, text: &str, out: &mut Vec<u32>) {
         for i in found..cuts.len() {
             let at = cuts[i];
             let before = out.len();
-            encode_pieces(enc, &text[start..at], out);
-            if cache.len() >= SEGMENT_CACHE_ENTRIES {
-                cache.clear();
+            self.encode_pieces(&text[start..at], &mut caches.pieces, out);
+            if caches.segments.len() >= SEGMENT_CACHE_ENTRIES {
+                caches.segments.clear();
             }
-            cache.insert(keys[i], (at - start, out[before..].into()));
+            caches
+                .segments
+                .insert(keys[i], (at - start, out[before..].into()));
             start = at;
         }
-        encode_pieces(enc, &text[start..], out);
-    });
+        self.encode_pieces(&text[start..], &mut caches.pieces, out);
+    }
+
+    /// `text` encoded piece by piece through the piece cache (the encodings do not
+    /// normalize).
+    fn encode_pieces(&self, text: &str, pieces: &mut PieceCache, out: &mut Vec<u32>) {
+        pretokenize::for_each_piece(self.pattern, text, |piece| {
+            pieces.encode(&self.bpe, piece, out)
+        });
+    }
 }
 
 /// Every special token of the OpenAI encodings starts so: one scan finds them all.
 const SPECIAL_OPENER: &[u8] = b"<|";
-
-/// The first special token in `text`: (its offset, its length, its id).
-fn next_special(text: &str, specials: &[(&str, u32)]) -> Option<(usize, usize, u32)> {
-    memchr::memmem::find_iter(text.as_bytes(), SPECIAL_OPENER).find_map(|at| {
-        specials
-            .iter()
-            .find(|(s, _)| text[at..].starts_with(s))
-            .map(|&(s, id)| (at, s.len(), id))
-    })
-}
-
-/// `text` encoded by `bpe`, each special token in it as its id.
-fn encode_with_specials(enc: OpenAi, mut text: &str) -> Vec<u32> {
-    let mut out = Vec::with_capacity(text.len() / 4 + 1);
-    loop {
-        let next = next_special(text, enc.specials);
-        match next {
-            Some((at, len, id)) => {
-                encode_segments(enc, &text[..at], &mut out);
-                out.push(id);
-                text = &text[at + len..];
-            }
-            None => {
-                encode_segments(enc, text, &mut out);
-                return out;
-            }
-        }
-    }
-}
 
 impl Tokenize for PoolText {
     fn name(&self) -> &str {
@@ -564,6 +765,126 @@ mod tests {
         assert_eq!(
             t.chat(&[ChatMessage::text("user", "hello")]).unwrap(),
             vec![4, 2, 5]
+        );
+        assert!(!t.fast(), "a word-level tokenizer is encoded whole");
+    }
+
+    /// A small byte-level BPE `tokenizer.json` with `pattern`, a BOS from its
+    /// post-processor and two added tokens; `normalizer` as given.
+    fn byte_level_bpe(pattern: &str, normalizer: serde_json::Value) -> String {
+        let mut vocab = serde_json::Map::new();
+        for b in 0..=255u8 {
+            vocab.insert(byte_level_char(b).to_string(), b.into());
+        }
+        let spell = |s: &str| s.bytes().map(byte_level_char).collect::<String>();
+        let merges = [
+            ("h", "e"),
+            ("l", "l"),
+            ("he", "ll"),
+            (" ", "w"),
+            ("o", "r"),
+            (" w", "or"),
+            ("1", "2"),
+        ];
+        for (i, (a, b)) in merges.iter().enumerate() {
+            vocab.insert(spell(&format!("{a}{b}")), (256 + i).into());
+        }
+        let merges: Vec<_> = merges.iter().map(|(a, b)| [spell(a), spell(b)]).collect();
+        let added = |id: u32, content: &str| {
+            serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                               "rstrip": false, "normalized": false, "special": true})
+        };
+        serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [added(263, "<|begin|>"), added(264, "<|eot_id|>")],
+            "normalizer": normalizer,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+            ]},
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<|begin|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                "special_tokens": {"<|begin|>": {"id": "<|begin|>", "ids": [263], "tokens": ["<|begin|>"]}}
+            },
+            "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "ignore_merges": false, "vocab": vocab, "merges": merges}
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn byte_level_bpe_tokenizer_json_on_the_fast_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = |name: &str, json: String| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, json).unwrap();
+            let spec = format!("hf:{}", path.display());
+            let whole = tokenizers::Tokenizer::from_file(&path).unwrap();
+            (PoolText::load(&spec, "").unwrap(), whole)
+        };
+        let mut rng = warmpath_index::rng::Rng::new(5);
+        let words = [
+            "hello",
+            " world",
+            "12",
+            "345",
+            "  ",
+            "\n",
+            "Ünï",
+            " 世界",
+            "<|eot_id|>",
+            "'ll",
+            "HELLO",
+            "\t",
+            "//",
+        ];
+        let texts: Vec<String> = (0..300)
+            .map(|_| {
+                (0..rng.below(40))
+                    .map(|_| words[rng.below(words.len() as u64) as usize])
+                    .collect()
+            })
+            .collect();
+        for (name, pattern) in [
+            ("o200k.json", crate::pretokenize::O200K_REGEX),
+            ("llama3.json", crate::pretokenize::CL100K_REGEX),
+        ] {
+            let (fast, whole) = load(name, byte_level_bpe(pattern, serde_json::Value::Null));
+            assert!(fast.fast(), "{name}");
+            // The fast path's ids are the tokenizers crate's: BOS, merges, added tokens.
+            assert_eq!(
+                fast.completion("hello world"),
+                vec![263, 258, 111, 261, 108, 100]
+            );
+            for text in &texts {
+                for special in [true, false] {
+                    assert_eq!(
+                        fast.encode(text, special),
+                        hf_encode(&whole, text, special),
+                        "{name} {text:?}"
+                    );
+                }
+            }
+        }
+        // A normalizer, or another pattern, keeps the tokenizer off the fast path.
+        let nfc = serde_json::json!({"type": "NFC"});
+        let (t, _) = load(
+            "nfc.json",
+            byte_level_bpe(crate::pretokenize::O200K_REGEX, nfc),
+        );
+        assert!(!t.fast());
+        let (t, whole) = load(
+            "other.json",
+            byte_level_bpe("\\s+|\\S+", serde_json::Value::Null),
+        );
+        assert!(!t.fast());
+        assert_eq!(
+            t.completion("hello world"),
+            hf_encode(&whole, "hello world", true)
         );
     }
 }
