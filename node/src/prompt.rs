@@ -8,16 +8,25 @@
 //!   `bpe-openai` crate, whose vocabularies are built into the binary (nothing is
 //!   downloaded at run time). Their special tokens written in the text (`<|endoftext|>`…)
 //!   encode as their ids, as a Hugging Face tokenizer does with its added tokens;
-//! - `hf:PATH`: a Hugging Face `tokenizer.json`, read from PATH on each router, through
-//!   the `tokenizers` crate. A completions prompt is encoded with the tokenizer's special
-//!   tokens added (a BOS), as vLLM does; a rendered chat without (its template writes them).
+//! - `hf:PATH`: a Hugging Face `tokenizer.json`, read from PATH on each router. A
+//!   completions prompt is encoded with the tokenizer's special tokens added (a BOS), as
+//!   vLLM does; a rendered chat without (its template writes them). A
+//!   `tokenizer_config.json` beside it gives the template's `bos_token` and `eos_token`.
 //!
 //! and its chat template (Jinja, rendered by minijinja with Python's string methods, as
-//! engines render the model's template with `messages` and `add_generation_prompt`); with
-//! none, chat requests are rendered in the built-in format.
+//! engines render the model's template with `messages`, `add_generation_prompt`,
+//! `bos_token` and `eos_token`); with none, chat requests are rendered in the built-in
+//! format.
 //!
-//! **Cost.** The OpenAI encodings keep two caches per thread, both exact (tests hold the
-//! ids equal to the uncached encoder's):
+//! **Cost: the fast path.** OpenAI's encodings, and a Hugging Face byte-level BPE whose
+//! pre-tokenizer is o200k's or cl100k's pattern (Llama 3's is cl100k's) with no normalizer,
+//! are encoded by warmpath piece by piece ([`Fast`]): [`crate::pretokenize`] cuts the
+//! pieces (without a regex on ASCII text), and only a piece not in the caches goes to the
+//! BPE (`bpe-openai`'s, or the tokenizer's own model on the piece's byte-level spelling).
+//! A `tokenizer.json` takes the fast path only if warmpath's ids equal the `tokenizers`
+//! crate's on a probe text at load; otherwise the crate encodes the whole text (about
+//! 350 µs per KB here, BENCHMARKS.md). Two caches per thread and tokenizer, both exact
+//! (tests hold the ids equal to the uncached encoders'):
 //! - pieces: BPE works on each pre-tokenized piece (a word, a number, a punctuation run)
 //!   alone, so the ids of each piece seen before are kept, in a direct-mapped table of
 //!   [`PIECE_CACHE_SLOTS`] one-cache-line slots (a piece of up to 22 bytes and 8 ids; a new
@@ -28,7 +37,6 @@
 //!   ([`SEGMENT_CACHE_ENTRIES`] at most): a shared prefix (a system prompt, a document, a
 //!   conversation so far) is neither split nor encoded again.
 //!
-//! A Hugging Face tokenizer is not cached.
 //! BENCHMARKS.md ("Router added latency with a real tokenizer") has the figures.
 
 use crate::pretokenize::{self, Pattern};
@@ -98,6 +106,42 @@ pub struct PoolText {
     name: String,
     model: Model,
     template: Option<minijinja::Environment<'static>>,
+    /// What a chat template's `bos_token` and `eos_token` render as.
+    specials: TemplateTokens,
+}
+
+/// A model's `bos_token` and `eos_token` spellings, as its `tokenizer_config.json` gives
+/// them (engines pass them to its chat template); empty where unknown.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TemplateTokens {
+    pub bos_token: String,
+    pub eos_token: String,
+}
+
+impl TemplateTokens {
+    /// Read from the `tokenizer_config.json` beside a `tokenizer.json`, if there is one
+    /// (each token a string or an object with `content`); an unreadable file is an error.
+    fn beside(tokenizer_json: &str) -> Result<TemplateTokens, String> {
+        let path = std::path::Path::new(tokenizer_json).with_file_name("tokenizer_config.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let token = |key: &str| {
+            let v = &json[key];
+            v.as_str()
+                .or_else(|| v["content"].as_str())
+                .unwrap_or_default()
+                .to_string()
+        };
+        Ok(TemplateTokens {
+            bos_token: token("bos_token"),
+            eos_token: token("eos_token"),
+        })
+    }
 }
 
 impl std::fmt::Debug for PoolText {
@@ -168,10 +212,15 @@ impl PoolText {
         } else {
             tokenizer.to_string()
         };
+        let specials = match tokenizer.strip_prefix("hf:") {
+            Some(path) => TemplateTokens::beside(path)?,
+            None => TemplateTokens::default(),
+        };
         Ok(PoolText {
             name,
             model,
             template,
+            specials,
         })
     }
 
@@ -606,8 +655,8 @@ impl Tokenize for PoolText {
                     t.render(minijinja::context! {
                         messages => minijinja::Value::from(minijinja::value::Serde(messages)),
                         add_generation_prompt => true,
-                        bos_token => "",
-                        eos_token => "",
+                        bos_token => &self.specials.bos_token,
+                        eos_token => &self.specials.eos_token,
                     })
                 })
                 .map_err(|e| e.to_string())?,
@@ -767,6 +816,28 @@ mod tests {
             vec![4, 2, 5]
         );
         assert!(!t.fast(), "a word-level tokenizer is encoded whole");
+        // A template that writes bos_token gets the model's, from tokenizer_config.json.
+        let template =
+            "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}";
+        let spec = format!("hf:{}", path.display());
+        let t = PoolText::load(&spec, template).unwrap();
+        assert_eq!(
+            t.chat(&[ChatMessage::text("user", "hello")]).unwrap(),
+            vec![2]
+        );
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "<|eot|>"}"#,
+        )
+        .unwrap();
+        let t = PoolText::load(&spec, template).unwrap();
+        assert_eq!(
+            t.chat(&[ChatMessage::text("user", "hello")]).unwrap(),
+            vec![0, 2, 5]
+        );
+        std::fs::write(dir.path().join("tokenizer_config.json"), "{").unwrap();
+        let err = PoolText::load(&spec, template).unwrap_err();
+        assert!(err.contains("tokenizer_config.json"), "{err}");
     }
 
     /// A small byte-level BPE `tokenizer.json` with `pattern`, a BOS from its
