@@ -131,15 +131,23 @@ fn main() {
         1,
     );
     let dir = tempfile::tempdir().expect("a temp dir");
-    let config = dir.path().join("router.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
-            engine.url
-        ),
-    )
-    .expect("config written");
+    // A router whose one pool names `tokenizer`.
+    let router_with = |name: &str, tokenizer: &str| {
+        let config = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\ntokenizer = \"{tokenizer}\"\n",
+                engine.url
+            ),
+        )
+        .expect("config written");
+        let config = config.to_str().expect("utf-8 path").to_string();
+        start(
+            &["router", "--listen", "127.0.0.1:0", "--config", &config],
+            1,
+        )
+    };
     let builtin = start(
         &[
             "router",
@@ -150,38 +158,10 @@ fn main() {
         ],
         1,
     );
-    let o200k = start(
-        &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            config.to_str().expect("utf-8 path"),
-        ],
-        1,
-    );
+    let o200k = router_with("o200k", "tiktoken:o200k_base");
     let hf_path = dir.path().join("o200k-hf.json");
     std::fs::write(&hf_path, o200k_as_hugging_face()).expect("tokenizer.json written");
-    let hf_config = dir.path().join("router-hf.toml");
-    std::fs::write(
-        &hf_config,
-        format!(
-            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\ntokenizer = \"hf:{}\"\n",
-            engine.url,
-            hf_path.display()
-        ),
-    )
-    .expect("config written");
-    let hf = start(
-        &[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            hf_config.to_str().expect("utf-8 path"),
-        ],
-        1,
-    );
+    let hf = router_with("hf", &format!("hf:{}", hf_path.display()));
     let under = [
         ("builtin", builtin.url.clone(), builtin.child.id()),
         ("o200k", o200k.url.clone(), o200k.child.id()),
