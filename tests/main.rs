@@ -23,6 +23,28 @@ pub fn warmpath(args: &[&str]) -> Output {
         .expect("the warmpath binary runs")
 }
 
+/// Runs `warmpath` with `args` for at most `limit`: its output once it exits, or `None`
+/// (the process killed) if it was still running, as a server that should have refused to
+/// start would be.
+pub fn warmpath_exits_within(args: &[&str], limit: std::time::Duration) -> Option<Output> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the warmpath binary runs");
+    let until = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < until {
+        if child.try_wait().expect("a child to wait on").is_some() {
+            return Some(child.wait_with_output().expect("its output"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
 /// A public trace from `../shared/traces`, beside the checkout.
 pub fn shared_trace(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -171,7 +171,35 @@ impl Setup {
     /// Starts router `id` with its admin API on `admin_listen`; `Err` with what it printed
     /// when it did not come up with Raft (e.g. the admin port is still taken).
     fn try_start(&self, id: u64, admin_listen: &str) -> Result<Router, String> {
-        let raft_dir = self.dir.join(format!("node-{id}"));
+        let args = self.args(id, admin_listen);
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut proc = Proc::start(&argv);
+        let line = proc.read_line();
+        match line
+            .split("admin on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+        {
+            Some(url) => Ok(Router {
+                admin: url.to_string(),
+                proc,
+                id,
+            }),
+            None => {
+                proc.kill();
+                Err(line)
+            }
+        }
+    }
+
+    /// Router `id`'s data directory.
+    fn raft_dir(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("node-{id}"))
+    }
+
+    /// The command line of router `id` with its admin API on `admin_listen`.
+    fn args(&self, id: u64, admin_listen: &str) -> Vec<String> {
+        let raft_dir = self.raft_dir(id);
         let mut args: Vec<String> = vec![
             "router".into(),
             "--listen".into(),
@@ -193,24 +221,7 @@ impl Setup {
             args.push("--voter".into());
             args.push(format!("{vid}=http://{addr}"));
         }
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let mut proc = Proc::start(&argv);
-        let line = proc.read_line();
-        match line
-            .split("admin on ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-        {
-            Some(url) => Ok(Router {
-                admin: url.to_string(),
-                proc,
-                id,
-            }),
-            None => {
-                proc.kill();
-                Err(line)
-            }
-        }
+        args
     }
 
     /// Starts router `id`, retrying for a while if its admin port is not free yet.
@@ -1192,6 +1203,113 @@ async fn raft_refuses_to_start_without_peer_credentials() {
 
 /// A learner (a router that joined, or anything that got in as one) can be removed through
 /// the admin API; voters cannot be removed that way.
+/// The tenant ids a router serves from its own applied state, and its config version.
+async fn local_tenants(c: &HttpClient, router: &Router) -> (BTreeSet<String>, u64) {
+    let reply = admin(
+        c,
+        &router.admin,
+        Method::GET,
+        "/tenants?consistency=local",
+        None,
+    )
+    .await
+    .expect("a local read");
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    let ids = reply.body["tenants"]
+        .as_object()
+        .expect("tenants object")
+        .keys()
+        .cloned()
+        .collect();
+    (ids, reply.body["version"].as_u64().expect("version"))
+}
+
+/// Issue 12, defect 1: a follower's store edited on disk after a clean shutdown (same
+/// length, valid JSON) was applied and served. Now every stored value carries a checksum:
+/// the node refuses to start and says how to repair it, and repaired it converges on the
+/// leader's content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_altered_after_a_clean_shutdown_is_refused_then_repaired_from_the_leader() {
+    let s = Setup::new("raft-bitrot", 3);
+    let mut voters = s.start_voters();
+    let c = &client();
+    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+    let leader = leader_index(c, &voters).await;
+    let reply = admin(
+        c,
+        &voters[leader].admin,
+        Method::PUT,
+        "/tenants/rot-a1",
+        Some(&tenant_body("round-robin")),
+    )
+    .await
+    .expect("the leader answers");
+    assert_eq!(reply.status, 201, "{:?}", reply.body);
+    let version = reply.body["version"].as_u64().expect("version");
+    let f = (leader + 1) % 3;
+    let id = voters[f].id;
+    until(
+        Duration::from_secs(10),
+        "the follower applying the write",
+        || async {
+            let (ids, v) = local_tenants(c, &voters[f]).await;
+            (ids.contains("rot-a1") && v == version).then_some(())
+        },
+    )
+    .await;
+
+    // A clean shutdown, then the tenant's id altered in place wherever the file holds it.
+    let pid = voters[f].proc.child.id().to_string();
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status();
+    assert!(term.is_ok_and(|s| s.success()), "SIGTERM sent");
+    let _ = voters[f].proc.child.wait();
+    let file = s.raft_dir(id).join("raft.redb");
+    let mut bytes = std::fs::read(&file).expect("the store file");
+    let mut altered = 0;
+    for i in 0..bytes.len().saturating_sub(6) {
+        if &bytes[i..i + 6] == b"rot-a1" {
+            bytes[i + 5] = b'9';
+            altered += 1;
+        }
+    }
+    assert!(altered > 0, "the file holds the tenant id");
+    std::fs::write(&file, &bytes).expect("the store file written");
+
+    let addr = s.voters[f].1.to_string();
+    let args = s.args(id, &addr);
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = crate::warmpath_exits_within(&argv, Duration::from_secs(15))
+        .expect("the node started on a store altered on disk");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a corrupt store must not serve: {err}"
+    );
+    assert!(err.contains("checksum") && err.contains("aside"), "{err}");
+
+    // Repaired as the error says: the store moved aside, the node started again.
+    std::fs::rename(s.raft_dir(id), s.dir.join(format!("node-{id}.corrupt")))
+        .expect("the store moved aside");
+    voters[f] = s.start(id, &addr);
+    until(
+        Duration::from_secs(20),
+        "the repaired node catching up",
+        || async {
+            let (ids, v) = local_tenants(c, &voters[f]).await;
+            (v >= version).then_some(ids)
+        },
+    )
+    .await;
+    let (ids, _) = local_tenants(c, &voters[f]).await;
+    assert!(ids.contains("rot-a1") && !ids.contains("rot-a9"), "{ids:?}");
+    println!(
+        "altered {altered} copies; refused with: {}",
+        err.lines().last().unwrap_or("")
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn learners_are_removable() {
     let s = Setup::new("raft-remove-learner", 3);

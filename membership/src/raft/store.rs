@@ -80,6 +80,21 @@ pub enum StoreError {
     /// The stored snapshot does not decode.
     #[error("stored snapshot is corrupt: {0}")]
     CorruptSnapshot(String),
+    /// A stored value fails its checksum: the node must not serve what it holds.
+    #[error(
+        "raft store {path}: {what}. This node will not serve a configuration it cannot trust. \
+         To repair it from the leader: stop it, move {dir} aside, and start it again while \
+         the other voters are up; it rejoins with an empty store and the leader sends it \
+         the log and a snapshot. Repair one node at a time."
+    )]
+    Corrupt {
+        /// The database file.
+        path: PathBuf,
+        /// Its data directory.
+        dir: PathBuf,
+        /// Which value, and what is wrong with it.
+        what: String,
+    },
     /// Making earlier commits durable failed.
     #[error("cannot flush raft database: {0}")]
     Flush(String),
@@ -127,12 +142,90 @@ fn any<E: std::fmt::Display>(e: E) -> AnyError {
     AnyError::error(e.to_string())
 }
 
+/// First byte of a checksummed value: no JSON text starts with it.
+const SEALED_V1: u8 = 0x01;
+/// Bytes in front of a sealed value's JSON: the tag and an xxh3-64 of the JSON.
+const SEAL_BYTES: usize = 9;
+
+/// `json` as it is stored: `[SEALED_V1][xxh3-64 of json, little-endian][json]`, so that a
+/// value altered on disk (bit rot, a stray write) is found on read, whatever redb checks.
+fn seal(json: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(SEAL_BYTES + json.len());
+    out.push(SEALED_V1);
+    out.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(json).to_le_bytes());
+    out.extend_from_slice(json);
+    out
+}
+
+/// A stored value fails its checksum, or is in no known format.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Unsealed(&'static str);
+
+/// The JSON of stored value `b`. A value written before checksums (plain JSON, from a
+/// store older than this format) is taken as it is; [`Store::open`] seals those.
+fn unseal(b: &[u8]) -> Result<&[u8], Unsealed> {
+    match b.first() {
+        Some(&SEALED_V1) if b.len() >= SEAL_BYTES => {
+            let (head, json) = b.split_at(SEAL_BYTES);
+            let sum = u64::from_le_bytes(head[1..].try_into().expect("eight bytes"));
+            if xxhash_rust::xxh3::xxh3_64(json) == sum {
+                Ok(json)
+            } else {
+                Err(Unsealed(
+                    "it fails its checksum: the file was altered on disk",
+                ))
+            }
+        }
+        Some(b'{' | b'[' | b'"' | b'n' | b't' | b'f' | b'-' | b'0'..=b'9') => Ok(b),
+        _ => Err(Unsealed(
+            "it is in no known format: the file was altered on disk",
+        )),
+    }
+}
+
 fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, AnyError> {
-    serde_json::to_vec(v).map_err(any)
+    serde_json::to_vec(v).map(|json| seal(&json)).map_err(any)
 }
 
 fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, AnyError> {
-    serde_json::from_slice(b).map_err(any)
+    serde_json::from_slice(unseal(b).map_err(any)?).map_err(any)
+}
+
+/// Checks every stored value, and seals those written before checksums. The first value
+/// that fails is named in the error.
+fn verify_and_seal(db: &Database) -> Result<(), String> {
+    let txn = write_txn(db, Durability::Immediate).map_err(|e| e.to_string())?;
+    {
+        let mut logs = txn.open_table(LOGS).map_err(|e| e.to_string())?;
+        let mut legacy = Vec::new();
+        for item in logs.iter().map_err(|e| e.to_string())? {
+            let (k, v) = item.map_err(|e| e.to_string())?;
+            let stored = v.value();
+            unseal(stored).map_err(|e| format!("log entry {}: {e}", k.value()))?;
+            if stored.first() != Some(&SEALED_V1) {
+                legacy.push((k.value(), seal(stored)));
+            }
+        }
+        for (k, v) in legacy {
+            logs.insert(k, v.as_slice()).map_err(|e| e.to_string())?;
+        }
+        let mut meta = txn.open_table(META).map_err(|e| e.to_string())?;
+        let mut legacy = Vec::new();
+        for item in meta.iter().map_err(|e| e.to_string())? {
+            let (k, v) = item.map_err(|e| e.to_string())?;
+            let stored = v.value();
+            unseal(stored).map_err(|e| format!("record {:?}: {e}", k.value()))?;
+            if stored.first() != Some(&SEALED_V1) {
+                legacy.push((k.value().to_string(), seal(stored)));
+            }
+        }
+        for (k, v) in legacy {
+            meta.insert(k.as_str(), v.as_slice())
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    txn.commit().map_err(|e| e.to_string())
 }
 
 /// A storage job for the storage threads.
@@ -249,7 +342,10 @@ fn read_snapshot(db: &Database) -> Result<Option<StoredSnapshot>, AnyError> {
     let meta = t.get(KEY_SNAPSHOT_META).map_err(any)?;
     let data = t.get(KEY_SNAPSHOT_DATA).map_err(any)?;
     match (meta, data) {
-        (Some(m), Some(d)) => Ok(Some((decode(m.value())?, d.value().to_vec()))),
+        (Some(m), Some(d)) => Ok(Some((
+            decode(m.value())?,
+            unseal(d.value()).map_err(any)?.to_vec(),
+        ))),
         _ => Ok(None),
     }
 }
@@ -260,11 +356,12 @@ fn write_snapshot(
     data: &[u8],
 ) -> Result<(), AnyError> {
     let meta = encode(meta)?;
+    let data = seal(data);
     let txn = write_txn(db, Durability::Immediate)?;
     {
         let mut t = txn.open_table(META).map_err(any)?;
         t.insert(KEY_SNAPSHOT_META, meta.as_slice()).map_err(any)?;
-        t.insert(KEY_SNAPSHOT_DATA, data).map_err(any)?;
+        t.insert(KEY_SNAPSHOT_DATA, data.as_slice()).map_err(any)?;
     }
     txn.commit().map_err(any)
 }
@@ -290,6 +387,11 @@ impl Store {
             txn.commit().map_err(any)
         };
         init().map_err(|e| open_err(e.to_string()))?;
+        verify_and_seal(&db).map_err(|what| StoreError::Corrupt {
+            path: path.clone(),
+            dir: data_dir.to_path_buf(),
+            what,
+        })?;
         let mut sm = StateMachine::default();
         if let Some((meta, data)) = read_snapshot(&db).map_err(|e| open_err(e.to_string()))? {
             sm.state = decode(&data).map_err(|e| StoreError::CorruptSnapshot(e.to_string()))?;
@@ -718,6 +820,77 @@ mod tests {
         sm.apply(got).await?;
         assert_eq!(rx.borrow().pools.len(), 4);
         assert_eq!(rx.borrow().version, 4);
+        Ok(())
+    }
+
+    /// Replaces the stored value of log entry `index` with `f` of it, in place.
+    fn alter_entry(dir: &Path, index: u64, f: impl Fn(&[u8]) -> Vec<u8>) {
+        let db = Database::create(dir.join("raft.redb")).expect("the file opens");
+        let txn = db.begin_write().expect("a write");
+        {
+            let mut t = txn.open_table(LOGS).expect("the log");
+            let old = t
+                .get(index)
+                .expect("a read")
+                .expect("the entry")
+                .value()
+                .to_vec();
+            t.insert(index, f(&old).as_slice()).expect("a write");
+        }
+        txn.commit().expect("a commit");
+    }
+
+    #[tokio::test]
+    async fn a_value_altered_on_disk_keeps_the_store_closed() -> StoreResult<()> {
+        let dir = TempDir::new("raft-rot");
+        {
+            let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
+            let (log, _sm) = store.into_parts();
+            let entries: Vec<_> = (1..=3).map(|i| normal(1, i, &format!("m{i}"))).collect();
+            RaftStorage::append_to_log(&mut *log.storage_mut().await, entries).await?;
+        }
+        // One byte of entry 2's JSON changes, its length does not: "m2" becomes "m9".
+        alter_entry(dir.path(), 2, |old| {
+            let at = old
+                .windows(4)
+                .position(|w| w == b"\"m2\"")
+                .expect("the model");
+            let mut new = old.to_vec();
+            new[at + 2] = b'9';
+            new
+        });
+        let err = Store::open(dir.path()).expect_err("a corrupt store does not open");
+        let text = err.to_string();
+        assert!(
+            text.contains("log entry 2") && text.contains("checksum"),
+            "{text}"
+        );
+        assert!(text.contains("move") && text.contains("aside"), "{text}");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn values_from_before_checksums_are_read_and_sealed() -> StoreResult<()> {
+        let dir = TempDir::new("raft-legacy");
+        let entry = normal(1, 1, "old");
+        {
+            let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
+            let (log, _sm) = store.into_parts();
+            RaftStorage::append_to_log(&mut *log.storage_mut().await, vec![entry.clone()]).await?;
+        }
+        // As the previous format stored it: the JSON alone.
+        alter_entry(dir.path(), 1, |old| unseal(old).expect("sealed").to_vec());
+        {
+            let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
+            let (mut log, _sm) = store.into_parts();
+            let got = log.try_get_log_entries(1..2).await?;
+            assert_eq!(got[0].log_id, entry.log_id);
+        }
+        // Opening sealed it.
+        alter_entry(dir.path(), 1, |old| {
+            assert_eq!(old[0], SEALED_V1);
+            old.to_vec()
+        });
         Ok(())
     }
 
