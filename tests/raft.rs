@@ -726,6 +726,12 @@ async fn minority_case(test: &str, keep_leader: bool) -> String {
         local.body
     );
     assert_eq!(local.body["version"].as_u64(), Some(version));
+    // Issue 12, defect 7: a cut-off leader says it has lost its quorum.
+    let status = admin(c, base, Method::GET, "/cluster", None)
+        .await
+        .expect("the survivor answers");
+    let lost = &status.body["raft"]["quorum_lost"];
+    assert_eq!(lost, &json!(keep_leader), "{:?}", status.body["raft"]);
     format!(
         "survivor was {}: writes {w1}/{w2}, linearizable reads {r1}/{r2}, local read 200, in {:.1} s",
         if keep_leader { "leader" } else { "follower" },

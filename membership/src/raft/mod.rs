@@ -222,6 +222,10 @@ pub struct RaftStatus {
     pub replication_lag: Option<BTreeMap<NodeId, u64>>,
     /// On the leader: ms since a quorum last acknowledged it.
     pub millis_since_quorum_ack: Option<u64>,
+    /// On the leader: no quorum has acknowledged it for over [`STALE_QUORUM_MS`], so it
+    /// is cut off (openraft 0.9 keeps such a node in the leader role): it refuses writes
+    /// and linearizable reads, and another leader may already be serving the majority.
+    pub quorum_lost: bool,
 }
 
 /// A running member (voter or learner) of the tenant-config cluster.
@@ -574,6 +578,9 @@ impl RaftNode {
             learners,
             replication_lag,
             millis_since_quorum_ack: m.millis_since_quorum_ack,
+            quorum_lost: m
+                .millis_since_quorum_ack
+                .is_some_and(|ms| ms > STALE_QUORUM_MS),
         }
     }
 

@@ -765,7 +765,14 @@ pub fn render_cluster(v: &Value) -> String {
     };
     let rows = vec![
         vec!["node".to_string(), cell(&r["node_id"])],
-        vec!["role".into(), cell(&r["role"])],
+        vec![
+            "role".into(),
+            if r["quorum_lost"] == true {
+                format!("{} (quorum lost: cut off)", cell(&r["role"]))
+            } else {
+                cell(&r["role"])
+            },
+        ],
         vec!["leader".into(), leader],
         vec!["term".into(), cell(&r["term"])],
         vec!["last log index".into(), cell(&r["last_log_index"])],

@@ -278,6 +278,8 @@ fn components() -> Value {
                 "replication_lag": {"type": ["object", "null"],
                     "additionalProperties": {"type": "integer"}},
                 "millis_since_quorum_ack": {"type": ["integer", "null"]},
+                "quorum_lost": {"type": "boolean", "description":
+                    "A leader no quorum has acknowledged for over 2 s: cut off, it refuses writes and linearizable reads"},
             }},
             "Cluster": with_version(json!({"raft": schema("RaftStatus"),
                 "gossip": {"type": "object", "description": "Gossip peers and node id"}}),
