@@ -408,6 +408,68 @@ async fn a_killed_instance_loses_no_request() {
     }
 }
 
+/// Issue 12, defect 5: requests on an engine that hangs (SIGSTOP: its port accepts, it
+/// answers nothing) waited out the 60 s first-byte timeout, and streams had no bound. Now
+/// the health check that finds it down (about a second) fails over the requests it has
+/// not answered and ends its streams with an error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_instance_costs_a_failover_not_the_timeout() {
+    let e1 = engine("2");
+    let e2 = engine("2");
+    let r = router(&[&e1, &e2], &["--strategy", "round-robin"]);
+    let c = client();
+    let started = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..20u64 {
+        let c = c.clone();
+        let url = r.url.clone();
+        let stream = i % 2 == 1;
+        tasks.push(tokio::spawn(async move {
+            let body = completion(&long_prompt(300 + i), 400, stream);
+            (stream, post(&c, &url, "/v1/completions", body, &[]).await)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let pid = e1.child.id().to_string();
+    let signal = |sig: &str| {
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status();
+        assert!(status.is_ok_and(|s| s.success()), "kill {sig}");
+    };
+    signal("-STOP");
+    let (mut answered, mut ended) = (0, 0);
+    for t in tasks {
+        let (stream, reply) = t.await.unwrap();
+        let text = String::from_utf8_lossy(&reply.body).to_string();
+        if !stream {
+            assert_eq!(reply.status, 200, "{text}");
+            assert_eq!(reply.json()["usage"]["completion_tokens"], 400);
+            answered += 1;
+        } else if text.contains("retry the request") {
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text:.300}");
+            ended += 1;
+        } else {
+            assert_eq!(reply.status, 200, "{text:.300}");
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text:.300}");
+            answered += 1;
+        }
+    }
+    let waited = started.elapsed();
+    signal("-CONT");
+    assert_eq!(answered + ended, 20);
+    assert!(
+        ended > 0,
+        "streams on the hung instance ended with an error event"
+    );
+    // Not a speed figure: the difference between a failover and the 60 s timeout.
+    assert!(
+        waited < Duration::from_secs(30),
+        "requests waited {waited:?} on a hung instance"
+    );
+    println!("hung instance: {answered} answered, {ended} streams ended, all within {waited:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_health_and_metrics() {
     let e = engine("1000");

@@ -132,6 +132,9 @@ pub struct RouterSection {
     pub connect_timeout_ms: u64,
     /// Time allowed for an instance's response headers; past it the attempt is retried.
     pub first_byte_timeout_ms: u64,
+    /// Longest silence of a streaming response between two chunks; past it the stream
+    /// ends with an error event. (An instance found down ends it at once.)
+    pub stream_idle_timeout_ms: u64,
     /// Time allowed for a whole request, streaming included.
     pub request_timeout_ms: u64,
     /// Longest wait for a request's headers, and for the next request on an idle
@@ -175,6 +178,7 @@ impl Default for RouterSection {
             max_body_bytes: 8 << 20,
             connect_timeout_ms: 2_000,
             first_byte_timeout_ms: 60_000,
+            stream_idle_timeout_ms: 60_000,
             request_timeout_ms: 600_000,
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 30_000,
@@ -319,6 +323,7 @@ pub struct RouterConfig {
     pub client_metrics: bool,
     pub connect_timeout: Duration,
     pub first_byte_timeout: Duration,
+    pub stream_idle_timeout: Duration,
     pub request_timeout: Duration,
     pub retries: u32,
     pub health_interval: Duration,
@@ -412,6 +417,7 @@ impl FileConfig {
         for (name, v) in [
             ("connect_timeout_ms", r.connect_timeout_ms),
             ("first_byte_timeout_ms", r.first_byte_timeout_ms),
+            ("stream_idle_timeout_ms", r.stream_idle_timeout_ms),
             ("request_timeout_ms", r.request_timeout_ms),
             ("header_read_timeout_ms", r.header_read_timeout_ms),
             ("body_read_timeout_ms", r.body_read_timeout_ms),
@@ -685,6 +691,7 @@ impl FileConfig {
             }),
             connect_timeout: Duration::from_millis(r.connect_timeout_ms),
             first_byte_timeout: Duration::from_millis(r.first_byte_timeout_ms),
+            stream_idle_timeout: Duration::from_millis(r.stream_idle_timeout_ms),
             request_timeout: Duration::from_millis(r.request_timeout_ms),
             retries: r.retries,
             health_interval: Duration::from_millis(r.health_interval_ms),

@@ -544,6 +544,7 @@ async fn health_loop(app: Arc<App>) {
             if was != ok {
                 tracing::info!(instance = %core.instances()[i].name, healthy = ok, "instance health changed");
             }
+            let went_down = was && !ok;
             if ok && !was {
                 // Back up, perhaps restarted: read its capacity again next time.
                 core.set_kv_capacity(InstanceId(i as u32), 0);
@@ -552,6 +553,11 @@ async fn health_loop(app: Arc<App>) {
                 core.set_kv_capacity(InstanceId(i as u32), tokens);
             }
             core.set_healthy(InstanceId(i as u32), ok);
+            drop(core);
+            if went_down {
+                // Requests waiting on it fail over (or end their streams) now.
+                app.downs.send_modify(|n| *n += 1);
+            }
         }
     }
 }

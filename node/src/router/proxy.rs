@@ -55,6 +55,9 @@ pub struct App {
     pub peers: std::sync::atomic::AtomicUsize,
     /// The live peers as the admin API shows them, refreshed by the gossip loop.
     pub peer_list: Mutex<Vec<serde_json::Value>>,
+    /// Counts instances the health checks found down: requests waiting on an instance
+    /// watch it, so a hung engine costs them a failover, not their timeouts.
+    pub downs: tokio::sync::watch::Sender<u64>,
 }
 
 pub struct TenantEntry {
@@ -291,6 +294,7 @@ impl App {
             tokenizers,
             peers: std::sync::atomic::AtomicUsize::new(0),
             peer_list: Mutex::new(Vec::new()),
+            downs: tokio::sync::watch::Sender::new(0),
         };
         app.set_tokenizers(&app.config.pools);
         app
@@ -860,11 +864,17 @@ async fn attempt_once(
         chosen: Some(chosen.clone()),
     };
     let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
-    let resp = match tokio::time::timeout_at(first_byte.into(), app.client.request(request)).await {
-        Err(_) if Instant::now() >= deadline => return Err(AttemptError::Deadline),
-        Err(_) => return Err(AttemptError::Failed("no response headers in time".into())),
-        Ok(Err(e)) => return Err(AttemptError::Failed(format!("{e}"))),
-        Ok(Ok(r)) => r,
+    let went_down =
+        || AttemptError::Failed("the instance failed its health check before answering".into());
+    let headers = tokio::time::timeout_at(first_byte.into(), app.client.request(request));
+    let resp = tokio::select! {
+        r = headers => match r {
+            Err(_) if Instant::now() >= deadline => return Err(AttemptError::Deadline),
+            Err(_) => return Err(AttemptError::Failed("no response headers in time".into())),
+            Ok(Err(e)) => return Err(AttemptError::Failed(format!("{e}"))),
+            Ok(Ok(r)) => r,
+        },
+        () = until_down(app.clone(), chosen.instance) => return Err(went_down()),
     };
     let status = resp.status();
     if status.is_server_error() {
@@ -887,7 +897,10 @@ async fn attempt_once(
         }
     }
     if !stream || !status.is_success() {
-        let collected = tokio::time::timeout_at(deadline.into(), incoming.collect()).await;
+        let collected = tokio::select! {
+            c = tokio::time::timeout_at(deadline.into(), incoming.collect()) => c,
+            () = until_down(app.clone(), chosen.instance) => return Err(went_down()),
+        };
         let bytes = match collected {
             Err(_) => return Err(AttemptError::Deadline),
             Ok(Err(e)) => {
@@ -902,10 +915,14 @@ async fn attempt_once(
         guard.finish();
         return Ok(builder.body(Body::from(bytes)).unwrap_or_default());
     }
+    let idle = app.config.stream_idle_timeout;
     let body = Tracked {
         inner: incoming,
         guard,
         deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
+        idle: Box::pin(tokio::time::sleep(idle)),
+        idle_for: idle,
+        down: Box::pin(until_down(app.clone(), chosen.instance)),
         ended: false,
     };
     Ok(builder.body(Body::new(body)).unwrap_or_default())
@@ -980,7 +997,31 @@ struct Tracked {
     inner: Incoming,
     guard: LoadGuard,
     deadline: Pin<Box<tokio::time::Sleep>>,
+    /// Fires after `idle_for` without a chunk; reset by each one.
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_for: Duration,
+    /// Ready once the health checks find the instance down.
+    down: Pin<Box<dyn Future<Output = ()> + Send>>,
     ended: bool,
+}
+
+/// Returns once the health checks have found `instance` down (never, while it is up).
+async fn until_down(app: Arc<App>, instance: InstanceId) {
+    let mut downs = app.downs.subscribe();
+    loop {
+        let healthy = app
+            .core()
+            .instances()
+            .get(instance.0 as usize)
+            .is_some_and(|i| i.healthy);
+        if !healthy {
+            return;
+        }
+        if downs.changed().await.is_err() {
+            // No health checks run any more: nothing will say it went down.
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 impl hyper::body::Body for Tracked {
@@ -994,12 +1035,21 @@ impl hyper::body::Body for Tracked {
         if self.ended {
             return Poll::Ready(None);
         }
-        if self.deadline.as_mut().poll(cx).is_ready() {
+        let stop = if self.deadline.as_mut().poll(cx).is_ready() {
+            Some("the request deadline passed")
+        } else if self.down.as_mut().poll(cx).is_ready() {
+            Some("the instance failed its health check mid-stream; retry the request")
+        } else if self.idle.as_mut().poll(cx).is_ready() {
+            Some("the instance sent nothing for too long (stream_idle_timeout_ms); retry the request")
+        } else {
+            None
+        };
+        if let Some(why) = stop {
+            tracing::warn!(instance_id = self.guard.instance.0, why, "ending a stream");
+            metrics::counter!("warmpath_router_stream_breaks_total").increment(1);
             self.ended = true;
             self.guard.finish();
-            return Poll::Ready(Some(Ok(Frame::data(sse_error(
-                "the request deadline passed",
-            )))));
+            return Poll::Ready(Some(Ok(Frame::data(sse_error(why)))));
         }
         match Pin::new(&mut self.inner).poll_frame(cx) {
             Poll::Pending => Poll::Pending,
@@ -1008,6 +1058,8 @@ impl hyper::body::Body for Tracked {
                     self.guard.first_byte();
                     self.guard.usage(data);
                 }
+                let next = tokio::time::Instant::now() + self.idle_for;
+                self.idle.as_mut().reset(next);
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
