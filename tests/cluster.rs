@@ -22,6 +22,11 @@ struct Replica {
 }
 
 fn replica(name: &str, engines: &[&Proc], seeds: &[&str]) -> Replica {
+    replica_with(name, engines, seeds, &[])
+}
+
+/// [`replica`] with further flags.
+fn replica_with(name: &str, engines: &[&Proc], seeds: &[&str], extra: &[&str]) -> Replica {
     let mut args: Vec<String> = [
         "router",
         "--listen",
@@ -46,6 +51,7 @@ fn replica(name: &str, engines: &[&Proc], seeds: &[&str]) -> Replica {
         args.push("--seed".into());
         args.push(s.to_string());
     }
+    args.extend(extra.iter().map(|s| s.to_string()));
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut proc = Proc::start(&argv);
     let line = proc.read_line();
@@ -384,4 +390,73 @@ async fn spoofed_gossip_sources_leave_the_http_port_serving() {
         .expect("an answer in time")
         .expect("an answer");
     assert_eq!(resp.status(), 200);
+}
+
+/// Issue 12, defect 4: a router cut off from the others saw no peers and admitted a
+/// tenant's whole rate while they kept admitting their shares: a partition doubled the
+/// limit. Now a router keeps counting the peers it lost for `PEER_MEMORY` (60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_does_not_double_a_tenants_rate() {
+    let e = engine();
+    let dir = crate::scratch_dir("cluster-rate");
+    let config = dir.join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\n\
+             [[tenants]]\nid = \"acme\"\napi_keys = [\"sk-acme\"]\npool = \"sim-llama\"\n\
+             rate_limit_rps = 20\n",
+            e.url
+        ),
+    )
+    .expect("config written");
+    let config = config.to_str().expect("utf-8 path");
+    let a = replica_with("a", &[], &[], &["--config", config]);
+    let b = replica_with("b", &[], &[&a.gossip], &["--config", config]);
+    let c = client();
+    let peers = |url: String| {
+        let c = c.clone();
+        async move { metric(&metrics_text(&c, &url).await, "warmpath_gossip_peers") }
+    };
+    let until = |url: String, want: f64, what: &'static str| {
+        let peers = &peers;
+        async move {
+            let start = Instant::now();
+            while peers(url.clone()).await != want {
+                assert!(start.elapsed() < Duration::from_secs(30), "{what}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    until(a.proc.url.clone(), 1.0, "a never saw b").await;
+    until(b.proc.url.clone(), 1.0, "b never saw a").await;
+    assert_eq!(post_simple(&c, &b.proc.url, "/debug/partition").await, 200);
+    until(a.proc.url.clone(), 0.0, "a never lost b").await;
+
+    // Two seconds of requests on a: its half of 20/s is 10/s, with a burst of 10.
+    let started = Instant::now();
+    let (mut admitted, mut limited) = (0, 0);
+    while started.elapsed() < Duration::from_secs(2) {
+        let req = hyper::Request::post(format!("{}/v1/completions", a.proc.url))
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer sk-acme")
+            .body(Full::new(Bytes::from(
+                json!({"model": "sim-llama", "prompt": "hi", "max_tokens": 1}).to_string(),
+            )))
+            .unwrap();
+        match c.request(req).await.map(|r| r.status().as_u16()) {
+            Ok(200) => admitted += 1,
+            Ok(429) => limited += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    println!("partitioned router: {admitted} admitted, {limited} limited in 2 s (limit 20/s over 2 routers)");
+    assert!(limited > 0, "the limit applied");
+    // 10 + 2 × 10 = 30 at its share; the whole rate would admit 20 + 2 × 20 = 60.
+    assert!(
+        admitted <= 40,
+        "{admitted} admitted: the cut-off router took the whole rate"
+    );
+    drop(b);
+    let _ = std::fs::remove_dir_all(dir);
 }

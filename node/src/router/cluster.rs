@@ -72,8 +72,16 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
             }
             core.set_peer_loads(update.loads);
         }
+        let counted = app
+            .peer_count
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .update(
+                update.peers.iter().map(|p| p.node_id.as_str()),
+                std::time::Instant::now(),
+            );
         app.peers
-            .store(update.peers.len(), std::sync::atomic::Ordering::Relaxed);
+            .store(counted, std::sync::atomic::Ordering::Relaxed);
         *app.peer_list.lock().unwrap_or_else(|e| e.into_inner()) = update
             .peers
             .iter()

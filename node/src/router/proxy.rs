@@ -51,8 +51,10 @@ pub struct App {
     tokenizers: std::sync::RwLock<Arc<HashMap<String, PoolTokenizer>>>,
     /// The cache-agents this router follows, once started (absent without mutual TLS).
     pub residency: std::sync::OnceLock<Arc<super::residency::Residency>>,
-    /// Live peer routers, from gossip: rate limits are shared among them.
+    /// Peer routers rate limits are shared among (see [`super::ratelimit::PeerCount`]).
     pub peers: std::sync::atomic::AtomicUsize,
+    /// The peers gossip showed, and when: a cut-off router keeps counting them a while.
+    pub peer_count: Mutex<super::ratelimit::PeerCount>,
     /// The live peers as the admin API shows them, refreshed by the gossip loop.
     pub peer_list: Mutex<Vec<serde_json::Value>>,
     /// Counts instances the health checks found down: requests waiting on an instance
@@ -293,6 +295,7 @@ impl App {
             residency: std::sync::OnceLock::new(),
             tokenizers,
             peers: std::sync::atomic::AtomicUsize::new(0),
+            peer_count: Mutex::new(Default::default()),
             peer_list: Mutex::new(Vec::new()),
             downs: tokio::sync::watch::Sender::new(0),
         };

@@ -1,15 +1,52 @@
 //! Per-tenant rate limits, enforced by every router on its share of the tenant's rate.
 //!
 //! A token bucket per tenant per router: it refills at `rate × share` tokens per second
-//! and holds at most one second of that, where `share` is this router's fraction of the
-//! live routers (1/N, from gossip). A load balancer spreading a tenant's requests evenly
-//! makes the cluster admit about `rate` per second in all; a skewed one admits less than
-//! `rate` (never more), which errs on the side of protecting the fleet. The answer to a
-//! request over the limit is 429 with `Retry-After`.
+//! and holds at most one second of that, where `share` is 1/N for the N routers this one
+//! counts ([`PeerCount`]: those gossip shows live, and those it showed within the last
+//! [`PEER_MEMORY`]). A load balancer spreading a tenant's requests evenly makes the
+//! cluster admit about `rate` per second in all; a skewed one admits less than `rate`
+//! (never more), which errs on the side of protecting the fleet. The answer to a request
+//! over the limit is 429 with `Retry-After`.
+//!
+//! **Partitions.** A router cut off from the others cannot tell them from dead. It keeps
+//! counting them for [`PEER_MEMORY`], so a partition shorter than that admits no more than
+//! `rate` in all (it used to double at once: the cut-off side took the whole rate while
+//! the rest kept their halves). Past it, each side assumes the others died and shares
+//! `rate` among the routers it sees: the cluster then admits at most `rate` times the
+//! number of sides, and routers that really died stop holding their shares.
 //!
 //! Pure: time is passed in.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
+
+/// How long a router that gossip stopped showing still counts in the rate shares.
+pub const PEER_MEMORY: Duration = Duration::from_secs(60);
+
+/// The other routers a share is counted over: live ones, and those seen within
+/// [`PEER_MEMORY`].
+#[derive(Debug, Default)]
+pub struct PeerCount {
+    last_seen: HashMap<String, Instant>,
+}
+
+impl PeerCount {
+    /// Gossip shows `live` (node ids, this router's not among them) at `now`; returns how
+    /// many other routers count.
+    pub fn update<'a>(&mut self, live: impl IntoIterator<Item = &'a str>, now: Instant) -> usize {
+        for id in live {
+            match self.last_seen.get_mut(id) {
+                Some(t) => *t = now,
+                None => {
+                    self.last_seen.insert(id.to_string(), now);
+                }
+            }
+        }
+        self.last_seen
+            .retain(|_, seen| now.saturating_duration_since(*seen) <= PEER_MEMORY);
+        self.last_seen.len()
+    }
+}
 
 /// A token bucket.
 #[derive(Debug)]
@@ -71,6 +108,22 @@ impl TokenBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peers_gossip_stops_showing_count_for_a_while() {
+        let t0 = Instant::now();
+        let mut peers = PeerCount::default();
+        assert_eq!(peers.update(["b", "c"], t0), 2);
+        // Cut off: gossip shows nobody, but b and c keep their shares for a while.
+        assert_eq!(peers.update([], t0 + Duration::from_secs(5)), 2);
+        assert_eq!(peers.update(["c"], t0 + PEER_MEMORY), 2);
+        // Then they are taken for dead; c, still seen, stays.
+        assert_eq!(
+            peers.update([], t0 + PEER_MEMORY + Duration::from_secs(1)),
+            1
+        );
+        assert_eq!(peers.update([], t0 + 3 * PEER_MEMORY), 0);
+    }
 
     #[test]
     fn bucket_cases() {
