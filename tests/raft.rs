@@ -123,6 +123,22 @@ fn tenant_body(strategy: &str) -> Value {
     json!({"pool": POOL, "strategy": strategy})
 }
 
+/// Creates round-robin tenant `id` through `router` (201 expected); returns the config
+/// version the write made.
+async fn create_tenant(c: &HttpClient, router: &Router, id: &str) -> u64 {
+    let reply = admin(
+        c,
+        &router.admin,
+        Method::PUT,
+        &format!("/tenants/{id}"),
+        Some(&tenant_body("round-robin")),
+    )
+    .await
+    .expect("the router answers");
+    assert_eq!(reply.status, 201, "write {id}: {:?}", reply.body);
+    reply.body["version"].as_u64().expect("version")
+}
+
 fn explain_body(tenant: &str) -> Value {
     json!({"tenant": tenant, "request": {"model": POOL, "prompt": "hello raft world", "max_tokens": 1}})
 }
@@ -584,17 +600,7 @@ async fn config_survives_restarting_every_voter() {
     let mut version = 0;
     let written: Vec<String> = (0..5).map(|i| format!("kept{i}")).collect();
     for (i, id) in written.iter().enumerate() {
-        let reply = admin(
-            c,
-            &voters[i % 3].admin,
-            Method::PUT,
-            &format!("/tenants/{id}"),
-            Some(&tenant_body("round-robin")),
-        )
-        .await
-        .expect("a voter answers");
-        assert_eq!(reply.status, 201, "write {id}: {:?}", reply.body);
-        version = reply.body["version"].as_u64().expect("version");
+        version = create_tenant(c, &voters[i % 3], id).await;
     }
 
     for v in &mut voters {
@@ -631,17 +637,7 @@ async fn minority_case(test: &str, keep_leader: bool) -> String {
     let mut voters = s.start_voters();
     let c = &client();
     wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
-    let reply = admin(
-        c,
-        &voters[0].admin,
-        Method::PUT,
-        "/tenants/before",
-        Some(&tenant_body("round-robin")),
-    )
-    .await
-    .expect("a voter answers");
-    assert_eq!(reply.status, 201, "{:?}", reply.body);
-    let version = reply.body["version"].as_u64().expect("version");
+    let version = create_tenant(c, &voters[0], "before").await;
     let leader = leader_index(c, &voters).await;
     let keep = if keep_leader {
         leader
@@ -1015,16 +1011,7 @@ async fn a_config_change_does_not_refill_rate_limits() {
         if round > 0 {
             // An unrelated change.
             let other = format!("other{round}");
-            let reply = admin(
-                c,
-                &r.admin,
-                Method::PUT,
-                &format!("/tenants/{other}"),
-                Some(&tenant_body("round-robin")),
-            )
-            .await
-            .expect("answer");
-            assert_eq!(reply.status, 201, "{:?}", reply.body);
+            create_tenant(c, r, &other).await;
             wait_routable(c, r, &other).await;
         }
         for _ in 0..3 {
@@ -1241,17 +1228,7 @@ async fn a_store_altered_after_a_clean_shutdown_is_refused_then_repaired_from_th
     let c = &client();
     wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
     let leader = leader_index(c, &voters).await;
-    let reply = admin(
-        c,
-        &voters[leader].admin,
-        Method::PUT,
-        "/tenants/rot-a1",
-        Some(&tenant_body("round-robin")),
-    )
-    .await
-    .expect("the leader answers");
-    assert_eq!(reply.status, 201, "{:?}", reply.body);
-    let version = reply.body["version"].as_u64().expect("version");
+    let version = create_tenant(c, &voters[leader], "rot-a1").await;
     let f = (leader + 1) % 3;
     let id = voters[f].id;
     until(

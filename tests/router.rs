@@ -343,58 +343,64 @@ async fn concurrency_threshold_spills_to_the_next_instance() {
     drop(held);
 }
 
+/// Sends `n` completions of `tokens` output tokens each through `router` (every other one
+/// streaming), runs `fault` once they are in flight, and checks what clients got: every
+/// non-streaming request answered in full (retried until a byte reaches the client), and
+/// every stream either complete or ended by an error event the client can retry on.
+/// Returns (answered, streams ended).
+async fn requests_through_a_fault(
+    router: &Proc,
+    n: u64,
+    tokens: u32,
+    fault: impl FnOnce(),
+) -> (usize, usize) {
+    let c = client();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let c = c.clone();
+        let url = router.url.clone();
+        let stream = i % 2 == 1;
+        tasks.push(tokio::spawn(async move {
+            let body = completion(&long_prompt(100 + i), tokens, stream);
+            (stream, post(&c, &url, "/v1/completions", body, &[]).await)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    fault();
+    let (mut answered, mut ended) = (0, 0);
+    for t in tasks {
+        let (stream, reply) = t.await.unwrap();
+        let text = String::from_utf8_lossy(&reply.body).to_string();
+        if !stream {
+            assert_eq!(reply.status, 200, "{text}");
+            assert_eq!(reply.json()["usage"]["completion_tokens"], tokens);
+            answered += 1;
+        } else if reply.status == 200 && !text.contains("upstream_error") {
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text:.200}");
+            answered += 1;
+        } else {
+            assert!(
+                text.contains("retry the request") || reply.status >= 500,
+                "{text:.300}"
+            );
+            assert!(text.ends_with("data: [DONE]\n\n") || reply.status >= 500);
+            ended += 1;
+        }
+    }
+    (answered, ended)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_instance_loses_no_request() {
     // At speed-up 2 each request takes about 0.7 s: all are in flight at the kill.
     let mut e1 = engine("2");
     let e2 = engine("2");
     let r = router(&[&e1, &e2], &["--strategy", "round-robin"]);
-    let c = client();
-    let mut tasks = Vec::new();
-    for i in 0..40u64 {
-        let c = c.clone();
-        let url = r.url.clone();
-        let stream = i % 2 == 1;
-        tasks.push(tokio::spawn(async move {
-            let reply = post(
-                &c,
-                &url,
-                "/v1/completions",
-                completion(&long_prompt(100 + i), 200, stream),
-                &[],
-            )
-            .await;
-            (stream, reply)
-        }));
-    }
-    // Kill one instance while requests are in flight.
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    e1.kill();
-    let (mut ok, mut retriable) = (0, 0);
-    for t in tasks {
-        let (stream, reply) = t.await.unwrap();
-        let text = String::from_utf8_lossy(&reply.body).to_string();
-        if !stream {
-            // Non-streaming requests are retried until a byte reaches the client.
-            assert_eq!(reply.status, 200, "{text}");
-            assert_eq!(reply.json()["usage"]["completion_tokens"], 200);
-            ok += 1;
-        } else if reply.status == 200 && !text.contains("upstream_error") {
-            assert!(text.ends_with("data: [DONE]\n\n"), "{text:.200}");
-            ok += 1;
-        } else {
-            // A stream cut mid-way ends with a clear error event the client can retry on.
-            assert!(
-                text.contains("retry the request") || reply.status >= 500,
-                "{text:.300}"
-            );
-            assert!(text.ends_with("data: [DONE]\n\n") || reply.status >= 500);
-            retriable += 1;
-        }
-    }
-    assert_eq!(ok + retriable, 40);
-    assert!(retriable > 0, "streams on the killed instance were cut");
+    let (answered, ended) = requests_through_a_fault(&r, 40, 200, || e1.kill()).await;
+    assert_eq!(answered + ended, 40);
+    assert!(ended > 0, "streams on the killed instance were cut");
     // After the failure the dead instance is ejected: new requests all succeed.
+    let c = client();
     for i in 0..6 {
         let reply = post(
             &c,
@@ -417,19 +423,6 @@ async fn a_hung_instance_costs_a_failover_not_the_timeout() {
     let e1 = engine("2");
     let e2 = engine("2");
     let r = router(&[&e1, &e2], &["--strategy", "round-robin"]);
-    let c = client();
-    let started = std::time::Instant::now();
-    let mut tasks = Vec::new();
-    for i in 0..20u64 {
-        let c = c.clone();
-        let url = r.url.clone();
-        let stream = i % 2 == 1;
-        tasks.push(tokio::spawn(async move {
-            let body = completion(&long_prompt(300 + i), 400, stream);
-            (stream, post(&c, &url, "/v1/completions", body, &[]).await)
-        }));
-    }
-    tokio::time::sleep(Duration::from_millis(150)).await;
     let pid = e1.child.id().to_string();
     let signal = |sig: &str| {
         let status = std::process::Command::new("kill")
@@ -437,24 +430,8 @@ async fn a_hung_instance_costs_a_failover_not_the_timeout() {
             .status();
         assert!(status.is_ok_and(|s| s.success()), "kill {sig}");
     };
-    signal("-STOP");
-    let (mut answered, mut ended) = (0, 0);
-    for t in tasks {
-        let (stream, reply) = t.await.unwrap();
-        let text = String::from_utf8_lossy(&reply.body).to_string();
-        if !stream {
-            assert_eq!(reply.status, 200, "{text}");
-            assert_eq!(reply.json()["usage"]["completion_tokens"], 400);
-            answered += 1;
-        } else if text.contains("retry the request") {
-            assert!(text.ends_with("data: [DONE]\n\n"), "{text:.300}");
-            ended += 1;
-        } else {
-            assert_eq!(reply.status, 200, "{text:.300}");
-            assert!(text.ends_with("data: [DONE]\n\n"), "{text:.300}");
-            answered += 1;
-        }
-    }
+    let started = std::time::Instant::now();
+    let (answered, ended) = requests_through_a_fault(&r, 20, 400, || signal("-STOP")).await;
     let waited = started.elapsed();
     signal("-CONT");
     assert_eq!(answered + ended, 20);
