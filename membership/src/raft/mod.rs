@@ -40,6 +40,13 @@ use store::{NodeId, Store, TypeConfig};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+/// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// A leader that has heard from no quorum for this long refuses writes at once (twice the
 /// longest election timeout: by then the others have elected a new leader).
 const STALE_QUORUM_MS: u64 = 2_000;
@@ -159,6 +166,14 @@ pub enum WriteError {
     /// Anything else: the node is shut down, storage failed, the peer answered garbage.
     #[error("write failed: {0}")]
     Failed(String),
+    /// The forwarded write reached the leader after its deadline; it was not submitted.
+    #[error(
+        "the write reached the raft leader {late_ms} ms after its deadline; it was not submitted"
+    )]
+    Late {
+        /// How far past the deadline, ms.
+        late_ms: u64,
+    },
 }
 
 /// Why a linearizable read failed.
@@ -433,9 +448,11 @@ impl RaftNode {
                     leader_write(&self.raft, cmd.clone(), remaining).await
                 }
                 Target::Remote(url) => {
+                    // The leader must not submit it once this node has answered.
+                    let deadline_ms = unix_ms() + remaining.as_millis() as u64;
                     match self
                         .client
-                        .post_json(url, network::PATH_WRITE, &cmd, remaining)
+                        .post_write(url, &cmd, deadline_ms, remaining)
                         .await
                     {
                         Ok(r) => r,
@@ -471,6 +488,7 @@ impl RaftNode {
                 LeaderReply::NoQuorum(m) | LeaderReply::Failed(m) => {
                     return Err(WriteError::Failed(m))
                 }
+                LeaderReply::Late { late_ms } => return Err(WriteError::Late { late_ms }),
             }
         }
         Err(last_err.unwrap_or(WriteError::NoLeader {
@@ -517,6 +535,9 @@ impl RaftNode {
             LeaderReply::NoQuorum(m) => return Err(ReadError::NoQuorum(m)),
             LeaderReply::Timeout => return Err(ReadError::Timeout(self.write_timeout)),
             LeaderReply::Unknown(m) | LeaderReply::Failed(m) => return Err(ReadError::Failed(m)),
+            LeaderReply::Late { late_ms } => {
+                return Err(ReadError::Failed(format!("late by {late_ms} ms")))
+            }
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
         self.raft

@@ -42,6 +42,12 @@ pub const PATH_VOTE: &str = "/raft/vote";
 pub const PATH_SNAPSHOT: &str = "/raft/snapshot";
 /// Path of a write forwarded to the leader.
 pub const PATH_WRITE: &str = "/raft/write";
+/// On a forwarded write: the leader's wall-clock time (ms since the Unix epoch) after which
+/// it must not submit the write. The forwarding node has answered its client by then, so a
+/// request delivered late (held in a partition, say) is refused, not applied behind an
+/// answer the client already acted on. Routers' clocks are assumed within a second or so
+/// of each other (NTP); a skew shifts the window by as much.
+pub const WRITE_DEADLINE_HEADER: &str = "x-warmpath-write-deadline-ms";
 /// Path of a linearizable read-index request to the leader.
 pub const PATH_READ_INDEX: &str = "/raft/read-index";
 /// Path of a learner's request to join.
@@ -70,6 +76,11 @@ pub enum LeaderReply<T> {
     Unknown(String),
     /// Anything else (shutting down, storage failure, bad request).
     Failed(String),
+    /// A forwarded write reached the leader after its deadline: it was not submitted.
+    Late {
+        /// How far past the deadline, ms.
+        late_ms: u64,
+    },
 }
 
 /// A learner's request to be added to the cluster.
@@ -158,7 +169,24 @@ impl HttpClient {
         timeout: Duration,
     ) -> Result<Resp, HttpError> {
         let url = format!("{}{path}", base.trim_end_matches('/'));
-        match tokio::time::timeout(timeout, self.post_inner(&url, body)).await {
+        match tokio::time::timeout(timeout, self.post_inner(&url, body, None)).await {
+            Ok(r) => r,
+            Err(_) => Err(HttpError::Timeout { url, timeout }),
+        }
+    }
+
+    /// Forwards a write to the leader at `base`, which must not submit it after
+    /// `deadline_ms` (its wall clock, ms since the Unix epoch; see [`WRITE_DEADLINE_HEADER`]).
+    pub async fn post_write(
+        &self,
+        base: &str,
+        cmd: &Command,
+        deadline_ms: u64,
+        timeout: Duration,
+    ) -> Result<LeaderReply<CommandResult>, HttpError> {
+        let url = format!("{}{PATH_WRITE}", base.trim_end_matches('/'));
+        let deadline = Some((WRITE_DEADLINE_HEADER, deadline_ms.to_string()));
+        match tokio::time::timeout(timeout, self.post_inner(&url, cmd, deadline)).await {
             Ok(r) => r,
             Err(_) => Err(HttpError::Timeout { url, timeout }),
         }
@@ -168,6 +196,7 @@ impl HttpClient {
         &self,
         url: &str,
         body: &Req,
+        header: Option<(&str, String)>,
     ) -> Result<Resp, HttpError> {
         let transport = |message: String| HttpError::Transport {
             url: url.to_string(),
@@ -177,6 +206,9 @@ impl HttpClient {
         let mut req = hyper::Request::post(url).header("content-type", "application/json");
         if let Some(t) = &self.auth_token {
             req = req.header("authorization", format!("Bearer {t}"));
+        }
+        if let Some((name, value)) = header {
+            req = req.header(name, value);
         }
         let req = req
             .body(Full::new(Bytes::from(bytes)))
@@ -414,9 +446,25 @@ fn stopped(s: &ServerState) -> Option<Response> {
     stopped.then(|| (StatusCode::SERVICE_UNAVAILABLE, "raft stopped").into_response())
 }
 
-async fn write(State(s): State<ServerState>, Json(cmd): Json<Command>) -> Response {
+async fn write(
+    State(s): State<ServerState>,
+    headers: HeaderMap,
+    Json(cmd): Json<Command>,
+) -> Response {
     if let Some(r) = stopped(&s) {
         return r;
+    }
+    let deadline = headers
+        .get(WRITE_DEADLINE_HEADER)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(deadline) = deadline {
+        let now = super::unix_ms();
+        if now > deadline {
+            let late: LeaderReply<CommandResult> = LeaderReply::Late {
+                late_ms: now - deadline,
+            };
+            return Json(late).into_response();
+        }
     }
     let r: LeaderReply<CommandResult> = super::leader_write(&s.raft, cmd, s.write_timeout).await;
     Json(r).into_response()

@@ -254,6 +254,45 @@ async fn follower_write_is_forwarded_and_cas_conflicts() {
     c.stop_all().await;
 }
 
+/// Issue 12, defect 2: a forwarded write delivered after its forwarder had answered (held
+/// in a partition) was applied seconds later. The leader now refuses a write past the
+/// deadline the forwarder sent, and says so; one in time is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_refuses_a_forwarded_write_past_its_deadline() {
+    use super::network::{HttpClient, LeaderReply};
+    let mut c = Cluster::start(1, 0).await;
+    let leader = c.leader().await;
+    let base = url(c.addrs[&leader]);
+    let before = c
+        .node(leader)
+        .read_linearizable()
+        .await
+        .expect("read")
+        .version;
+    let client = HttpClient::new(Duration::from_secs(1), None);
+    let now = super::unix_ms();
+    let late = client
+        .post_write(&base, &pool("late", None), now - 5_000, WAIT)
+        .await
+        .expect("the leader answers");
+    assert!(
+        matches!(late, LeaderReply::Late { late_ms } if late_ms >= 5_000),
+        "{late:?}"
+    );
+    let read = c.node(leader).read_linearizable().await.expect("read");
+    assert_eq!(read.version, before, "nothing was submitted");
+    assert!(!read.pools.contains_key("late"));
+    let in_time = client
+        .post_write(&base, &pool("in-time", None), now + 5_000, WAIT)
+        .await
+        .expect("the leader answers");
+    assert!(
+        matches!(in_time, LeaderReply::Ok(CommandResult::Applied { .. })),
+        "{in_time:?}"
+    );
+    c.stop_all().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_latency_on_loopback() {
     let mut c = Cluster::start(3, 0).await;

@@ -172,7 +172,8 @@ pub enum AdminError {
     /// A write was sent but not seen committed: it MAY have been applied.
     #[error(
         "{0}; the write MAY have been applied: re-read the configuration before retrying, \
-         never assume it was lost"
+         never assume it was lost, and retry with ?expected_version=V (the version you read) \
+         so that it applies only if nothing changed since"
     )]
     OutcomeUnknown(String),
     /// A read did not finish in time.
@@ -284,7 +285,8 @@ fn write_error(e: WriteError) -> AdminError {
         WriteError::NotLeader { leader_url: None }
         | WriteError::NoLeader { .. }
         | WriteError::NoQuorum { .. }
-        | WriteError::LeaderUnreachable { .. } => AdminError::Unavailable(e.to_string()),
+        | WriteError::LeaderUnreachable { .. }
+        | WriteError::Late { .. } => AdminError::Unavailable(e.to_string()),
         WriteError::Timeout(_) | WriteError::Unknown(_) => {
             AdminError::OutcomeUnknown(e.to_string())
         }
