@@ -1293,6 +1293,44 @@ async fn a_store_altered_after_a_clean_shutdown_is_refused_then_repaired_from_th
     );
 }
 
+/// Issue 12, defect 3: a write forwarded to a leader that then froze (SIGSTOP) waited out
+/// the 5 s write timeout and answered 504, though the majority elected a new leader in
+/// about 2 s. Now the follower forwards it to the new leader as soon as it knows one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_leader_does_not_stall_writes_through_the_majority() {
+    let s = Setup::new("raft-paused-leader", 3);
+    let voters = s.start_voters();
+    let c = &client();
+    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+    let leader = leader_index(c, &voters).await;
+    let f = (leader + 1) % 3;
+    let pid = voters[leader].proc.child.id().to_string();
+    let signal = |sig: &str| {
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status();
+        assert!(status.is_ok_and(|s| s.success()), "kill {sig}");
+    };
+    signal("-STOP");
+    let started = Instant::now();
+    // The follower still takes the frozen node for the leader and forwards the write there.
+    let reply = admin(
+        c,
+        &voters[f].admin,
+        Method::PUT,
+        "/tenants/after-pause",
+        Some(&tenant_body("round-robin")),
+    )
+    .await
+    .expect("the follower answers");
+    let took = started.elapsed();
+    signal("-CONT");
+    assert_eq!(reply.status, 201, "after {took:?}: {:?}", reply.body);
+    let (ids, _) = linearizable_tenants(c, &voters[f]).await;
+    assert!(ids.contains("after-pause"), "{ids:?}");
+    println!("a write through the majority while the leader was frozen: 201 after {took:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn learners_are_removable() {
     let s = Setup::new("raft-remove-learner", 3);

@@ -424,6 +424,9 @@ impl RaftNode {
         let deadline = start + self.write_timeout;
         let mut hint: Option<String> = None;
         let mut last_err = None;
+        // A leader that went silent with the write may still apply it (it may already be
+        // in the new leader's log): after a re-forward only "applied" is a sure answer.
+        let mut abandoned: Option<String> = None;
         for _ in 0..3 {
             let target = match hint.take() {
                 Some(url) => Target::Remote(url),
@@ -450,11 +453,22 @@ impl RaftNode {
                 Target::Remote(url) => {
                     // The leader must not submit it once this node has answered.
                     let deadline_ms = unix_ms() + remaining.as_millis() as u64;
-                    match self
-                        .client
-                        .post_write(url, &cmd, deadline_ms, remaining)
-                        .await
-                    {
+                    let forwarded = self.client.post_write(url, &cmd, deadline_ms, remaining);
+                    // A paused or cut-off leader answers nothing: once another leader is
+                    // known, the write goes there instead of waiting out the timeout.
+                    let answer = tokio::select! {
+                        r = forwarded => Some(r),
+                        () = self.wait_leader_change(url, deadline) => None,
+                    };
+                    let Some(answer) = answer else {
+                        if Instant::now() >= deadline {
+                            return Err(WriteError::Timeout(self.write_timeout));
+                        }
+                        tracing::info!(leader = %url, "the raft leader changed while it held a forwarded write; forwarding it to the new one");
+                        abandoned = Some(url.clone());
+                        continue;
+                    };
+                    match answer {
                         Ok(r) => r,
                         Err(HttpError::Timeout { .. }) => {
                             return Err(WriteError::Timeout(self.write_timeout))
@@ -476,7 +490,15 @@ impl RaftNode {
                 }
             };
             match reply {
-                LeaderReply::Ok(r) => return Ok(r),
+                LeaderReply::Ok(r) => match (&r, &abandoned) {
+                    (CommandResult::Applied { .. }, _) | (_, None) => return Ok(r),
+                    (_, Some(first)) => {
+                        return Err(WriteError::Unknown(format!(
+                            "the write went first to leader {first}, which stopped answering \
+                             and may have applied it; the new leader answered {r:?}"
+                        )))
+                    }
+                },
                 LeaderReply::NotLeader { leader_url, .. } => {
                     last_err = Some(WriteError::NotLeader {
                         leader_url: leader_url.clone(),
