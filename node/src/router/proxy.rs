@@ -1008,10 +1008,15 @@ struct Tracked {
     ended: bool,
 }
 
-/// Returns once the health checks have found `instance` down (never, while it is up).
+/// Returns once the health checks find `instance` down (never, while it is up). It was up
+/// when routed to, so the routing lock is taken only when some instance goes down.
 async fn until_down(app: Arc<App>, instance: InstanceId) {
     let mut downs = app.downs.subscribe();
     loop {
+        if downs.changed().await.is_err() {
+            // No health checks run any more: nothing will say it went down.
+            std::future::pending::<()>().await;
+        }
         let healthy = app
             .core()
             .instances()
@@ -1019,10 +1024,6 @@ async fn until_down(app: Arc<App>, instance: InstanceId) {
             .is_some_and(|i| i.healthy);
         if !healthy {
             return;
-        }
-        if downs.changed().await.is_err() {
-            // No health checks run any more: nothing will say it went down.
-            std::future::pending::<()>().await;
         }
     }
 }
