@@ -841,14 +841,23 @@ async fn a_body_over_the_engines_limit_gets_an_openai_413() {
     });
     let r = Proc::start(&["router", "--listen", "127.0.0.1:0", "--instance", &fake_url]);
     let c = client();
-    let reply = post(
-        &c,
-        &r.url,
-        "/v1/completions",
-        completion("hello", 1, false),
-        &[],
-    )
-    .await;
+    // On a loaded machine a health check of the fake engine can time out: the router then
+    // answers 503 with Retry-After for a moment, and a client retries, as this one does.
+    let started = std::time::Instant::now();
+    let reply = loop {
+        let reply = post(
+            &c,
+            &r.url,
+            "/v1/completions",
+            completion("hello", 1, false),
+            &[],
+        )
+        .await;
+        if reply.status != 503 || started.elapsed() > Duration::from_secs(10) {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(
         reply.status,
         413,
