@@ -11,9 +11,11 @@ mod raft;
 mod router;
 mod simulate;
 
-use std::io::{BufRead, BufReader};
+mod proc;
+pub use proc::Proc;
+
 use std::path::PathBuf;
-use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 /// Runs `warmpath` with `args` and returns its output.
 pub fn warmpath(args: &[&str]) -> Output {
@@ -120,91 +122,5 @@ impl Redis {
 impl Drop for Redis {
     fn drop(&mut self) {
         self.stop();
-    }
-}
-
-/// A running `warmpath` process, killed when dropped.
-#[derive(Debug)]
-pub struct Proc {
-    pub child: Child,
-    /// Base URL from its "listening on" line.
-    pub url: String,
-    /// Kept open so the process can still write to stdout.
-    _stdout: BufReader<ChildStdout>,
-}
-
-impl Proc {
-    /// Starts `warmpath args…` and waits for its "listening on URL" line.
-    pub fn start(args: &[&str]) -> Proc {
-        Self::spawn(
-            Command::new(env!("CARGO_BIN_EXE_warmpath")).args(args),
-            args,
-        )
-    }
-
-    /// [`Proc::start`] under an open-file limit of `files` (set by `sh`'s `ulimit -n`).
-    pub fn start_with_file_limit(files: u32, args: &[&str]) -> Proc {
-        let mut command = Command::new("sh");
-        command
-            .args(["-c", "ulimit -n \"$0\" && exec \"$@\""])
-            .arg(files.to_string())
-            .arg(env!("CARGO_BIN_EXE_warmpath"))
-            .args(args);
-        Self::spawn(&mut command, args)
-    }
-
-    /// [`Proc::start`] with a small tmpfs mounted at `dir` in a mount namespace of its own
-    /// (`unshare`, as the root of a user namespace): a disk that fills up, gone with the
-    /// process.
-    pub fn start_with_small_disk(dir: &std::path::Path, bytes: u64, args: &[&str]) -> Proc {
-        let mut command = Command::new("unshare");
-        command
-            .args(["--map-root-user", "--mount", "sh", "-c"])
-            .arg("mount -t tmpfs -o size=\"$0\" tmpfs \"$1\" && shift && exec \"$@\"")
-            .arg(bytes.to_string())
-            .arg(dir)
-            .arg(env!("CARGO_BIN_EXE_warmpath"))
-            .args(args);
-        Self::spawn(&mut command, args)
-    }
-
-    fn spawn(command: &mut Command, args: &[&str]) -> Proc {
-        let mut child = command
-            .env("WARMPATH_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("the warmpath binary starts");
-        let mut stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("a first line on stdout");
-        let url = match line.split("listening on ").nth(1) {
-            Some(u) => u.trim().to_string(),
-            None => panic!("{args:?} printed {line:?} instead of its address"),
-        };
-        Proc {
-            child,
-            url,
-            _stdout: stdout,
-        }
-    }
-
-    /// The next line the process prints on stdout.
-    pub fn read_line(&mut self) -> String {
-        let mut line = String::new();
-        self._stdout.read_line(&mut line).expect("a line on stdout");
-        line
-    }
-
-    /// Kills the process now (as a crash would).
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
     }
 }

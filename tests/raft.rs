@@ -337,19 +337,21 @@ async fn linearizable_tenants(c: &HttpClient, router: &Router) -> (BTreeSet<Stri
         "a linearizable read",
         move || async move {
             let reply = admin(c, base, Method::GET, "/tenants", None).await?;
-            if reply.status != 200 {
-                return None;
-            }
-            let ids = reply.body["tenants"]
-                .as_object()
-                .expect("tenants object")
-                .keys()
-                .cloned()
-                .collect();
-            Some((ids, reply.body["version"].as_u64().expect("version")))
+            (reply.status == 200).then(|| tenant_ids(&reply.body))
         },
     )
     .await
+}
+
+/// The tenant ids and the config version of a `/tenants` answer.
+fn tenant_ids(body: &Value) -> (BTreeSet<String>, u64) {
+    let ids = body["tenants"]
+        .as_object()
+        .expect("tenants object")
+        .keys()
+        .cloned()
+        .collect();
+    (ids, body["version"].as_u64().expect("version"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1208,13 +1210,7 @@ async fn local_tenants(c: &HttpClient, router: &Router) -> (BTreeSet<String>, u6
     .await
     .expect("a local read");
     assert_eq!(reply.status, 200, "{:?}", reply.body);
-    let ids = reply.body["tenants"]
-        .as_object()
-        .expect("tenants object")
-        .keys()
-        .cloned()
-        .collect();
-    (ids, reply.body["version"].as_u64().expect("version"))
+    tenant_ids(&reply.body)
 }
 
 /// Issue 12, defect 1: a follower's store edited on disk after a clean shutdown (same

@@ -3,55 +3,14 @@
 
 #![allow(dead_code)] // each benchmark uses its own subset
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
-
-/// A running `warmpath` process, killed when dropped.
-pub struct Proc {
-    pub child: Child,
-    /// Base URL from its "listening on" line.
-    pub url: String,
-    /// The first lines it printed (the address lines).
-    pub lines: Vec<String>,
-    _out: BufReader<ChildStdout>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+#[path = "../../../tests/proc.rs"]
+mod proc;
+pub use proc::Proc;
 
 /// Starts `warmpath args…` with quiet logs and waits for its first `lines` stdout lines.
 pub fn start<S: AsRef<str>>(args: &[S], lines: usize) -> Proc {
     let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_warmpath"))
-        .args(&args)
-        .env("WARMPATH_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("warmpath starts");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout is piped"));
-    let mut first = Vec::new();
-    for _ in 0..lines.max(1) {
-        let mut line = String::new();
-        out.read_line(&mut line).expect("a line on stdout");
-        first.push(line);
-    }
-    let url = first[0]
-        .split("listening on ")
-        .nth(1)
-        .expect("a listening line")
-        .trim()
-        .to_string();
-    Proc {
-        child,
-        url,
-        lines: first,
-        _out: out,
-    }
+    Proc::start_lines(&args, lines, "error")
 }
 
 /// A free TCP port on loopback (bound, then released).
