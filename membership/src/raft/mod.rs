@@ -454,11 +454,14 @@ impl RaftNode {
                     // The leader must not submit it once this node has answered.
                     let deadline_ms = unix_ms() + remaining.as_millis() as u64;
                     let forwarded = self.client.post_write(url, &cmd, deadline_ms, remaining);
-                    // A paused or cut-off leader answers nothing: once another leader is
-                    // known, the write goes there instead of waiting out the timeout.
+                    // A paused or cut-off leader answers nothing: once a new leader
+                    // becomes known, the write goes there instead of waiting out the
+                    // timeout. (New: neither `url` nor the one known now, as a hint may
+                    // name a leader this node has not heard of yet.)
+                    let known = self.leader_url();
                     let answer = tokio::select! {
                         r = forwarded => Some(r),
-                        () = self.wait_leader_change(url, deadline) => None,
+                        () = self.wait_new_leader(url, known.as_deref(), deadline) => None,
                     };
                     let Some(answer) = answer else {
                         if Instant::now() >= deadline {
@@ -732,8 +735,37 @@ impl RaftNode {
         }
     }
 
+    /// The base URL of the leader this node knows of.
+    fn leader_url(&self) -> Option<String> {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        m.current_leader.and_then(|l| {
+            m.membership_config
+                .membership()
+                .get_node(&l)
+                .map(|n| n.addr.clone())
+        })
+    }
+
     /// Waits until the leader is no longer `url` (or the deadline).
     async fn wait_leader_change(&self, url: &str, deadline: Instant) {
+        self.wait_leader_url(|current| current != Some(url), deadline)
+            .await
+    }
+
+    /// Waits until a leader other than `url` and than `known` (the one known when the
+    /// write went to `url`) is known, or the deadline.
+    async fn wait_new_leader(&self, url: &str, known: Option<&str>, deadline: Instant) {
+        self.wait_leader_url(
+            |current| current.is_some_and(|c| c != url) && current != known,
+            deadline,
+        )
+        .await
+    }
+
+    /// Waits until `done` holds of the leader's base URL this node knows of (or the
+    /// deadline).
+    async fn wait_leader_url(&self, done: impl Fn(Option<&str>) -> bool, deadline: Instant) {
         let mut rx = self.raft.metrics();
         loop {
             {
@@ -744,7 +776,7 @@ impl RaftNode {
                         .get_node(&l)
                         .map(|n| n.addr.clone())
                 });
-                if current.as_deref() != Some(url) {
+                if done(current.as_deref()) {
                     return;
                 }
             }
