@@ -737,14 +737,7 @@ impl RaftNode {
 
     /// The base URL of the leader this node knows of.
     fn leader_url(&self) -> Option<String> {
-        let m = self.raft.metrics();
-        let m = m.borrow();
-        m.current_leader.and_then(|l| {
-            m.membership_config
-                .membership()
-                .get_node(&l)
-                .map(|n| n.addr.clone())
-        })
+        leader_url_of(&self.raft.metrics().borrow())
     }
 
     /// Waits until the leader is no longer `url` (or the deadline).
@@ -769,13 +762,7 @@ impl RaftNode {
         let mut rx = self.raft.metrics();
         loop {
             {
-                let m = rx.borrow_and_update();
-                let current = m.current_leader.and_then(|l| {
-                    m.membership_config
-                        .membership()
-                        .get_node(&l)
-                        .map(|n| n.addr.clone())
-                });
+                let current = leader_url_of(&rx.borrow_and_update());
                 if done(current.as_deref()) {
                     return;
                 }
@@ -786,6 +773,16 @@ impl RaftNode {
             }
         }
     }
+}
+
+/// The base URL of the leader `m` names, if its membership knows it.
+fn leader_url_of(m: &openraft::RaftMetrics<NodeId, BasicNode>) -> Option<String> {
+    m.current_leader.and_then(|l| {
+        m.membership_config
+            .membership()
+            .get_node(&l)
+            .map(|n| n.addr.clone())
+    })
 }
 
 /// Where a leader-only operation runs.
