@@ -59,7 +59,7 @@ struct Fast {
     bpe: Bpe,
     pattern: Pattern,
     /// Names its caches in every thread.
-    cache: usize,
+    cache: u64,
     specials: Specials,
     /// Ids a completions prompt starts and ends with (a post-processor's BOS, say).
     open: Vec<u32>,
@@ -84,11 +84,14 @@ enum Specials {
     },
 }
 
-/// Caches made so far, each a new name for [`Fast::cache`].
-static CACHE_NAMES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// [`Fast::cache`] of OpenAI's encodings: every pool naming one shares its caches.
+const O200K_CACHE: u64 = 0;
+const CL100K_CACHE: u64 = 1;
 
-fn new_cache_name() -> usize {
-    CACHE_NAMES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+/// [`Fast::cache`] of a `tokenizer.json`: a hash of its text, so that pools naming the same
+/// file, and a reload of an unchanged one, share warm caches.
+fn cache_name_of(tokenizer_json: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(tokenizer_json.as_bytes()) | 1 << 63
 }
 
 /// `tiktoken`'s special tokens of each encoding.
@@ -162,11 +165,13 @@ impl PoolText {
             "tiktoken:o200k_base" => Model::Fast(Fast::openai(
                 bpe_openai::o200k_base(),
                 Pattern::O200k,
+                O200K_CACHE,
                 O200K_SPECIALS,
             )),
             "tiktoken:cl100k_base" => Model::Fast(Fast::openai(
                 bpe_openai::cl100k_base(),
                 Pattern::Cl100k,
+                CL100K_CACHE,
                 CL100K_SPECIALS,
             )),
             t => match t.strip_prefix("hf:") {
@@ -258,7 +263,7 @@ fn load_hf(path: &str) -> Result<Model, String> {
         text.parse().map_err(|e| format!("tokenizer {path}: {e}"))?;
     let json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("tokenizer {path}: {e}"))?;
-    match fast_hf(&json, &tokenizer) {
+    match fast_hf(&json, &tokenizer, cache_name_of(&text)) {
         Ok(fast) => Ok(Model::Fast(fast)),
         Err(why) => {
             tracing::info!(
@@ -276,7 +281,11 @@ fn load_hf(path: &str) -> Result<Model, String> {
 /// without its own regex; a BPE model; added tokens matched as written (no stripping,
 /// not single words); and the same ids as the `tokenizers` crate on a probe text that
 /// exercises every kind of piece.
-fn fast_hf(json: &serde_json::Value, tokenizer: &tokenizers::Tokenizer) -> Result<Fast, String> {
+fn fast_hf(
+    json: &serde_json::Value,
+    tokenizer: &tokenizers::Tokenizer,
+    cache: u64,
+) -> Result<Fast, String> {
     if !json["normalizer"].is_null() {
         return Err("it has a normalizer".into());
     }
@@ -326,7 +335,7 @@ fn fast_hf(json: &serde_json::Value, tokenizer: &tokenizers::Tokenizer) -> Resul
     let fast = Fast {
         bpe: Bpe::Hf(Box::new(tokenizer.clone())),
         pattern,
-        cache: new_cache_name(),
+        cache,
         specials: Specials::Added {
             finder,
             ids: added.iter().map(|&(_, id)| id).collect(),
@@ -463,16 +472,18 @@ pub fn byte_level_char(b: u8) -> char {
 
 /// One [`Fast`] tokenizer's caches in one thread.
 struct Caches {
-    name: usize,
+    name: u64,
     pieces: PieceCache,
     segments: SegmentIds,
 }
 
-/// Tokenizers a thread keeps caches for, at most: a configuration change makes new ones.
-const CACHED_TOKENIZERS: usize = 4;
+/// Tokenizers a thread keeps caches for, at most (each up to about 5 MiB): pools naming
+/// the same encoding or file share one.
+const CACHED_TOKENIZERS: usize = 8;
 
 thread_local! {
-    /// Made on first use; the oldest goes when a fifth tokenizer comes.
+    /// Made on first use, most recently used last; the least recently used goes when one
+    /// more tokenizer comes.
     static CACHES: std::cell::RefCell<Vec<Caches>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -503,12 +514,13 @@ impl Fast {
     fn openai(
         bpe: &'static bpe_openai::Tokenizer,
         pattern: Pattern,
+        cache: u64,
         specials: &'static [(&'static str, u32)],
     ) -> Fast {
         Fast {
             bpe: Bpe::OpenAi(bpe),
             pattern,
-            cache: new_cache_name(),
+            cache,
             specials: Specials::OpenAi(specials),
             open: Vec::new(),
             close: Vec::new(),
@@ -525,7 +537,11 @@ impl Fast {
         CACHES.with(|all| {
             let mut all = all.borrow_mut();
             let at = match all.iter().position(|c| c.name == self.cache) {
-                Some(at) => at,
+                Some(at) => {
+                    let used = all.remove(at);
+                    all.push(used);
+                    all.len() - 1
+                }
                 None => {
                     if all.len() >= CACHED_TOKENIZERS {
                         all.remove(0);
