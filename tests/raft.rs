@@ -15,6 +15,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use warmpath::admin::api::PREFIX;
+use warmpath::admin::cli::AdminClient;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -83,24 +85,21 @@ async fn send(
     tokio::time::timeout(within, exchange).await.ok().flatten()
 }
 
-/// An admin API call with the right token. Writes may wait out the 5 s Raft write timeout.
-async fn admin(
-    c: &HttpClient,
-    base: &str,
-    method: Method,
-    path: &str,
-    body: Option<&Value>,
-) -> Option<Reply> {
-    let auth = format!("Bearer {TOKEN}");
-    send(
-        c,
-        method,
-        &format!("{base}/admin/v1{path}"),
-        body,
-        &[("authorization", &auth)],
-        Duration::from_secs(15),
-    )
-    .await
+/// An admin API call with the right token, through the CLI's client: the one admin
+/// client. `None` if the router could not be reached or did not answer. Writes may wait
+/// out the 5 s Raft write timeout.
+async fn admin(base: &str, method: Method, path: &str, body: Option<&Value>) -> Option<Reply> {
+    let client = AdminClient::new(base, Some(TOKEN.to_string())).ok()?;
+    let body = body.map(|b| b.to_string().into_bytes());
+    let r = client
+        .send_raw(method, &format!("{PREFIX}{path}"), body, &[])
+        .await
+        .ok()?;
+    Some(Reply {
+        status: r.status,
+        headers: r.headers,
+        body: r.body,
+    })
 }
 
 /// Polls `f` until it gives a value; panics after `within`.
@@ -125,9 +124,8 @@ fn tenant_body(strategy: &str) -> Value {
 
 /// Creates round-robin tenant `id` through `router` (201 expected); returns the config
 /// version the write made.
-async fn create_tenant(c: &HttpClient, router: &Router, id: &str) -> u64 {
+async fn create_tenant(router: &Router, id: &str) -> u64 {
     let reply = admin(
-        c,
         &router.admin,
         Method::PUT,
         &format!("/tenants/{id}"),
@@ -272,7 +270,7 @@ impl Setup {
 
 /// Waits until every router has applied the configuration seeded from the config file (the
 /// `default` tenant and the `sim-llama` pool) and routes with it.
-async fn wait_seeded(c: &HttpClient, routers: &[&Router]) {
+async fn wait_seeded(routers: &[&Router]) {
     for r in routers {
         let base = &r.admin;
         until(
@@ -280,7 +278,6 @@ async fn wait_seeded(c: &HttpClient, routers: &[&Router]) {
             &format!("router {} applying the seeded config", r.id),
             move || async move {
                 let reply = admin(
-                    c,
                     base,
                     Method::POST,
                     "/route/explain",
@@ -297,13 +294,13 @@ async fn wait_seeded(c: &HttpClient, routers: &[&Router]) {
 }
 
 /// The leader's node id as `router` sees it.
-async fn leader_of(c: &HttpClient, router: &Router) -> u64 {
+async fn leader_of(router: &Router) -> u64 {
     let base = &router.admin;
     until(
         Duration::from_secs(15),
         "a raft leader",
         move || async move {
-            let reply = admin(c, base, Method::GET, "/cluster", None).await?;
+            let reply = admin(base, Method::GET, "/cluster", None).await?;
             reply.body["raft"]["leader"].as_u64()
         },
     )
@@ -311,13 +308,13 @@ async fn leader_of(c: &HttpClient, router: &Router) -> u64 {
 }
 
 /// The index in `routers` of the one that reports itself the Raft leader.
-async fn leader_index(c: &HttpClient, routers: &[Router]) -> usize {
+async fn leader_index(routers: &[Router]) -> usize {
     until(
         Duration::from_secs(15),
         "a router reporting itself the raft leader",
         move || async move {
             for (i, r) in routers.iter().enumerate() {
-                let reply = admin(c, &r.admin, Method::GET, "/cluster", None).await;
+                let reply = admin(&r.admin, Method::GET, "/cluster", None).await;
                 if reply.is_some_and(|r| r.body["raft"]["role"] == "Leader") {
                     return Some(i);
                 }
@@ -330,13 +327,13 @@ async fn leader_index(c: &HttpClient, routers: &[Router]) -> usize {
 
 /// The tenant ids of a linearizable read, and the config version, once `router` can serve
 /// one.
-async fn linearizable_tenants(c: &HttpClient, router: &Router) -> (BTreeSet<String>, u64) {
+async fn linearizable_tenants(router: &Router) -> (BTreeSet<String>, u64) {
     let base = &router.admin;
     until(
         Duration::from_secs(20),
         "a linearizable read",
         move || async move {
-            let reply = admin(c, base, Method::GET, "/tenants", None).await?;
+            let reply = admin(base, Method::GET, "/tenants", None).await?;
             (reply.status == 200).then(|| tenant_ids(&reply.body))
         },
     )
@@ -360,16 +357,14 @@ async fn three_voters_and_two_learners_share_the_configuration() {
     let voters = s.start_voters();
     let learners = [s.start_learner(4), s.start_learner(5)];
     let all: Vec<&Router> = voters.iter().chain(learners.iter()).collect();
-    let c = &client();
-    wait_seeded(c, &all).await;
+    wait_seeded(&all).await;
     // The learners have joined: they know the leader.
     for l in &learners {
-        leader_of(c, l).await;
+        leader_of(l).await;
     }
 
     let started = Instant::now();
     let reply = admin(
-        c,
         &learners[0].admin,
         Method::PUT,
         "/tenants/acme",
@@ -391,14 +386,8 @@ async fn three_voters_and_two_learners_share_the_configuration() {
             Duration::from_secs(10),
             &format!("router {} seeing tenant acme", r.id),
             move || async move {
-                let reply = admin(
-                    c,
-                    base,
-                    Method::GET,
-                    "/tenants/acme?consistency=local",
-                    None,
-                )
-                .await?;
+                let reply =
+                    admin(base, Method::GET, "/tenants/acme?consistency=local", None).await?;
                 (reply.status == 200 && reply.body["version"].as_u64() == Some(version))
                     .then_some(reply.body)
             },
@@ -413,7 +402,7 @@ async fn three_voters_and_two_learners_share_the_configuration() {
         assert_eq!(body["tenant"]["prefix_length"], 7, "router {id}");
     }
     // And a linearizable read through the other learner agrees.
-    let (ids, v) = linearizable_tenants(c, &learners[1]).await;
+    let (ids, v) = linearizable_tenants(&learners[1]).await;
     assert!(ids.contains("acme") && ids.contains("default"), "{ids:?}");
     assert_eq!(v, version);
     println!(
@@ -423,9 +412,8 @@ async fn three_voters_and_two_learners_share_the_configuration() {
 }
 
 /// The strategy `router` reports for the `default` tenant, and the config version.
-async fn explained_strategy(c: &HttpClient, router: &Router) -> Option<(String, u64)> {
+async fn explained_strategy(router: &Router) -> Option<(String, u64)> {
     let reply = admin(
-        c,
         &router.admin,
         Method::POST,
         "/route/explain",
@@ -448,10 +436,9 @@ async fn a_config_change_alters_routing_on_every_router_within_a_second() {
     let voters = s.start_voters();
     let learner = s.start_learner(4);
     let all: Vec<&Router> = voters.iter().chain([&learner]).collect();
-    let c = &client();
-    wait_seeded(c, &all).await;
+    wait_seeded(&all).await;
     for r in &all {
-        let (strategy, _) = explained_strategy(c, r).await.expect("explain answers");
+        let (strategy, _) = explained_strategy(r).await.expect("explain answers");
         assert_eq!(
             strategy, "prefix-aware",
             "router {} before the change",
@@ -461,7 +448,6 @@ async fn a_config_change_alters_routing_on_every_router_within_a_second() {
 
     let started = Instant::now();
     let reply = admin(
-        c,
         &voters[1].admin,
         Method::PUT,
         "/tenants/default",
@@ -475,7 +461,7 @@ async fn a_config_change_alters_routing_on_every_router_within_a_second() {
 
     let waits = all.iter().map(|r| async move {
         loop {
-            if let Some((strategy, v)) = explained_strategy(c, r).await {
+            if let Some((strategy, v)) = explained_strategy(r).await {
                 if strategy == "round-robin" {
                     assert_eq!(v, version, "router {} explains with a later config", r.id);
                     return (r.id, started.elapsed());
@@ -509,9 +495,8 @@ async fn a_config_change_alters_routing_on_every_router_within_a_second() {
 async fn leader_killed_during_writes_loses_no_acknowledged_write() {
     let s = Setup::new("raft-leader-kill", 3);
     let mut voters = s.start_voters();
-    let c = &client();
-    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
-    let li = leader_index(c, &voters).await;
+    wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
+    let li = leader_index(&voters).await;
     let leader = voters[li].id;
     let fi = (li + 1) % voters.len();
     let target = voters[fi].admin.clone();
@@ -528,7 +513,6 @@ async fn leader_killed_during_writes_loses_no_acknowledged_write() {
         }
         let id = format!("t{i}");
         let reply = admin(
-            c,
             &target,
             Method::PUT,
             &format!("/tenants/{id}"),
@@ -564,7 +548,7 @@ async fn leader_killed_during_writes_loses_no_acknowledged_write() {
         }
     }
 
-    let (present, version) = linearizable_tenants(c, &voters[fi]).await;
+    let (present, version) = linearizable_tenants(&voters[fi]).await;
     let lost: Vec<&String> = acked.iter().filter(|t| !present.contains(*t)).collect();
     assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
     let applied_anyway: Vec<&String> = unavailable
@@ -597,12 +581,11 @@ async fn leader_killed_during_writes_loses_no_acknowledged_write() {
 async fn config_survives_restarting_every_voter() {
     let s = Setup::new("raft-restart", 3);
     let mut voters = s.start_voters();
-    let c = &client();
-    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+    wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
     let mut version = 0;
     let written: Vec<String> = (0..5).map(|i| format!("kept{i}")).collect();
     for (i, id) in written.iter().enumerate() {
-        version = create_tenant(c, &voters[i % 3], id).await;
+        version = create_tenant(&voters[i % 3], id).await;
     }
 
     for v in &mut voters {
@@ -611,7 +594,7 @@ async fn config_survives_restarting_every_voter() {
     let restarted_at = Instant::now();
     let voters = s.start_voters();
     for v in &voters {
-        let (ids, v_version) = linearizable_tenants(c, v).await;
+        let (ids, v_version) = linearizable_tenants(v).await;
         for id in &written {
             assert!(
                 ids.contains(id),
@@ -628,7 +611,7 @@ async fn config_survives_restarting_every_voter() {
         restarted_at.elapsed().as_secs_f64() * 1e3
     );
     // They route with it again too.
-    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
+    wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
 }
 
 /// One minority check: kill two of three voters, leaving the leader (`keep_leader`) or a
@@ -637,10 +620,9 @@ async fn config_survives_restarting_every_voter() {
 async fn minority_case(test: &str, keep_leader: bool) -> String {
     let s = Setup::new(test, 3);
     let mut voters = s.start_voters();
-    let c = &client();
-    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
-    let version = create_tenant(c, &voters[0], "before").await;
-    let leader = leader_index(c, &voters).await;
+    wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
+    let version = create_tenant(&voters[0], "before").await;
+    let leader = leader_index(&voters).await;
     let keep = if keep_leader {
         leader
     } else {
@@ -652,14 +634,7 @@ async fn minority_case(test: &str, keep_leader: bool) -> String {
         Duration::from_secs(10),
         "the survivor applying the write",
         move || async move {
-            let r = admin(
-                c,
-                base,
-                Method::GET,
-                "/tenants/before?consistency=local",
-                None,
-            )
-            .await?;
+            let r = admin(base, Method::GET, "/tenants/before?consistency=local", None).await?;
             (r.status == 200).then_some(())
         },
     )
@@ -674,7 +649,7 @@ async fn minority_case(test: &str, keep_leader: bool) -> String {
     let started = Instant::now();
 
     let write = |path: &'static str, body: Value| async move {
-        let r = admin(c, base, Method::PUT, path, Some(&body))
+        let r = admin(base, Method::PUT, path, Some(&body))
             .await
             .expect("the survivor answers");
         match r.status {
@@ -696,7 +671,7 @@ async fn minority_case(test: &str, keep_leader: bool) -> String {
         r.status
     };
     let read = |path: &'static str| async move {
-        let r = admin(c, base, Method::GET, path, None)
+        let r = admin(base, Method::GET, path, None)
             .await
             .expect("the survivor answers");
         assert_ne!(
@@ -714,7 +689,7 @@ async fn minority_case(test: &str, keep_leader: bool) -> String {
         read("/tenants"),
         read("/tenants/before"),
     );
-    let local = admin(c, base, Method::GET, "/tenants?consistency=local", None)
+    let local = admin(base, Method::GET, "/tenants?consistency=local", None)
         .await
         .expect("the survivor answers");
     assert_eq!(local.status, 200, "{:?}", local.body);
@@ -725,7 +700,7 @@ async fn minority_case(test: &str, keep_leader: bool) -> String {
     );
     assert_eq!(local.body["version"].as_u64(), Some(version));
     // Issue 12, defect 7: a cut-off leader says it has lost its quorum.
-    let status = admin(c, base, Method::GET, "/cluster", None)
+    let status = admin(base, Method::GET, "/cluster", None)
         .await
         .expect("the survivor answers");
     let lost = &status.body["raft"]["quorum_lost"];
@@ -752,7 +727,7 @@ async fn bad_admin_requests() {
     let voters = s.start_voters();
     let r = &voters[0];
     let c = &client();
-    wait_seeded(c, &[r]).await;
+    wait_seeded(&[r]).await;
     let url = format!("{}/admin/v1/tenants", r.admin);
     let within = Duration::from_secs(10);
 
@@ -792,7 +767,6 @@ async fn bad_admin_requests() {
     assert_eq!(unauth_write.status, 401);
 
     let bad = admin(
-        c,
         &r.admin,
         Method::PUT,
         "/tenants/bad",
@@ -841,7 +815,7 @@ async fn bad_admin_requests() {
             "HOST:PORT",
         ),
     ] {
-        let bad = admin(c, &r.admin, Method::PUT, "/pools/bad-pool", Some(&pool))
+        let bad = admin(&r.admin, Method::PUT, "/pools/bad-pool", Some(&pool))
             .await
             .expect("answer");
         assert_eq!(bad.status, 400, "{:?}", bad.body);
@@ -852,7 +826,7 @@ async fn bad_admin_requests() {
         );
     }
 
-    let list = admin(c, &r.admin, Method::GET, "/tenants", None)
+    let list = admin(&r.admin, Method::GET, "/tenants", None)
         .await
         .expect("answer");
     assert_eq!(list.status, 200);
@@ -888,7 +862,7 @@ async fn bad_admin_requests() {
     assert_eq!(stale.status, 409, "{:?}", stale.body);
     assert_eq!(stale.body["current_version"].as_u64(), Some(v1));
     assert_eq!(stale.body["error"]["code"], "version_conflict");
-    let now = admin(c, &r.admin, Method::GET, "/tenants/cas", None)
+    let now = admin(&r.admin, Method::GET, "/tenants/cas", None)
         .await
         .expect("answer");
     assert_eq!(
@@ -899,9 +873,8 @@ async fn bad_admin_requests() {
 
 /// Creates tenant `id` with a 2 rps rate limit and API key `key` on `r`, and waits until
 /// the router routes for it.
-async fn create_limited_tenant(c: &HttpClient, r: &Router, id: &str, key: &str) {
+async fn create_limited_tenant(r: &Router, id: &str, key: &str) {
     let reply = admin(
-        c,
         &r.admin,
         Method::PUT,
         &format!("/tenants/{id}"),
@@ -910,17 +883,17 @@ async fn create_limited_tenant(c: &HttpClient, r: &Router, id: &str, key: &str) 
     .await
     .expect("answer");
     assert_eq!(reply.status, 201, "{:?}", reply.body);
-    wait_routable(c, r, id).await;
+    wait_routable(r, id).await;
 }
 
 /// Waits until `r` routes for tenant `id` (its explain knows it; explain takes no tokens).
-async fn wait_routable(c: &HttpClient, r: &Router, id: &str) {
+async fn wait_routable(r: &Router, id: &str) {
     let (base, body) = (&r.admin, &explain_body(id));
     until(
         Duration::from_secs(10),
         "the router applying the tenant",
         move || async move {
-            let r = admin(c, base, Method::POST, "/route/explain", Some(body)).await?;
+            let r = admin(base, Method::POST, "/route/explain", Some(body)).await?;
             (r.status == 200).then_some(())
         },
     )
@@ -949,9 +922,9 @@ async fn rate_limits_answer_429_with_retry_after() {
     let voters = s.start_voters();
     let r = &voters[0];
     let c = &client();
-    wait_seeded(c, &[r]).await;
+    wait_seeded(&[r]).await;
     let key = "sk-it-limited-1";
-    create_limited_tenant(c, r, "limited", key).await;
+    create_limited_tenant(r, "limited", key).await;
 
     let started = Instant::now();
     let mut statuses = Vec::new();
@@ -1004,17 +977,17 @@ async fn a_config_change_does_not_refill_rate_limits() {
     let voters = s.start_voters();
     let r = &voters[0];
     let c = &client();
-    wait_seeded(c, &[r]).await;
+    wait_seeded(&[r]).await;
     let key = "sk-it-limited-2";
-    create_limited_tenant(c, r, "limited", key).await;
+    create_limited_tenant(r, "limited", key).await;
     let started = Instant::now();
     let mut statuses = Vec::new();
     for round in 0..4 {
         if round > 0 {
             // An unrelated change.
             let other = format!("other{round}");
-            create_tenant(c, r, &other).await;
-            wait_routable(c, r, &other).await;
+            create_tenant(r, &other).await;
+            wait_routable(r, &other).await;
         }
         for _ in 0..3 {
             statuses.push(completion(c, r, key).await.status);
@@ -1038,12 +1011,12 @@ async fn raft_rpcs_need_the_peer_token_before_the_body_is_read() {
     let voters = s.start_voters();
     let all: Vec<&Router> = voters.iter().collect();
     let c = &client();
-    wait_seeded(c, &all).await;
-    let leader = leader_of(c, &voters[0]).await;
+    wait_seeded(&all).await;
+    let leader = leader_of(&voters[0]).await;
     let status = |r: &Router| {
         let base = r.admin.clone();
         async move {
-            let reply = admin(c, &base, Method::GET, "/cluster?consistency=local", None)
+            let reply = admin(&base, Method::GET, "/cluster?consistency=local", None)
                 .await
                 .expect("cluster status");
             (
@@ -1118,7 +1091,7 @@ async fn raft_rpcs_need_the_peer_token_before_the_body_is_read() {
     }
     let after = status(&voters[0]).await;
     assert_eq!(before, after, "the forged vote and append changed nothing");
-    assert_eq!(leader_of(c, &voters[2]).await, leader);
+    assert_eq!(leader_of(&voters[2]).await, leader);
 }
 
 /// A router refuses to start Raft without peer credentials unless told, in so many words,
@@ -1199,9 +1172,8 @@ async fn raft_refuses_to_start_without_peer_credentials() {
 /// A learner (a router that joined, or anything that got in as one) can be removed through
 /// the admin API; voters cannot be removed that way.
 /// The tenant ids a router serves from its own applied state, and its config version.
-async fn local_tenants(c: &HttpClient, router: &Router) -> (BTreeSet<String>, u64) {
+async fn local_tenants(router: &Router) -> (BTreeSet<String>, u64) {
     let reply = admin(
-        c,
         &router.admin,
         Method::GET,
         "/tenants?consistency=local",
@@ -1221,17 +1193,16 @@ async fn local_tenants(c: &HttpClient, router: &Router) -> (BTreeSet<String>, u6
 async fn a_store_altered_after_a_clean_shutdown_is_refused_then_repaired_from_the_leader() {
     let s = Setup::new("raft-bitrot", 3);
     let mut voters = s.start_voters();
-    let c = &client();
-    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
-    let leader = leader_index(c, &voters).await;
-    let version = create_tenant(c, &voters[leader], "rot-a1").await;
+    wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
+    let leader = leader_index(&voters).await;
+    let version = create_tenant(&voters[leader], "rot-a1").await;
     let f = (leader + 1) % 3;
     let id = voters[f].id;
     until(
         Duration::from_secs(10),
         "the follower applying the write",
         || async {
-            let (ids, v) = local_tenants(c, &voters[f]).await;
+            let (ids, v) = local_tenants(&voters[f]).await;
             (ids.contains("rot-a1") && v == version).then_some(())
         },
     )
@@ -1276,12 +1247,12 @@ async fn a_store_altered_after_a_clean_shutdown_is_refused_then_repaired_from_th
         Duration::from_secs(20),
         "the repaired node catching up",
         || async {
-            let (ids, v) = local_tenants(c, &voters[f]).await;
+            let (ids, v) = local_tenants(&voters[f]).await;
             (v >= version).then_some(ids)
         },
     )
     .await;
-    let (ids, _) = local_tenants(c, &voters[f]).await;
+    let (ids, _) = local_tenants(&voters[f]).await;
     assert!(ids.contains("rot-a1") && !ids.contains("rot-a9"), "{ids:?}");
     println!(
         "altered {altered} copies; refused with: {}",
@@ -1296,9 +1267,8 @@ async fn a_store_altered_after_a_clean_shutdown_is_refused_then_repaired_from_th
 async fn a_paused_leader_does_not_stall_writes_through_the_majority() {
     let s = Setup::new("raft-paused-leader", 3);
     let voters = s.start_voters();
-    let c = &client();
-    wait_seeded(c, &voters.iter().collect::<Vec<_>>()).await;
-    let leader = leader_index(c, &voters).await;
+    wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
+    let leader = leader_index(&voters).await;
     let f = (leader + 1) % 3;
     let pid = voters[leader].proc.child.id().to_string();
     let signal = |sig: &str| {
@@ -1311,7 +1281,6 @@ async fn a_paused_leader_does_not_stall_writes_through_the_majority() {
     let started = Instant::now();
     // The follower still takes the frozen node for the leader and forwards the write there.
     let reply = admin(
-        c,
         &voters[f].admin,
         Method::PUT,
         "/tenants/after-pause",
@@ -1322,7 +1291,7 @@ async fn a_paused_leader_does_not_stall_writes_through_the_majority() {
     let took = started.elapsed();
     signal("-CONT");
     assert_eq!(reply.status, 201, "after {took:?}: {:?}", reply.body);
-    let (ids, _) = linearizable_tenants(c, &voters[f]).await;
+    let (ids, _) = linearizable_tenants(&voters[f]).await;
     assert!(ids.contains("after-pause"), "{ids:?}");
     println!("a write through the majority while the leader was frozen: 201 after {took:?}");
 }
@@ -1333,14 +1302,13 @@ async fn learners_are_removable() {
     let voters = s.start_voters();
     let learner = s.start_learner(4);
     let all: Vec<&Router> = voters.iter().chain(std::iter::once(&learner)).collect();
-    let c = &client();
-    wait_seeded(c, &all).await;
-    leader_of(c, &learner).await;
-    let leader = &voters[leader_index(c, &voters).await];
+    wait_seeded(&all).await;
+    leader_of(&learner).await;
+    let leader = &voters[leader_index(&voters).await];
     let learners = |r: &Router| {
         let base = r.admin.clone();
         async move {
-            let reply = admin(c, &base, Method::GET, "/cluster", None).await?;
+            let reply = admin(&base, Method::GET, "/cluster", None).await?;
             reply.body["raft"]["learners"].as_object().map(|m| m.len())
         }
     };
@@ -1348,38 +1316,20 @@ async fn learners_are_removable() {
         learners(leader).await.filter(|&n| n == 1)
     })
     .await;
-    let gone = admin(
-        c,
-        &leader.admin,
-        Method::DELETE,
-        "/cluster/learners/4",
-        None,
-    )
-    .await
-    .expect("an answer");
+    let gone = admin(&leader.admin, Method::DELETE, "/cluster/learners/4", None)
+        .await
+        .expect("an answer");
     assert_eq!(gone.status, 200, "{:?}", gone.body);
     until(Duration::from_secs(10), "the learner is gone", || async {
         learners(leader).await.filter(|&n| n == 0)
     })
     .await;
-    let voter = admin(
-        c,
-        &leader.admin,
-        Method::DELETE,
-        "/cluster/learners/1",
-        None,
-    )
-    .await
-    .expect("an answer");
+    let voter = admin(&leader.admin, Method::DELETE, "/cluster/learners/1", None)
+        .await
+        .expect("an answer");
     assert_eq!(voter.status, 400, "{:?}", voter.body);
-    let unknown = admin(
-        c,
-        &leader.admin,
-        Method::DELETE,
-        "/cluster/learners/99",
-        None,
-    )
-    .await
-    .expect("an answer");
+    let unknown = admin(&leader.admin, Method::DELETE, "/cluster/learners/99", None)
+        .await
+        .expect("an answer");
     assert_eq!(unknown.status, 404, "{:?}", unknown.body);
 }
