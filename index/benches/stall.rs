@@ -66,7 +66,7 @@ fn main() {
         };
         if let Ok(d) = core.route("t", &policy, "m", &request, &[], false, now) {
             core.first_token(d.instance, d.uncached_tokens);
-            core.finish(d.instance, d.uncached_tokens, true);
+            core.finish(d.instance, d.uncached_tokens, true, d.decided_at);
         }
     };
     let t0 = Instant::now();

@@ -332,11 +332,27 @@ impl RouterCore {
         self.load.first_token(instance, u64::from(pending));
     }
 
-    /// The request left the instance; `prefilled` says whether its first token came.
-    pub fn finish(&mut self, instance: InstanceId, pending: u32, prefilled: bool) {
+    /// The request routed at `decided_at` left the instance; `prefilled` says whether its
+    /// first token came.
+    ///
+    /// A prefilled request also tells what the instance's cache now holds, where an agent
+    /// reports it: the engine's KV events have said by now what that prefill stored and
+    /// what it evicted; so every prediction on the instance made up to this decision
+    /// retires, and only what is observed (and the predictions of requests routed since,
+    /// which may still be queued) attracts requests. Without an agent, predictions live out
+    /// their time-to-live. Engines admit requests in arrival order, so those routed before
+    /// this one have been prefilled too.
+    pub fn finish(&mut self, instance: InstanceId, pending: u32, prefilled: bool, decided_at: u64) {
         self.own_load
             .finish(instance, u64::from(pending), prefilled);
         self.load.finish(instance, u64::from(pending), prefilled);
+        let observed = self
+            .instances
+            .get(instance.0 as usize)
+            .is_some_and(|i| i.observed);
+        if prefilled && observed {
+            self.index.forget_predictions_before(instance, decided_at);
+        }
     }
 
     /// The engine's account of a request routed by `decision` (for a tenant with
@@ -417,27 +433,10 @@ impl RouterCore {
     }
 
     /// Whether an agent now reports `instance`'s GPU cache (a snapshot arrived), or no
-    /// longer does (it expired or left): see [`RouterCore::completed`].
+    /// longer does (it expired or left): see [`RouterCore::finish`].
     pub fn set_observed(&mut self, instance: InstanceId, observed: bool) {
         if let Some(info) = self.instances.get_mut(instance.0 as usize) {
             info.observed = observed;
-        }
-    }
-
-    /// A request routed to `instance` at `decided_at` completed. On an instance whose
-    /// cache an agent reports, the engine's KV events have said by now what that prefill
-    /// stored and what it evicted; so every prediction on the instance made up to this
-    /// decision retires, and only what is observed (and the predictions of requests routed
-    /// since, which may still be queued) attracts requests. Without an agent, predictions
-    /// live out their time-to-live, as before. Engines admit requests in arrival order, so
-    /// those routed before this one have been prefilled too.
-    pub fn completed(&mut self, instance: InstanceId, decided_at: u64) {
-        if self
-            .instances
-            .get(instance.0 as usize)
-            .is_some_and(|i| i.observed)
-        {
-            self.index.forget_predictions_before(instance, decided_at);
         }
     }
 
@@ -631,20 +630,20 @@ mod tests {
             Err(NoRoute::UnknownModel)
         );
         c.first_token(InstanceId(first), 1);
-        c.finish(InstanceId(first), 1, true);
-        c.finish(InstanceId(first), 1, false);
+        c.finish(InstanceId(first), 1, true, 0);
+        c.finish(InstanceId(first), 1, false, 0);
         assert_eq!(c.in_flight(InstanceId(first)), 0);
     }
 
     #[test]
-    fn a_completed_request_retires_predictions_only_where_an_agent_reports() {
+    fn a_finished_request_retires_predictions_only_where_an_agent_reports() {
         let matched = |c: &RouterCore, i: InstanceId, ks: &[u64], now| {
             c.index.match_prefix(&keys(ks), now).of(i).gpu
         };
         let mut c = core(&["a", "b"]);
         let a = InstanceId(send(&mut c, &[1, 2, 3], &[], 10).unwrap());
         // No agent: the prediction lives on after the request completes.
-        c.completed(a, 10);
+        c.finish(a, 0, true, 10);
         assert_eq!(matched(&c, a, &[1, 2, 3], 20), 3);
         // An agent reports a: what the engine stored is observed (here blocks 1 and 2;
         // it evicted 3), and a completed request retires the predictions made up to its
@@ -653,13 +652,13 @@ mod tests {
         c.observe(a, BlockKey(1), None, Tier::Gpu, true, 30);
         c.observe(a, BlockKey(2), Some(BlockKey(1)), Tier::Gpu, true, 30);
         assert_eq!(send(&mut c, &[1, 2, 3, 4], &[b_of(a)], 50), Ok(a.0));
-        c.completed(a, 10);
+        c.finish(a, 0, true, 10);
         assert_eq!(
             matched(&c, a, &[1, 2, 3, 4], 60),
             4,
             "routed at 50, still queued"
         );
-        c.completed(a, 50);
+        c.finish(a, 0, true, 50);
         assert_eq!(
             matched(&c, a, &[1, 2, 3, 4], 60),
             2,
@@ -668,7 +667,7 @@ mod tests {
         // The agent gone, predictions live their time again.
         c.set_observed(a, false);
         assert_eq!(send(&mut c, &[1, 2, 3, 4], &[b_of(a)], 70), Ok(a.0));
-        c.completed(a, 70);
+        c.finish(a, 0, true, 70);
         assert_eq!(matched(&c, a, &[1, 2, 3, 4], 80), 4);
     }
 

@@ -294,7 +294,12 @@ pub fn decision_batch(data: &[u8]) {
         let decision = core
             .route("t", &policy, "m", &request, &[], false, 2_000 + i as u64)
             .expect("a healthy pool always routes");
-        core.finish(decision.instance, decision.uncached_tokens, false);
+        core.finish(
+            decision.instance,
+            decision.uncached_tokens,
+            false,
+            decision.decided_at,
+        );
     }
 }
 

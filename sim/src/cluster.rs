@@ -460,15 +460,23 @@ pub fn simulate(
                     let t = &tracks[i];
                     completed += 1;
                     e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    let replica = &mut replicas[t.router as usize];
-                    replica.finish(InstanceId(t.instance), t.pending, true);
-                    replica.completed(InstanceId(t.instance), t.decided_at);
+                    replicas[t.router as usize].finish(
+                        InstanceId(t.instance),
+                        t.pending,
+                        true,
+                        t.decided_at,
+                    );
                 }
                 EngineEvent::Rejected { id, .. } => {
                     let i = id as usize;
                     let t = &tracks[i];
                     rejected += 1;
-                    replicas[t.router as usize].finish(InstanceId(t.instance), t.pending, false);
+                    replicas[t.router as usize].finish(
+                        InstanceId(t.instance),
+                        t.pending,
+                        false,
+                        t.decided_at,
+                    );
                 }
                 EngineEvent::Stored { key, tier } | EngineEvent::Removed { key, tier }
                     if config.agent_feed_delay_us.is_some() =>

@@ -978,11 +978,12 @@ impl LoadGuard {
     fn finish(&mut self) {
         if !self.done {
             self.done = true;
-            let mut core = self.app.core();
-            core.finish(self.instance, self.prompt_tokens, self.prefilled);
-            if self.prefilled {
-                core.completed(self.instance, self.decided_at);
-            }
+            self.app.core().finish(
+                self.instance,
+                self.prompt_tokens,
+                self.prefilled,
+                self.decided_at,
+            );
         }
     }
 }

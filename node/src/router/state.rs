@@ -194,14 +194,15 @@ impl RouterState {
     }
 
     /// The request left the instance.
-    pub fn finish(&mut self, instance: InstanceId, prompt_tokens: u32, prefilled: bool) {
-        self.core.finish(instance, prompt_tokens, prefilled);
-    }
-
-    /// A request routed at `decided_at` completed on `instance` (see
-    /// [`warmpath_index::router::RouterCore::completed`]).
-    pub fn completed(&mut self, instance: InstanceId, decided_at: u64) {
-        self.core.completed(instance, decided_at);
+    pub fn finish(
+        &mut self,
+        instance: InstanceId,
+        prompt_tokens: u32,
+        prefilled: bool,
+        decided_at: u64,
+    ) {
+        self.core
+            .finish(instance, prompt_tokens, prefilled, decided_at);
     }
 
     /// Marks the engines an agent reports (by URL) as observed, or no longer.
