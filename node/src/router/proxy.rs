@@ -869,6 +869,8 @@ async fn attempt_once(
     let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
     let went_down =
         || AttemptError::Failed("the instance failed its health check before answering".into());
+    // One watch of the instance's health for the whole attempt, headers, body or stream.
+    let mut down = Box::pin(until_down(app.clone(), chosen.instance));
     let headers = tokio::time::timeout_at(first_byte.into(), app.client.request(request));
     let resp = tokio::select! {
         r = headers => match r {
@@ -877,7 +879,7 @@ async fn attempt_once(
             Ok(Err(e)) => return Err(AttemptError::Failed(format!("{e}"))),
             Ok(Ok(r)) => r,
         },
-        () = until_down(app.clone(), chosen.instance) => return Err(went_down()),
+        () = &mut down => return Err(went_down()),
     };
     let status = resp.status();
     if status.is_server_error() {
@@ -902,7 +904,7 @@ async fn attempt_once(
     if !stream || !status.is_success() {
         let collected = tokio::select! {
             c = tokio::time::timeout_at(deadline.into(), incoming.collect()) => c,
-            () = until_down(app.clone(), chosen.instance) => return Err(went_down()),
+            () = &mut down => return Err(went_down()),
         };
         let bytes = match collected {
             Err(_) => return Err(AttemptError::Deadline),
@@ -925,7 +927,7 @@ async fn attempt_once(
         deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
         idle: Box::pin(tokio::time::sleep(idle)),
         idle_for: idle,
-        down: Box::pin(until_down(app.clone(), chosen.instance)),
+        down,
         ended: false,
     };
     Ok(builder.body(Body::new(body)).unwrap_or_default())
