@@ -426,19 +426,17 @@ async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
     let (mut agent_proc, addr) = agent(&["--l1-bytes", "4MiB"]);
     let agent_at = addr.to_string();
     // 64 GPU blocks of 16 tokens; prompts of 600 words hold about 40 blocks each.
-    let engine = Proc::start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
+    let engine = crate::engine_sim(
         "50",
-        "--gpu-kv-tokens",
-        "1024",
-        "--agent",
-        &agent_at,
-        "--agent-block-scale",
-        "0.001",
-    ]);
+        &[
+            "--gpu-kv-tokens",
+            "1024",
+            "--agent",
+            &agent_at,
+            "--agent-block-scale",
+            "0.001",
+        ],
+    );
     let http = client();
     let ask = |seed: u64| {
         let http = http.clone();
@@ -563,15 +561,7 @@ fn prompt_tokens(v: &Value) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_follows_an_engines_kv_events() {
     let kv = format!("tcp://{}", crate::free_addr());
-    let engine = Proc::start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
-        "50",
-        "--kv-events",
-        &kv,
-    ]);
+    let engine = crate::engine_sim("50", &["--kv-events", &kv]);
     let (_agent, addr) = agent(&["--kv-events", &format!("e0={kv}")]);
     let c = connect(&addr).await;
     let http = client();
@@ -801,17 +791,7 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
         format!("tcp://{}", crate::free_addr()),
         format!("tcp://{}", crate::free_addr()),
     );
-    let engine = Proc::start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
-        "50",
-        "--kv-events",
-        &events,
-        "--kv-replay",
-        &replay,
-    ]);
+    let engine = crate::engine_sim("50", &["--kv-events", &events, "--kv-replay", &replay]);
     let r = post(
         &client(),
         &engine.url,
@@ -885,17 +865,9 @@ impl Residency {
             String::from_utf8_lossy(&out.stderr)
         );
         let kv = format!("tcp://{}", crate::free_addr());
-        let mut engine_args = vec![
-            "engine-sim",
-            "--listen",
-            "127.0.0.1:0",
-            "--speedup",
-            "50",
-            "--kv-events",
-            &kv,
-        ];
+        let mut engine_args = vec!["--kv-events", kv.as_str()];
         engine_args.extend_from_slice(engine_extra);
-        let engine = Proc::start(&engine_args);
+        let engine = crate::engine_sim("50", &engine_args);
         let quic = free_udp();
         let kv_events = format!("{}={kv}", engine.url);
         let mut agent_args = vec![

@@ -29,7 +29,7 @@ fn client_venv() -> PathBuf {
 #[test]
 fn the_official_openai_client_works_through_the_router() {
     let venv = client_venv();
-    let engine = Proc::start(&["engine-sim", "--listen", "127.0.0.1:0", "--speedup", "1000"]);
+    let engine = crate::engine_sim("1000", &[]);
     // The README's "Run a gateway": instances by flag, no keys, nothing else.
     let open = Proc::start(&[
         "router",

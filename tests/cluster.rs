@@ -65,7 +65,7 @@ fn replica_with(name: &str, engines: &[&Proc], seeds: &[&str], extra: &[&str]) -
 }
 
 fn engine() -> Proc {
-    Proc::start(&["engine-sim", "--listen", "127.0.0.1:0", "--speedup", "1000"])
+    crate::engine_sim("1000", &[])
 }
 
 /// Sends a completion with an explanation; `None` if the router could not be reached.

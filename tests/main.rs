@@ -17,6 +17,19 @@ pub use proc::Proc;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 
+/// An engine-sim on a free loopback port at `speedup`, with `extra` flags.
+pub fn engine_sim(speedup: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "engine-sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--speedup",
+        speedup,
+    ];
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
 /// Runs `warmpath` with `args` and returns its output.
 pub fn warmpath(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_warmpath"))

@@ -177,7 +177,7 @@ impl Setup {
             token_file: token_file.to_str().expect("utf-8 path").to_string(),
             peer_token_file: peer_token_file.to_str().expect("utf-8 path").to_string(),
             voters: (1..=voters).map(|id| (id, free_addr())).collect(),
-            engine: Proc::start(&["engine-sim", "--listen", "127.0.0.1:0", "--speedup", "1000"]),
+            engine: crate::engine_sim("1000", &[]),
             dir,
         }
     }

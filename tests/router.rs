@@ -16,13 +16,7 @@ pub(crate) fn client() -> HttpClient {
 }
 
 fn engine(speedup: &str) -> Proc {
-    Proc::start(&[
-        "engine-sim",
-        "--listen",
-        "127.0.0.1:0",
-        "--speedup",
-        speedup,
-    ])
+    crate::engine_sim(speedup, &[])
 }
 
 /// A router over `engines`, with extra flags.
