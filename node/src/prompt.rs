@@ -538,8 +538,8 @@ impl Fast {
             let mut all = all.borrow_mut();
             let at = match all.iter().position(|c| c.name == self.cache) {
                 Some(at) => {
-                    let used = all.remove(at);
-                    all.push(used);
+                    // Most recently used last (a no-op for the usual single tokenizer).
+                    all[at..].rotate_left(1);
                     all.len() - 1
                 }
                 None => {
