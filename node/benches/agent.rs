@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{free_port, percentile, start};
+use common::{free_addr, percentile, start};
 use warmpath_cache_agent::block::{encode_object, Block};
 use warmpath_cache_agent::client::{AgentAddr, AgentClient};
 use warmpath_cache_agent::l2::{DirL2, L2Backend, RedisL2};
@@ -241,7 +241,7 @@ fn main() {
         );
 
         // L2 Redis.
-        let port = free_port();
+        let port = free_addr().port();
         let redis = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
             .args(["--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"])

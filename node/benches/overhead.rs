@@ -49,7 +49,7 @@ fn start_smg(engine: &str) -> Option<std::process::Child> {
         println!("(SMG not measured: no Python with the smg package at {python}; run bench/peers.py --install)");
         return None;
     }
-    let port = common::free_port();
+    let port = common::free_addr().port();
     let child = std::process::Command::new(&python)
         .args([
             "-m",

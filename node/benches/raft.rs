@@ -13,7 +13,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 mod common;
 
-use common::{free_port, percentile, start, Proc};
+use common::{free_addr, percentile, start, Proc};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "bench-admin-token-0123456789";
@@ -57,7 +57,7 @@ fn main() {
     std::fs::write(&token, TOKEN).expect("token file");
     let peer_token = dir.join("peer-token");
     std::fs::write(&peer_token, "bench-raft-peer-token").expect("token file");
-    let admin: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let admin: Vec<u16> = (0..3).map(|_| free_addr().port()).collect();
     let voters: Vec<String> = admin
         .iter()
         .enumerate()

@@ -78,7 +78,7 @@ fn main() {
         .expect("runtime");
     let dir = tempfile::tempdir().expect("temp dir");
     let certs = dir.path().join("certs");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_warmpath"))
+    let status = std::process::Command::new(warmpath_testkit::warmpath_bin())
         .args([
             "certs",
             "--out",
@@ -91,7 +91,7 @@ fn main() {
         .output()
         .expect("warmpath certs");
     assert!(status.status.success());
-    let kv_port = common::free_port();
+    let kv_port = common::free_addr().port();
     let kv = format!("tcp://127.0.0.1:{kv_port}");
     let quic = std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|s| s.local_addr())

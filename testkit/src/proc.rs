@@ -1,8 +1,25 @@
 //! A running `warmpath` process: the one definition the integration tests
-//! (`tests/main.rs`) and the process-level benchmarks (`node/benches/common`) share.
+//! (`tests/main.rs`), the process-level benchmarks (`node/benches/common`) and the fault
+//! harness (`jepsen/`) share.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
+
+/// The `warmpath` binary: `$WARMPATH_BIN` if set, else the one Cargo built beside the
+/// running executable (a test or bench in `target/PROFILE/deps/`, the harness in
+/// `target/PROFILE/`).
+pub fn warmpath_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("WARMPATH_BIN") {
+        return bin.into();
+    }
+    let exe = std::env::current_exe().expect("the running executable's path");
+    let mut dir = exe.parent().expect("an executable lives in a directory");
+    if dir.ends_with("deps") {
+        dir = dir.parent().expect("deps/ has a parent");
+    }
+    dir.join("warmpath")
+}
 
 /// A running `warmpath` process, killed when dropped.
 #[derive(Debug)]
@@ -26,12 +43,7 @@ impl Proc {
     /// Starts `warmpath args…` logging at `log` and waits for its first `lines` lines on
     /// stdout, the first of which names its address.
     pub fn start_lines(args: &[&str], lines: usize, log: &str) -> Proc {
-        Self::spawn(
-            Command::new(env!("CARGO_BIN_EXE_warmpath")).args(args),
-            args,
-            lines,
-            log,
-        )
+        Self::spawn(Command::new(warmpath_bin()).args(args), args, lines, log)
     }
 
     /// [`Proc::start`] under an open-file limit of `files` (set by `sh`'s `ulimit -n`).
@@ -40,7 +52,7 @@ impl Proc {
         command
             .args(["-c", "ulimit -n \"$0\" && exec \"$@\""])
             .arg(files.to_string())
-            .arg(env!("CARGO_BIN_EXE_warmpath"))
+            .arg(warmpath_bin())
             .args(args);
         Self::spawn(&mut command, args, 1, "warn")
     }
@@ -55,35 +67,49 @@ impl Proc {
             .arg("mount -t tmpfs -o size=\"$0\" tmpfs \"$1\" && shift && exec \"$@\"")
             .arg(bytes.to_string())
             .arg(dir)
-            .arg(env!("CARGO_BIN_EXE_warmpath"))
+            .arg(warmpath_bin())
             .args(args);
         Self::spawn(&mut command, args, 1, "warn")
     }
 
     fn spawn(command: &mut Command, args: &[&str], lines: usize, log: &str) -> Proc {
+        Self::try_spawn(command, lines, log).unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    /// Runs `command` (a `warmpath` command line, perhaps behind a wrapper such as
+    /// `ip netns exec`) logging at `log`, and waits for its first `lines` stdout lines,
+    /// the first of which names its address. `Err` says what it printed instead; the
+    /// process is killed then. Its stderr goes where `command` says (inherited unless
+    /// set).
+    pub fn try_spawn(command: &mut Command, lines: usize, log: &str) -> Result<Proc, String> {
         let mut child = command
             .env("WARMPATH_LOG", log)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
-            .expect("the warmpath binary starts");
+            .map_err(|e| format!("{:?} did not start: {e}", command.get_program()))?;
         let mut stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
         let mut first = Vec::new();
         for _ in 0..lines.max(1) {
             let mut line = String::new();
-            stdout.read_line(&mut line).expect("a line on stdout");
+            let _ = stdout.read_line(&mut line);
             first.push(line);
         }
-        let url = match first[0].split("listening on ").nth(1) {
-            Some(u) => u.trim().to_string(),
-            None => panic!("{args:?} printed {:?} instead of its address", first[0]),
+        let Some(url) = first[0].split("listening on ").nth(1) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("printed {:?} instead of its address", first[0]));
         };
-        Proc {
+        Ok(Proc {
+            url: url.trim().to_string(),
             child,
-            url,
             lines: first,
             stdout,
-        }
+        })
+    }
+
+    /// Its process id (for signals).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// The next line the process prints on stdout.

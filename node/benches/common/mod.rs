@@ -3,22 +3,13 @@
 
 #![allow(dead_code)] // each benchmark uses its own subset
 
-#[path = "../../../tests/proc.rs"]
-mod proc;
-pub use proc::Proc;
+#[allow(unused_imports)] // each benchmark uses its own subset
+pub use warmpath_testkit::{free_addr, Proc};
 
 /// Starts `warmpath args…` with quiet logs and waits for its first `lines` stdout lines.
 pub fn start<S: AsRef<str>>(args: &[S], lines: usize) -> Proc {
     let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
     Proc::start_lines(&args, lines, "error")
-}
-
-/// A free TCP port on loopback (bound, then released).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 /// The `q` quantile of sorted samples, by nearest rank.
