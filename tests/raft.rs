@@ -1296,6 +1296,54 @@ async fn a_paused_leader_does_not_stall_writes_through_the_majority() {
     println!("a write through the majority while the leader was frozen: 201 after {took:?}");
 }
 
+/// A client's `Idempotency-Key` makes a retried write apply once, through any router; the
+/// same key for another write is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_retried_with_its_idempotency_key_applies_once() {
+    let s = Setup::new("raft-idempotency", 3);
+    let voters = s.start_voters();
+    wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
+    let put = |router: usize, key: &'static str, prefix_length: u32| {
+        let base = voters[router].admin.clone();
+        async move {
+            let client = AdminClient::new(&base, Some(TOKEN.to_string())).expect("a client");
+            let body =
+                json!({"pool": POOL, "strategy": "round-robin", "prefix_length": prefix_length});
+            let r = client
+                .send_raw(
+                    Method::PUT,
+                    &format!("{PREFIX}/tenants/idem"),
+                    Some(body.to_string().into_bytes()),
+                    &[("idempotency-key", key.to_string())],
+                )
+                .await
+                .expect("the router answers");
+            (r.status, r.body)
+        }
+    };
+    let (status, first) = put(0, "it-key-1", 7).await;
+    assert_eq!(status, 201, "{first}");
+    let version = first["version"].as_u64().expect("version");
+    // Another write moves the version on; the retry through another router must not.
+    create_tenant(&voters[1], "between").await;
+    let (status, again) = put(2, "it-key-1", 7).await;
+    assert!(status == 200 || status == 201, "{again}");
+    assert_eq!(again["version"].as_u64(), Some(version), "{again}");
+    let (ids, now) = linearizable_tenants(&voters[2]).await;
+    assert!(ids.contains("between") && now > version, "{ids:?} {now}");
+    // The same key for another write: refused, nothing changed.
+    let (status, other) = put(1, "it-key-1", 9).await;
+    assert_eq!(status, 400, "{other}");
+    assert!(other.to_string().contains("already used"), "{other}");
+    let reply = admin(&voters[0].admin, Method::GET, "/tenants/idem", None)
+        .await
+        .expect("a read");
+    assert_eq!(reply.body["tenant"]["prefix_length"], 7, "{:?}", reply.body);
+    // A key that is not one.
+    let (status, bad) = put(0, "", 7).await;
+    assert_eq!(status, 400, "{bad}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn learners_are_removable() {
     let s = Setup::new("raft-remove-learner", 3);

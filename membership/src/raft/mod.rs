@@ -50,6 +50,9 @@ pub(crate) fn unix_ms() -> u64 {
 /// A leader that has heard from no quorum for this long refuses writes at once (twice the
 /// longest election timeout: by then the others have elected a new leader).
 const STALE_QUORUM_MS: u64 = 2_000;
+/// How long a write whose connection to the leader broke waits for a new leader before it
+/// is sent again to the same one.
+const RETRY_PAUSE: Duration = Duration::from_millis(300);
 
 /// How a node joins and runs in the tenant-config cluster.
 #[derive(Debug, Clone)]
@@ -420,14 +423,54 @@ impl RaftNode {
     /// Applies `cmd` through the leader and returns what applying it did. See the module
     /// docs for forwarding and for what a timeout means.
     pub async fn write(&self, cmd: Command) -> Result<CommandResult, WriteError> {
+        // Every write is keyed, so that sending it again (to a new leader, or after a
+        // connection broke) applies it at most once: the state machine answers a repeated
+        // key with the first application's result.
+        let cmd = match cmd {
+            Command::V1(command) => Command::Once {
+                key: self.write_key(),
+                command,
+            },
+            keyed @ Command::Once { .. } => keyed,
+        };
+        // A leader that went silent with the write may still apply it: once it was left
+        // with one, no error may say the write was not submitted.
+        let mut abandoned: Option<String> = None;
+        let result = self.write_attempts(cmd, &mut abandoned).await;
+        match (result, abandoned) {
+            (Ok(r), _) => Ok(r),
+            (Err(e), None) => Err(e),
+            (Err(e @ (WriteError::Timeout(_) | WriteError::Unknown(_))), Some(_)) => Err(e),
+            (Err(e), Some(first)) => Err(WriteError::Unknown(format!(
+                "the write went first to leader {first}, which stopped answering and may \
+                 have applied it; then: {e}"
+            ))),
+        }
+    }
+
+    /// A key no other write of this cluster uses: this node's id, the wall clock in
+    /// nanoseconds and a per-process counter.
+    pub fn write_key(&self) -> String {
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("n{}-{nanos:x}-{n}", self.node_id)
+    }
+
+    /// [`RaftNode::write`]'s attempts; `abandoned` names the first leader a forwarded
+    /// write was left with, if any.
+    async fn write_attempts(
+        &self,
+        cmd: Command,
+        abandoned: &mut Option<String>,
+    ) -> Result<CommandResult, WriteError> {
         let start = Instant::now();
         let deadline = start + self.write_timeout;
         let mut hint: Option<String> = None;
         let mut last_err = None;
-        // A leader that went silent with the write may still apply it (it may already be
-        // in the new leader's log): after a re-forward only "applied" is a sure answer.
-        let mut abandoned: Option<String> = None;
-        for _ in 0..3 {
+        for _ in 0..4 {
             let target = match hint.take() {
                 Some(url) => Target::Remote(url),
                 None => match self.wait_leader(deadline).await {
@@ -468,7 +511,7 @@ impl RaftNode {
                             return Err(WriteError::Timeout(self.write_timeout));
                         }
                         tracing::info!(leader = %url, "the raft leader changed while it held a forwarded write; forwarding it to the new one");
-                        abandoned = Some(url.clone());
+                        abandoned.get_or_insert_with(|| url.clone());
                         continue;
                     };
                     match answer {
@@ -486,30 +529,52 @@ impl RaftNode {
                             continue;
                         }
                         Err(e @ HttpError::Transport { .. }) => {
-                            return Err(WriteError::Unknown(e.to_string()))
+                            // The connection broke after the write went out: the leader
+                            // may have it. Being keyed, it can be sent again (to whoever
+                            // leads by then) and applies at most once.
+                            last_err = Some(WriteError::Unknown(e.to_string()));
+                            abandoned.get_or_insert_with(|| url.clone());
+                            let soon = (Instant::now() + RETRY_PAUSE).min(deadline);
+                            self.wait_leader_change(url, soon).await;
+                            continue;
                         }
                         Err(e) => return Err(WriteError::Failed(e.to_string())),
                     }
                 }
             };
             match reply {
-                LeaderReply::Ok(r) => match (&r, &abandoned) {
-                    (CommandResult::Applied { .. }, _) | (_, None) => return Ok(r),
-                    (_, Some(first)) => {
-                        return Err(WriteError::Unknown(format!(
-                            "the write went first to leader {first}, which stopped answering \
-                             and may have applied it; the new leader answered {r:?}"
-                        )))
-                    }
-                },
+                // Keyed: whichever copy applied first, this is what applying it did.
+                LeaderReply::Ok(r) => return Ok(r),
                 LeaderReply::NotLeader { leader_url, .. } => {
                     last_err = Some(WriteError::NotLeader {
                         leader_url: leader_url.clone(),
                     });
-                    hint = leader_url;
+                    let tried = self.url_of(&target);
+                    if leader_url.is_none() || leader_url == tried {
+                        // The node it went to stepped down and names no other (an
+                        // election, as when a partitioned node rejoins with a higher
+                        // term): not submitted, so wait for the election's leader rather
+                        // than refuse a write the majority can take in a second.
+                        self.wait_next_leader(tried.as_deref(), deadline).await;
+                        if Instant::now() >= deadline {
+                            break;
+                        }
+                    } else {
+                        hint = leader_url;
+                    }
                 }
                 LeaderReply::Timeout => return Err(WriteError::Timeout(self.write_timeout)),
-                LeaderReply::Unknown(m) => return Err(WriteError::Unknown(m)),
+                LeaderReply::Unknown(m) => {
+                    // The leader lost its leadership with the write: send it again to the
+                    // next one (keyed, it applies at most once).
+                    last_err = Some(WriteError::Unknown(m));
+                    let tried = self.url_of(&target);
+                    abandoned.get_or_insert_with(|| tried.clone().unwrap_or_default());
+                    self.wait_next_leader(tried.as_deref(), deadline).await;
+                    if Instant::now() >= deadline {
+                        break;
+                    }
+                }
                 LeaderReply::NoQuorum(m) | LeaderReply::Failed(m) => {
                     return Err(WriteError::Failed(m))
                 }
@@ -735,6 +800,14 @@ impl RaftNode {
         }
     }
 
+    /// The base URL of `target` (this node's own when it leads).
+    fn url_of(&self, target: &Target) -> Option<String> {
+        match target {
+            Target::Local => self.leader_url(),
+            Target::Remote(url) => Some(url.clone()),
+        }
+    }
+
     /// The base URL of the leader this node knows of.
     fn leader_url(&self) -> Option<String> {
         leader_url_of(&self.raft.metrics().borrow())
@@ -754,6 +827,26 @@ impl RaftNode {
             deadline,
         )
         .await
+    }
+
+    /// Waits until a leader is known that is not `tried` or was elected in a later term
+    /// than the current one (or the deadline).
+    async fn wait_next_leader(&self, tried: Option<&str>, deadline: Instant) {
+        let mut rx = self.raft.metrics();
+        let term = rx.borrow().current_term;
+        loop {
+            {
+                let m = rx.borrow_and_update();
+                let leader = leader_url_of(&m);
+                if leader.is_some() && (leader.as_deref() != tried || m.current_term > term) {
+                    return;
+                }
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return,
+            }
+        }
     }
 
     /// Waits until `done` holds of the leader's base URL this node knows of (or the

@@ -25,6 +25,12 @@ pub const MAX_VALUE_BYTES: usize = 512;
 pub const MAX_POOL_INSTANCES: usize = 4096;
 /// Most API keys per tenant.
 pub const MAX_TENANT_KEYS: usize = 1024;
+/// How many write keys the state remembers ([`Command::Once`]): a retry of any of the last
+/// this many keyed writes gets the first one's result. Config writes are rare; a retry
+/// comes within its 5 s deadline.
+pub const MAX_RECENT_WRITES: usize = 4096;
+/// Longest write key, bytes.
+pub const MAX_WRITE_KEY_BYTES: usize = 128;
 
 /// The replicated tenant configuration.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -35,6 +41,26 @@ pub struct ConfigState {
     pub tenants: BTreeMap<String, TenantSpec>,
     /// Instance pools by model name.
     pub pools: BTreeMap<String, PoolSpec>,
+    /// The keys of the last [`MAX_RECENT_WRITES`] keyed writes and what applying each did,
+    /// oldest first: what makes a retried write apply at most once. Not configuration:
+    /// readers of tenants and pools never see it; snapshots carry it.
+    #[serde(default, skip_serializing_if = "std::collections::VecDeque::is_empty")]
+    pub recent_writes: std::collections::VecDeque<RecentWrite>,
+}
+
+/// A keyed write the state remembers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecentWrite {
+    pub key: String,
+    /// xxh3 of the command's JSON: the same key with another command is refused.
+    pub command: u64,
+    /// What applying it did.
+    pub result: CommandResult,
+}
+
+/// What identifies a keyed write's command.
+fn fingerprint(cmd: &CommandV1) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(&serde_json::to_vec(cmd).unwrap_or_default())
 }
 
 /// A tenant: the one definition. It is what Raft stores, what the admin API takes and
@@ -251,6 +277,11 @@ pub fn check_tokenizer(t: &str) -> Result<(), String> {
 pub enum Command {
     /// The first command set.
     V1(CommandV1),
+    /// A command applied at most once per `key`: a later command with the same key (a
+    /// follower forwarding a write again after its leader went silent with it, or a
+    /// client retrying with the same `Idempotency-Key`) changes nothing and gets the
+    /// first one's result, as long as the key is among the last [`MAX_RECENT_WRITES`].
+    Once { key: String, command: CommandV1 },
 }
 
 /// Commands of version 1. Each `expected_version`, when given, must equal the state's
@@ -352,7 +383,42 @@ pub enum CommandResult {
 impl ConfigState {
     /// Applies `cmd`, committed at log `index`, and says what happened.
     pub fn apply(&mut self, index: u64, cmd: &Command) -> CommandResult {
-        let Command::V1(cmd) = cmd;
+        match cmd {
+            Command::V1(cmd) => self.apply_v1(index, cmd),
+            Command::Once { key, command } => {
+                if let Some(first) = self.recent_writes.iter().find(|w| w.key == *key) {
+                    if first.command != fingerprint(command) {
+                        return CommandResult::Invalid {
+                            problems: vec![format!(
+                                "idempotency key {key:?}: already used for another write"
+                            )],
+                        };
+                    }
+                    return first.result.clone();
+                }
+                if key.is_empty() || key.len() > MAX_WRITE_KEY_BYTES {
+                    return CommandResult::Invalid {
+                        problems: vec![format!(
+                            "idempotency key: 1 to {MAX_WRITE_KEY_BYTES} bytes, not {}",
+                            key.len()
+                        )],
+                    };
+                }
+                let result = self.apply_v1(index, command);
+                if self.recent_writes.len() >= MAX_RECENT_WRITES {
+                    self.recent_writes.pop_front();
+                }
+                self.recent_writes.push_back(RecentWrite {
+                    key: key.clone(),
+                    command: fingerprint(command),
+                    result: result.clone(),
+                });
+                result
+            }
+        }
+    }
+
+    fn apply_v1(&mut self, index: u64, cmd: &CommandV1) -> CommandResult {
         if let Some(expected) = cmd.expected_version() {
             if expected != self.version {
                 return CommandResult::Conflict {
@@ -750,6 +816,67 @@ mod tests {
         CommandResult::Invalid {
             problems: problems.iter().map(|s| s.to_string()).collect(),
         }
+    }
+
+    #[test]
+    fn a_keyed_write_applies_at_most_once() {
+        let once = |key: &str, cmd: Command| match cmd {
+            Command::V1(command) => Command::Once {
+                key: key.into(),
+                command,
+            },
+            other => other,
+        };
+        let mut s = base();
+        let first = s.apply(10, &once("k1", put_tenant("beta", tenant(|_| {}))));
+        assert_eq!(first, CommandResult::Applied { version: 10 });
+        // The same write again (a retry delivered later): nothing changes, and the answer
+        // is the first one's.
+        let after_first = s.clone();
+        let again = s.apply(11, &once("k1", put_tenant("beta", tenant(|_| {}))));
+        assert_eq!(again, first);
+        assert_eq!(s, after_first);
+        // The same key for another write is refused, and changes nothing.
+        let other = s.apply(11, &once("k1", put_tenant("gamma", tenant(|_| {}))));
+        assert!(matches!(other, CommandResult::Invalid { .. }), "{other:?}");
+        assert_eq!(s, after_first);
+        // A refusal is remembered too: a retry does not turn it into something else.
+        let conflict = Command::V1(CommandV1::DeleteTenant {
+            id: "beta".into(),
+            expected_version: Some(3),
+        });
+        let refused = s.apply(12, &once("k2", conflict.clone()));
+        assert_eq!(
+            refused,
+            CommandResult::Conflict {
+                current_version: 10
+            }
+        );
+        assert_eq!(s.tenants.len(), 2);
+        assert_eq!(s.apply(13, &once("k2", conflict)), refused);
+        // Keys are bounded: the oldest is forgotten first.
+        for i in 0..MAX_RECENT_WRITES {
+            let key = format!("fill-{i}");
+            s.apply(
+                20 + i as u64,
+                &once(&key, put_tenant("beta", tenant(|_| {}))),
+            );
+        }
+        assert_eq!(s.recent_writes.len(), MAX_RECENT_WRITES);
+        assert!(!s.recent_writes.iter().any(|w| w.key == "k1"));
+        let long = "k".repeat(MAX_WRITE_KEY_BYTES + 1);
+        assert!(matches!(
+            s.apply(9000, &once(&long, put_tenant("x", tenant(|_| {})))),
+            CommandResult::Invalid { .. }
+        ));
+        // The keys survive a snapshot (the state's serialized form); old snapshots
+        // without them read as none.
+        let json = serde_json::to_string(&s).unwrap();
+        let back: ConfigState = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s);
+        let old: ConfigState =
+            serde_json::from_str(r#"{"version":1,"tenants":{},"pools":{}}"#).unwrap();
+        assert!(old.recent_writes.is_empty());
     }
 
     #[test]

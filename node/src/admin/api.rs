@@ -29,6 +29,7 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use warmpath_membership::raft::state::{
     is_key_hash, Command, CommandResult, CommandV1, ConfigState, PoolSpec, TenantSpec,
+    MAX_WRITE_KEY_BYTES,
 };
 use warmpath_membership::raft::{RaftNode, ReadError, WriteError};
 
@@ -170,12 +171,9 @@ pub enum AdminError {
     #[error("{0}; retry in {RETRY_AFTER_S} s")]
     Unavailable(String),
     /// A write was sent but not seen committed: it MAY have been applied.
-    #[error(
-        "{0}; the write MAY have been applied: re-read the configuration before retrying, \
-         never assume it was lost, and retry with ?expected_version=V (the version you read) \
-         so that it applies only if nothing changed since"
-    )]
-    OutcomeUnknown(String),
+    /// The second field says how to retry safely.
+    #[error("{0}; the write MAY have been applied: never assume it was lost. {1}")]
+    OutcomeUnknown(String, String),
     /// A read did not finish in time.
     #[error("{0}")]
     Timeout(String),
@@ -203,7 +201,7 @@ impl AdminError {
             AdminError::Conflict { .. } => StatusCode::CONFLICT,
             AdminError::NotLeader { .. } => StatusCode::MISDIRECTED_REQUEST,
             AdminError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            AdminError::OutcomeUnknown(_) | AdminError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            AdminError::OutcomeUnknown(..) | AdminError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             AdminError::Router { status, .. } => StatusCode::from_u16(*status)
                 .ok()
                 .filter(|s| s.is_client_error() || s.is_server_error())
@@ -224,7 +222,7 @@ impl AdminError {
             AdminError::Conflict { .. } => ("conflict_error", "version_conflict"),
             AdminError::NotLeader { .. } => ("service_unavailable", "not_leader"),
             AdminError::Unavailable(_) => ("service_unavailable", "unavailable"),
-            AdminError::OutcomeUnknown(_) => ("service_unavailable", "outcome_unknown"),
+            AdminError::OutcomeUnknown(..) => ("service_unavailable", "outcome_unknown"),
             AdminError::Timeout(_) => ("service_unavailable", "timeout"),
             AdminError::Router { status, .. } if *status < 500 => {
                 ("invalid_request_error", "router")
@@ -275,7 +273,8 @@ impl IntoResponse for AdminError {
 }
 
 /// Classifies a failed write.
-fn write_error(e: WriteError) -> AdminError {
+/// Classifies a failed write (of the command keyed `key`, if it was keyed).
+fn write_error(e: WriteError, key: Option<&str>) -> AdminError {
     match e {
         WriteError::NotLeader {
             leader_url: Some(ref u),
@@ -288,7 +287,16 @@ fn write_error(e: WriteError) -> AdminError {
         | WriteError::LeaderUnreachable { .. }
         | WriteError::Late { .. } => AdminError::Unavailable(e.to_string()),
         WriteError::Timeout(_) | WriteError::Unknown(_) => {
-            AdminError::OutcomeUnknown(e.to_string())
+            let how = match key {
+                Some(k) => format!(
+                    "Send it again with the header `Idempotency-Key: {k}`: it then applies at \
+                     most once. Or re-read the configuration and retry with \
+                     ?expected_version=V (the version you read), so that it applies only if \
+                     nothing changed since"
+                ),
+                None => "Re-read the configuration before retrying".to_string(),
+            };
+            AdminError::OutcomeUnknown(e.to_string(), how)
         }
         WriteError::Failed(_) => AdminError::Internal(e.to_string()),
     }
@@ -414,6 +422,25 @@ fn params(uri: &Uri, allowed: &[&str]) -> Result<Params, AdminError> {
 
 /// The compare-and-set version of a write: `If-Match` or `?expected_version`.
 /// The compare-and-set precondition of a write with no other query parameter.
+/// The `Idempotency-Key` header: 1 to 128 visible ASCII characters.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, AdminError> {
+    let Some(v) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    match v.to_str() {
+        Ok(k)
+            if !k.is_empty()
+                && k.len() <= MAX_WRITE_KEY_BYTES
+                && k.bytes().all(|b| b.is_ascii_graphic()) =>
+        {
+            Ok(Some(k.to_string()))
+        }
+        _ => Err(AdminError::BadRequest(format!(
+            "Idempotency-Key: give 1 to {MAX_WRITE_KEY_BYTES} visible ASCII characters"
+        ))),
+    }
+}
+
 fn precondition(uri: &Uri, headers: &HeaderMap) -> Result<Option<u64>, AdminError> {
     expected_version(headers, &params(uri, &["expected_version"])?)
 }
@@ -468,9 +495,28 @@ async fn read_state(d: &AdminDeps, p: &Params) -> Result<ConfigState, AdminError
     }
 }
 
-/// Writes `cmd` through Raft; the new version when applied.
-async fn write(d: &AdminDeps, what: &'static str, cmd: CommandV1) -> Result<u64, AdminError> {
-    match d.raft.write(Command::V1(cmd)).await.map_err(write_error)? {
+/// Writes `cmd` through Raft under the request's `Idempotency-Key` (or a new key); the
+/// new version when applied. A repeated key gets the first write's result.
+async fn write(
+    d: &AdminDeps,
+    headers: &HeaderMap,
+    what: &'static str,
+    cmd: CommandV1,
+) -> Result<u64, AdminError> {
+    let key = match idempotency_key(headers)? {
+        Some(k) => k,
+        None => d.raft.write_key(),
+    };
+    let keyed = Command::Once {
+        key: key.clone(),
+        command: cmd,
+    };
+    match d
+        .raft
+        .write(keyed)
+        .await
+        .map_err(|e| write_error(e, Some(&key)))?
+    {
         CommandResult::Applied { version } => Ok(version),
         CommandResult::Conflict { current_version } => {
             Err(AdminError::Conflict { current_version })
@@ -671,6 +717,7 @@ async fn put_tenant(
     let created = !d.raft.local_state().tenants.contains_key(&id);
     let version = write(
         &d,
+        &headers,
         "tenant",
         CommandV1::PutTenant {
             id: id.clone(),
@@ -692,6 +739,7 @@ async fn delete_tenant(
     let expected_version = precondition(&uri, &headers)?;
     let version = write(
         &d,
+        &headers,
         "tenant",
         CommandV1::DeleteTenant {
             id,
@@ -719,6 +767,7 @@ async fn add_key(
     let key_hash = hash_key(&input.key);
     let version = write(
         &d,
+        &headers,
         "api key",
         CommandV1::AddApiKey {
             tenant,
@@ -746,6 +795,7 @@ async fn remove_key(
     }
     let version = write(
         &d,
+        &headers,
         "api key",
         CommandV1::RemoveApiKey {
             tenant,
@@ -800,6 +850,7 @@ async fn put_pool(
     let created = !d.raft.local_state().pools.contains_key(&model);
     let version = write(
         &d,
+        &headers,
         "pool",
         CommandV1::PutPool {
             model: model.clone(),
@@ -821,6 +872,7 @@ async fn delete_pool(
     let expected_version = precondition(&uri, &headers)?;
     let version = write(
         &d,
+        &headers,
         "pool",
         CommandV1::DeletePool {
             model,
@@ -843,6 +895,7 @@ async fn add_instance(
     let input: InstanceInput = parse_body(body, "instance")?;
     let version = write(
         &d,
+        &headers,
         "instance",
         CommandV1::AddInstance {
             model,
@@ -870,6 +923,7 @@ async fn remove_instance(
     };
     let version = write(
         &d,
+        &headers,
         "instance",
         CommandV1::RemoveInstance {
             model,
@@ -909,7 +963,7 @@ async fn remove_learner(
         Err(WriteError::Failed(why)) if why.contains("is a voter") => {
             Err(AdminError::BadRequest(why))
         }
-        Err(e) => Err(write_error(e)),
+        Err(e) => Err(write_error(e, None)),
     }
 }
 
@@ -1409,39 +1463,56 @@ pub(crate) mod tests {
     fn errors_classify_once() {
         let cases: Vec<(AdminError, u16, Option<&str>)> = vec![
             (
-                write_error(WriteError::NoLeader {
-                    waited: Duration::from_secs(1),
-                }),
+                write_error(
+                    WriteError::NoLeader {
+                        waited: Duration::from_secs(1),
+                    },
+                    None,
+                ),
                 503,
                 Some("1"),
             ),
             (
-                write_error(WriteError::NotLeader {
-                    leader_url: Some("http://l:1".into()),
-                }),
+                write_error(
+                    WriteError::NotLeader {
+                        leader_url: Some("http://l:1".into()),
+                    },
+                    None,
+                ),
                 421,
                 None,
             ),
             (
-                write_error(WriteError::NotLeader { leader_url: None }),
+                write_error(WriteError::NotLeader { leader_url: None }, None),
                 503,
                 Some("1"),
             ),
             (
-                write_error(WriteError::LeaderUnreachable {
-                    leader_url: "http://l:1".into(),
-                    message: "refused".into(),
-                }),
+                write_error(
+                    WriteError::LeaderUnreachable {
+                        leader_url: "http://l:1".into(),
+                        message: "refused".into(),
+                    },
+                    None,
+                ),
                 503,
                 Some("1"),
             ),
             (
-                write_error(WriteError::Timeout(Duration::from_secs(5))),
+                write_error(WriteError::Timeout(Duration::from_secs(5)), None),
                 504,
                 None,
             ),
-            (write_error(WriteError::Unknown("reset".into())), 504, None),
-            (write_error(WriteError::Failed("disk".into())), 500, None),
+            (
+                write_error(WriteError::Unknown("reset".into()), None),
+                504,
+                None,
+            ),
+            (
+                write_error(WriteError::Failed("disk".into()), None),
+                500,
+                None,
+            ),
             (read_error(ReadError::NoQuorum("q".into())), 503, Some("1")),
             (
                 read_error(ReadError::Timeout(Duration::from_secs(5))),
@@ -1477,11 +1548,18 @@ pub(crate) mod tests {
                 "{msg}"
             );
         }
-        let unknown = write_error(WriteError::Timeout(Duration::from_secs(5))).to_string();
+        let unknown =
+            write_error(WriteError::Timeout(Duration::from_secs(5)), Some("k-1")).to_string();
         assert!(unknown.contains("MAY have been applied"), "{unknown}");
-        let body = write_error(WriteError::NotLeader {
-            leader_url: Some("http://l:1".into()),
-        })
+        assert!(unknown.contains("`Idempotency-Key: k-1`"), "{unknown}");
+        let unkeyed = write_error(WriteError::Unknown("reset".into()), None).to_string();
+        assert!(!unkeyed.contains("Idempotency-Key"), "{unkeyed}");
+        let body = write_error(
+            WriteError::NotLeader {
+                leader_url: Some("http://l:1".into()),
+            },
+            None,
+        )
         .body();
         assert_eq!(body["leader_url"], json!("http://l:1"));
     }
