@@ -171,8 +171,8 @@ impl Clients {
         self.stop.load(Ordering::Relaxed)
     }
 
-    /// Client `process`: reads, writes and creates through router `process % n`, until
-    /// stopped.
+    /// Client `process`: reads the register (35%) and the set (5%), writes the register
+    /// (30%) and creates set tenants (30%) through router `process % n`, until stopped.
     pub async fn register(self, process: usize, seed: u64) {
         let mut rng = Rng::new(seed ^ (process as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let node = process % self.targets.admin.len();
@@ -180,7 +180,7 @@ impl Clients {
         while !self.stopped() {
             let roll = rng.below(100);
             let invoke_ms = self.rec.now_ms();
-            let (f, value, outcome, detail) = if roll < 45 {
+            let (f, value, outcome, detail) = if roll < 35 {
                 let r = admin(&base, Method::GET, &format!("/tenants/{REGISTER}"), None).await;
                 match r {
                     Ok((200, b)) => (
@@ -192,7 +192,39 @@ impl Clients {
                     Ok((s, b)) => (F::Read, None, Outcome::Fail, message(s, &b)),
                     Err(e) => (F::Read, None, Outcome::Fail, e),
                 }
-            } else if roll < 80 {
+            } else if roll < 40 {
+                let r = admin(&base, Method::GET, "/tenants", None).await;
+                let complete_ms = self.rec.now_ms();
+                let (outcome, seen, detail) = match r {
+                    Ok((200, b)) => {
+                        let mut ids: Vec<String> = b["tenants"]
+                            .as_object()
+                            .map(|m| m.keys().filter(|k| k.starts_with("js")).cloned().collect())
+                            .unwrap_or_default();
+                        ids.sort();
+                        (
+                            Outcome::Ok,
+                            Some((ids, b["version"].as_u64().unwrap_or(0))),
+                            "200".into(),
+                        )
+                    }
+                    Ok((s, b)) => (Outcome::Fail, None, message(s, &b)),
+                    Err(e) => (Outcome::Fail, None, e),
+                };
+                self.rec.op(Op {
+                    process,
+                    node,
+                    f: F::SetRead,
+                    value: None,
+                    invoke_ms,
+                    complete_ms,
+                    outcome,
+                    detail,
+                    seen,
+                });
+                tokio::time::sleep(Duration::from_millis(20 + rng.below(30))).await;
+                continue;
+            } else if roll < 70 {
                 let v = self.next_value.fetch_add(1, Ordering::Relaxed);
                 let r = admin(
                     &base,
@@ -326,9 +358,9 @@ fn truncate(b: &Value) -> String {
     s
 }
 
-/// After the faults: every router's view of the tenants, linearizable and local, recorded
-/// as final reads. Waits up to `within` for each router to answer and for their local
-/// states to agree.
+/// After the faults: every router's view of the tenants, linearizable and local, and of
+/// its gossip peers, recorded as final reads. Waits up to `within` for each router to
+/// answer, for their local states to agree and for each to see every other as a peer.
 pub async fn final_reads(rec: &Recorder, t: &Targets, within: Duration) {
     let deadline = tokio::time::Instant::now() + within;
     // Local reads until every router serves the same content (or the deadline).
@@ -348,6 +380,42 @@ pub async fn final_reads(rec: &Recorder, t: &Targets, within: Duration) {
     for (node, r) in locals.iter().enumerate() {
         let at = rec.now_ms();
         rec.op(final_op(node, at, r, "local"));
+    }
+    // Gossip: every router lists every other as a live peer again.
+    for (node, base) in t.admin.iter().enumerate() {
+        let invoke = rec.now_ms();
+        let peers = |b: &Value| -> Vec<String> {
+            b["gossip"]["peers"]
+                .as_array()
+                .map(|p| {
+                    p.iter()
+                        .filter_map(|x| x["node_id"].as_str().map(String::from))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut seen = Vec::new();
+        loop {
+            if let Ok((200, b)) = admin(base, Method::GET, "/cluster", None).await {
+                seen = peers(&b);
+            }
+            if seen.len() + 1 >= t.admin.len() || tokio::time::Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        seen.sort();
+        rec.op(Op {
+            process: usize::MAX,
+            node,
+            f: F::FinalRead,
+            value: Some(seen.len() as u64),
+            invoke_ms: invoke,
+            complete_ms: rec.now_ms(),
+            outcome: Outcome::Ok,
+            detail: "gossip".into(),
+            seen: Some((seen, 0)),
+        });
     }
     for (node, base) in t.admin.iter().enumerate() {
         let invoke = rec.now_ms();

@@ -22,6 +22,8 @@ pub enum F {
     Limited,
     /// A final read of every tenant a router serves (`value`: how many).
     FinalRead,
+    /// A linearizable read of every tenant during the run (`seen`: the set's ids).
+    SetRead,
 }
 
 /// How an operation ended.
@@ -51,7 +53,7 @@ pub struct Op {
     pub outcome: Outcome,
     /// HTTP status and message, or the transport error.
     pub detail: String,
-    /// For final reads: every tenant id seen, sorted, and the config version.
+    /// For final and set reads: every tenant id seen, sorted, and the config version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seen: Option<(Vec<String>, u64)>,
 }

@@ -114,7 +114,8 @@ fn run_all(scenarios: &[scenario::Scenario], c: &Common) -> Result<bool> {
     let mut summary = Vec::new();
     let mut all_pass = true;
     for s in scenarios {
-        println!("-- {}: {} ({} s of faults)", s.name, s.about, c.time_limit);
+        let secs = c.time_limit.max(s.min_time_limit.as_secs());
+        println!("-- {}: {} ({secs} s of faults)", s.name, s.about);
         let r = scenario::run(s, &o)?;
         let text = report::text(&r, c.seed, c.time_limit);
         print!("{text}");

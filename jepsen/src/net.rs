@@ -205,20 +205,8 @@ impl Namespaces {
                 &["addr", "add", &format!("10.77.{subnet}.254/24"), "dev", &c],
             )?;
             sh("ip", &["link", "set", &c, "up"])?;
-            sh(
-                "ip",
-                &["netns", "exec", &hub, "nft", "add table bridge jepsen"],
-            )?;
-            sh(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    &hub,
-                    "nft",
-                    "add chain bridge jepsen forward { type filter hook forward priority 0; policy accept; }",
-                ],
-            )?;
+            ns.nft(&["add table bridge jepsen"])?;
+            ns.nft(&["add chain bridge jepsen forward { type filter hook forward priority 0; policy accept; }"])?;
             Ok(())
         };
         if let Err(e) = steps() {
@@ -248,35 +236,23 @@ impl Namespaces {
         )
     }
 
+    /// Runs `nft ARGS…` in the hub namespace, where the bridge is.
+    fn nft(&self, args: &[&str]) -> Result<()> {
+        let hub = self.hub();
+        let mut all = vec!["netns", "exec", hub.as_str(), "nft"];
+        all.extend_from_slice(args);
+        sh("ip", &all)
+    }
+
     fn apply(&self, rules: &[String]) -> Result<()> {
         let script = rules.join("\n") + "\n";
         let path = std::env::temp_dir().join(format!("{}-rules.nft", self.prefix));
         std::fs::write(&path, script)?;
-        let hub = self.hub();
-        sh(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &hub,
-                "nft",
-                "-f",
-                path.to_str().unwrap_or_default(),
-            ],
-        )
+        self.nft(&["-f", path.to_str().unwrap_or_default()])
     }
 
     fn flush(&self) -> Result<()> {
-        sh(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.hub(),
-                "nft",
-                "flush chain bridge jepsen forward",
-            ],
-        )
+        self.nft(&["flush chain bridge jepsen forward"])
     }
 
     fn teardown(&self) {

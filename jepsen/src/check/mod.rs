@@ -69,7 +69,9 @@ pub fn all(h: &History, e: &Expect) -> Vec<Check> {
         linearizable(h, e),
         lost_writes(h),
         not_applied_invisible(h),
+        unknown_creates_settle(h, e),
         converged(h),
+        gossip_reconverged(h),
         healthy_writes(h, e),
         cut_off_leader(h, e),
         leaderless(h, e),
@@ -273,6 +275,87 @@ fn converged(h: &History) -> Check {
         }
     }
     Check::new(name, bad, format!("{} routers compared", locals.len()))
+}
+
+/// A creation answered "unknown" takes effect within its bound or never: once a
+/// linearizable read invoked after the bound misses it, no later read may show it (issue
+/// 12, defect 2: a 504'd write, read as absent, applied seconds after the heal).
+fn unknown_creates_settle(h: &History, e: &Expect) -> Check {
+    let name = "unknown writes settle within their bound";
+    let reads: Vec<&Op> = h
+        .ops
+        .iter()
+        .filter(|o| matches!(o.f, F::SetRead | F::FinalRead) && o.outcome == Outcome::Ok)
+        .filter(|o| o.f == F::SetRead || o.detail == "linearizable")
+        .collect();
+    // Ids in a read are sorted (the API's map is ordered; set reads sort them).
+    let has = |r: &Op, id: &str| {
+        r.seen
+            .as_ref()
+            .is_some_and(|s| s.0.binary_search_by(|x| x.as_str().cmp(id)).is_ok())
+    };
+    let mut bad = Vec::new();
+    let unknown: Vec<&Op> = h
+        .ops
+        .iter()
+        .filter(|o| o.f == F::Create && o.outcome == Outcome::Info)
+        .collect();
+    for c in &unknown {
+        let id = set_id(c.value.unwrap_or(0));
+        let bound = c.invoke_ms + e.write_bound_ms;
+        let Some(miss) = reads.iter().find(|r| r.invoke_ms > bound && !has(r, &id)) else {
+            continue;
+        };
+        if let Some(late) = reads
+            .iter()
+            .find(|r| r.invoke_ms > miss.complete_ms && has(r, &id))
+        {
+            bad.push(format!(
+                "{id} ({}) absent from a read at {:.1} s, present in one at {:.1} s",
+                show(c),
+                miss.invoke_ms / 1e3,
+                late.invoke_ms / 1e3
+            ));
+        }
+    }
+    Check::new(
+        name,
+        bad,
+        format!(
+            "{} unknown creates, {} set reads, bound {:.0} ms",
+            unknown.len(),
+            reads.len(),
+            e.write_bound_ms
+        ),
+    )
+}
+
+/// After the heal every router's gossip lists every other router as a live peer.
+fn gossip_reconverged(h: &History) -> Check {
+    let name = "gossip reconverges";
+    let views: Vec<&Op> = h
+        .ops
+        .iter()
+        .filter(|o| o.f == F::FinalRead && o.detail == "gossip")
+        .collect();
+    let routers = views.len() as u64;
+    let bad = views
+        .iter()
+        .filter(|o| o.value.unwrap_or(0) + 1 < routers)
+        .map(|o| {
+            format!(
+                "router {} sees peers {:?} after {:.1} s",
+                o.node + 1,
+                o.seen.as_ref().map(|s| &s.0),
+                (o.complete_ms - o.invoke_ms) / 1e3
+            )
+        })
+        .collect();
+    Check::new(
+        name,
+        bad,
+        format!("{routers} routers' peer lists after the heal"),
+    )
 }
 
 /// The routers a fault touched at any time within `[from, to]`.
@@ -500,4 +583,146 @@ fn rate_limited(h: &History, e: &Expect) -> Check {
             limit.factor
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::Fault;
+
+    fn op(f: F, node: usize, value: Option<u64>, span: (f64, f64), outcome: Outcome) -> Op {
+        Op {
+            process: node,
+            node,
+            f,
+            value,
+            invoke_ms: span.0,
+            complete_ms: span.1,
+            outcome,
+            detail: String::new(),
+            seen: None,
+        }
+    }
+
+    fn set_read(at: f64, ids: &[u64]) -> Op {
+        let mut o = op(F::SetRead, 0, None, (at, at + 5.0), Outcome::Ok);
+        o.seen = Some((ids.iter().map(|&v| set_id(v)).collect(), 0));
+        o
+    }
+
+    fn expect() -> Expect {
+        Expect {
+            initial: 1,
+            write_bound_ms: 10_000.0,
+            healthy_write_within_ms: Some(3_000.0),
+            cut_off_leader_says_so_ms: Some(3_000.0),
+            leaderless_at_most_ms: Some(5_000.0),
+            route_within_ms: Some(10_000.0),
+            rate_limit: Some(RateLimit {
+                rps: 10.0,
+                factor: 1.0,
+            }),
+        }
+    }
+
+    fn verdict(c: Check) -> Option<bool> {
+        c.pass
+    }
+
+    #[test]
+    fn an_unknown_create_may_appear_within_its_bound_not_after_a_miss() {
+        let create = op(F::Create, 0, Some(7), (0.0, 5_000.0), Outcome::Info);
+        // Seen before its bound: fine.
+        let h = History {
+            ops: vec![
+                create.clone(),
+                set_read(6_000.0, &[7]),
+                set_read(20_000.0, &[7]),
+            ],
+            ..History::default()
+        };
+        assert_eq!(verdict(unknown_creates_settle(&h, &expect())), Some(true));
+        // Never seen: fine (it did not take effect).
+        let h = History {
+            ops: vec![
+                create.clone(),
+                set_read(12_000.0, &[]),
+                set_read(20_000.0, &[]),
+            ],
+            ..History::default()
+        };
+        assert_eq!(verdict(unknown_creates_settle(&h, &expect())), Some(true));
+        // Missed after its bound, seen later: applied late (defect 2).
+        let h = History {
+            ops: vec![create, set_read(12_000.0, &[]), set_read(20_000.0, &[7])],
+            ..History::default()
+        };
+        assert_eq!(verdict(unknown_creates_settle(&h, &expect())), Some(false));
+    }
+
+    #[test]
+    fn writes_through_untouched_routers_must_succeed_in_time() {
+        let fault = |at: f64, what: &str, begins: bool| Fault {
+            at_ms: at,
+            what: what.into(),
+            nodes: vec![2],
+            begins,
+        };
+        let faults = vec![
+            fault(1_000.0, "start pause router 3", true),
+            fault(9_000.0, "stop pause router 3", false),
+        ];
+        // Router 1 stalls 5 s during router 3's pause: a failure. Router 3's own stall
+        // is the fault's.
+        let h = History {
+            ops: vec![
+                op(F::Write, 0, Some(2), (1_100.0, 6_100.0), Outcome::Info),
+                op(F::Write, 2, Some(3), (1_100.0, 6_100.0), Outcome::Info),
+            ],
+            faults: faults.clone(),
+            ..History::default()
+        };
+        let c = healthy_writes(&h, &expect());
+        assert_eq!(c.pass, Some(false));
+        assert_eq!(c.details.len(), 1, "{:?}", c.details);
+        // Within 3 s of the fault's start: fine.
+        let h = History {
+            ops: vec![op(F::Write, 0, Some(2), (1_100.0, 3_500.0), Outcome::Ok)],
+            faults,
+            ..History::default()
+        };
+        assert_eq!(verdict(healthy_writes(&h, &expect())), Some(true));
+    }
+
+    #[test]
+    fn a_rate_limit_is_held_to_its_rate_and_one_second_of_burst() {
+        let limited = |n: usize| History {
+            ops: (0..n)
+                .map(|i| op(F::Limited, i % 3, None, (i as f64, 10_000.0), Outcome::Ok))
+                .collect(),
+            ..History::default()
+        };
+        // 10 s at 10/s plus a second of burst: 110.
+        assert_eq!(verdict(rate_limited(&limited(110), &expect())), Some(true));
+        assert_eq!(verdict(rate_limited(&limited(111), &expect())), Some(false));
+    }
+
+    #[test]
+    fn lost_and_phantom_creates_are_found_in_the_final_reads() {
+        let mut final_read = op(F::FinalRead, 1, None, (30_000.0, 30_000.0), Outcome::Ok);
+        final_read.detail = "linearizable".into();
+        final_read.seen = Some((vec![set_id(2), set_id(9)], 10));
+        let h = History {
+            ops: vec![
+                op(F::Create, 0, Some(1), (0.0, 10.0), Outcome::Ok),
+                op(F::Create, 0, Some(2), (20.0, 30.0), Outcome::Fail),
+                final_read,
+            ],
+            ..History::default()
+        };
+        // js00000001 acknowledged and missing; js00000002 refused and present; js00000009
+        // never written.
+        assert_eq!(verdict(lost_writes(&h)), Some(false));
+        assert_eq!(not_applied_invisible(&h).details.len(), 2);
+    }
 }
