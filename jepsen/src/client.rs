@@ -34,11 +34,13 @@ pub const LIMITED_KEY: &str = "sk-jepsen-limited";
 /// than the 5 s Raft write timeout, so a router's own answer normally arrives.
 const OP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The routers the clients reach: admin and data base URLs.
+/// The routers the clients reach: admin and data base URLs, and metrics base URLs when
+/// the run has the cache tier.
 #[derive(Debug, Clone)]
 pub struct Targets {
     pub admin: Vec<String>,
     pub data: Vec<String>,
+    pub metrics: Vec<String>,
 }
 
 /// One exchange with a router: status and body, or the transport error.
@@ -380,6 +382,34 @@ pub async fn final_reads(rec: &Recorder, t: &Targets, within: Duration) {
     for (node, r) in locals.iter().enumerate() {
         let at = rec.now_ms();
         rec.op(final_op(node, at, r, "local"));
+    }
+    // Residency: what each router heard from the cache-agents over the run.
+    for (node, base) in t.metrics.iter().enumerate() {
+        let at = rec.now_ms();
+        let text = match call(base, "", Method::GET, "/metrics", None).await {
+            Ok((200, Value::String(text))) => text,
+            other => format!("{other:?}"),
+        };
+        let changes = text
+            .lines()
+            .find(|l| l.starts_with("warmpath_router_residency_changes_total"))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok());
+        rec.op(Op {
+            process: usize::MAX,
+            node,
+            f: F::FinalRead,
+            value: changes.map(|c| c as u64),
+            invoke_ms: at,
+            complete_ms: rec.now_ms(),
+            outcome: if changes.is_some() {
+                Outcome::Ok
+            } else {
+                Outcome::Fail
+            },
+            detail: "residency".into(),
+            seen: None,
+        });
     }
     // Gossip: every router lists every other as a live peer again.
     for (node, base) in t.admin.iter().enumerate() {

@@ -47,18 +47,31 @@ pub struct Cluster {
     bin: PathBuf,
     pub engines: Vec<Member>,
     pub routers: Vec<Member>,
+    /// A cache-agent beside each engine (same host), when the run has the cache tier.
+    pub agents: Vec<Member>,
+    /// The agents' shared L2, a real `redis-server`.
+    pub redis: Option<Member>,
 }
 
 impl Cluster {
     /// Starts `engines` engine-sims and `routers` Raft voters on the hosts of `net`
     /// (engines first), writing logs and data under `dir`.
+    ///
+    /// With `cache_tier` (namespaces only: fixed ports), each engine gets a cache-agent on
+    /// its host (L1 in memory, L2 in one Redis on the host after the routers; the engine
+    /// offloads to it and publishes its KV events to it), and every router follows every
+    /// agent's residency over QUIC with mutual TLS.
     pub fn start(
         net: Net,
         bin: &Path,
         dir: &Path,
         engines: usize,
         routers: usize,
+        cache_tier: bool,
     ) -> Result<Cluster> {
+        if cache_tier && !net.isolated_ports() {
+            bail!("the cache tier needs network namespaces");
+        }
         std::fs::create_dir_all(dir.join("logs"))?;
         let secret = |name: &str, value: &str| -> Result<String> {
             let p = dir.join(name);
@@ -81,13 +94,89 @@ impl Cluster {
             bin: bin.to_path_buf(),
             engines: Vec::new(),
             routers: Vec::new(),
+            agents: Vec::new(),
+            redis: None,
             net,
         };
-        for e in 0..engines {
-            let addr = format!("{}:{}", c.net.ip(e), port(8100));
-            let args = ["engine-sim", "--listen", &addr, "--speedup", "200"]
+        let certs = dir.join("certs").to_string_lossy().into_owned();
+        let agent_token = secret("agent.token", "jepsen-agent-token-0123456789")?;
+        if cache_tier {
+            let redis_host = engines + routers;
+            let redis_ip = c.net.ip(redis_host);
+            let mut gen = std::process::Command::new(bin);
+            gen.args([
+                "certs", "--out", &certs, "--name", "agent", "--name", "router",
+            ]);
+            for e in 0..engines {
+                gen.args(["--san", &c.net.ip(e)]);
+            }
+            let out = gen.output()?;
+            if !out.status.success() {
+                bail!("warmpath certs: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            // redis-server prints no address line: a shell prints it, then becomes Redis.
+            let args = [
+                "-c",
+                "echo \"listening on redis://$0:6379\"; exec redis-server --port 6379 --bind \"$0\" \
+                 --logfile \"$1\" --save '' --appendonly no --protected-mode no \
+                 --maxmemory 64mb --maxmemory-policy allkeys-lru",
+                &redis_ip,
+                &dir.join("logs/redis-server.log").to_string_lossy(),
+            ]
+            .map(String::from)
+            .to_vec();
+            c.redis = Some(Member::new(redis_host, args, dir.join("logs/redis.log")));
+            for e in 0..engines {
+                let ip = c.net.ip(e);
+                let args = [
+                    "agent",
+                    "--listen",
+                    &format!("{ip}:7600"),
+                    "--token-file",
+                    &agent_token,
+                    "--l1-bytes",
+                    "64MiB",
+                    "--l2",
+                    &format!("redis://{redis_ip}:6379"),
+                    "--kv-events",
+                    &format!("http://{ip}:8100=tcp://{ip}:5557,tcp://{ip}:5558"),
+                    "--residency-listen",
+                    &format!("{ip}:7700"),
+                    "--tls-dir",
+                    &certs,
+                    "--tls-name",
+                    "agent",
+                ]
                 .map(String::from)
                 .to_vec();
+                c.agents.push(Member::new(
+                    e,
+                    args,
+                    dir.join(format!("logs/agent-{}.log", e + 1)),
+                ));
+            }
+        }
+        for e in 0..engines {
+            let ip = c.net.ip(e);
+            let addr = format!("{ip}:{}", port(8100));
+            let mut args = ["engine-sim", "--listen", &addr, "--speedup", "200"]
+                .map(String::from)
+                .to_vec();
+            if cache_tier {
+                args.extend(
+                    [
+                        "--kv-events",
+                        &format!("tcp://{ip}:5557"),
+                        "--kv-replay",
+                        &format!("tcp://{ip}:5558"),
+                        "--agent",
+                        &format!("http://{ip}:7600"),
+                        "--agent-token-file",
+                        &agent_token,
+                    ]
+                    .map(String::from),
+                );
+            }
             c.engines.push(Member::new(
                 e,
                 args,
@@ -136,11 +225,30 @@ impl Cluster {
             for (j, a) in admin.iter().enumerate() {
                 args.extend(["--voter".into(), format!("{}=http://{a}", j + 1)]);
             }
+            if cache_tier {
+                let metrics = format!("{}:9100", c.net.ip(h));
+                args.extend(["--metrics-listen".into(), metrics]);
+                for e in 0..engines {
+                    args.extend(["--residency-agent".into(), format!("{}:7700", c.net.ip(e))]);
+                }
+                args.extend([
+                    "--tls-dir".into(),
+                    certs.clone(),
+                    "--tls-name".into(),
+                    "router".into(),
+                ]);
+            }
             let mut m = Member::new(h, args, dir.join(format!("logs/router-{id}.log")));
             m.id = id;
             m.admin = format!("http://{}", admin[i]);
             m.raft_dir = Some(raft_dir);
             c.routers.push(m);
+        }
+        if c.redis.is_some() {
+            c.start_redis()?;
+        }
+        for i in 0..c.agents.len() {
+            c.start_agent(i)?;
         }
         for i in 0..engines {
             c.start_engine(i)?;
@@ -149,6 +257,34 @@ impl Cluster {
             c.start_router(i)?;
         }
         Ok(c)
+    }
+
+    /// Starts Redis (again) and waits until it takes connections.
+    pub fn start_redis(&mut self) -> Result<()> {
+        let Some(m) = self.redis.as_mut() else {
+            bail!("no redis in this run");
+        };
+        let mut cmd = self.net.command(m.host, Path::new("sh"));
+        m.spawn(&mut cmd, 1)?;
+        let addr = format!("{}:6379", self.net.ip(m.host));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(&addr).is_err() {
+            if Instant::now() > deadline {
+                bail!(
+                    "redis-server did not take connections at {addr}: {}",
+                    m.log_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Starts the cache-agent of engine `i` (again): its block API and residency lines.
+    pub fn start_agent(&mut self, i: usize) -> Result<()> {
+        let m = &mut self.agents[i];
+        let mut cmd = self.net.command(m.host, &self.bin);
+        m.spawn(&mut cmd, 2)
     }
 
     pub fn start_engine(&mut self, i: usize) -> Result<()> {
@@ -289,7 +425,11 @@ impl Member {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for m in self.routers.iter_mut().chain(self.engines.iter_mut()) {
+        let all = self.routers.iter_mut().chain(self.engines.iter_mut());
+        for m in all
+            .chain(self.agents.iter_mut())
+            .chain(self.redis.iter_mut())
+        {
             m.kill();
         }
     }

@@ -44,6 +44,11 @@ pub enum Nemesis {
     EngineHang,
     /// SIGKILL an engine, restart it 5 s later.
     EngineKill,
+    /// SIGKILL a cache-agent, restart it 8 s later (its engine and the routers that
+    /// follow it carry on).
+    AgentKill,
+    /// SIGKILL the agents' Redis (L2), restart it 8 s later, empty.
+    RedisKill,
     /// Cut the last router off from the other routers (gossip and Raft) for 10 s.
     PartitionRouter,
 }
@@ -60,6 +65,8 @@ pub struct Scenario {
     pub short: bool,
     /// A tenant limited to 20 requests/s flooded through every router.
     pub flood_limited: bool,
+    /// Cache-agents beside the engines, Redis as their L2, routers following them.
+    pub cache_tier: bool,
     /// The shortest time limit that shows what the scenario is for (a longer one given
     /// wins).
     pub min_time_limit: Duration,
@@ -97,6 +104,7 @@ pub fn all() -> Vec<Scenario> {
         needs_namespaces,
         short,
         flood_limited: false,
+        cache_tier: false,
         min_time_limit: Duration::ZERO,
         expect,
     };
@@ -217,6 +225,30 @@ pub fn all() -> Vec<Scenario> {
     {
         pf.min_time_limit = Duration::from_secs(45);
     }
+    for (name, about, nemesis) in [
+        (
+            "agent-kill",
+            "SIGKILL a cache-agent, restart it 8 s later",
+            Nemesis::AgentKill,
+        ),
+        (
+            "redis-kill",
+            "SIGKILL the agents' Redis, restart it empty 8 s later",
+            Nemesis::RedisKill,
+        ),
+    ] {
+        let mut c = s(
+            name,
+            about,
+            None,
+            nemesis,
+            true,
+            false,
+            expect(true, false, Some(5_000.0)),
+        );
+        c.cache_tier = true;
+        v.push(c);
+    }
     let mut rl = s(
         "rate-limit-partition",
         "cut one router off (gossip and Raft) for 10 s while a 20 rps tenant is flooded through all",
@@ -273,7 +305,8 @@ pub fn run(s: &Scenario, o: &Options) -> Result<Outcome> {
     let dir = o.out.join(s.name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    let net = Net::setup(ENGINES + ROUTERS, o.net)?;
+    // One host more than the processes need: Redis, when the run has the cache tier.
+    let net = Net::setup(ENGINES + ROUTERS + 1, o.net)?;
     let network = if net.isolated_ports() {
         "namespaces"
     } else {
@@ -289,8 +322,8 @@ pub fn run(s: &Scenario, o: &Options) -> Result<Outcome> {
             took: started.elapsed(),
         });
     }
-    let mut cluster =
-        Cluster::start(net, &o.bin, &dir, ENGINES, ROUTERS).context("starting the cluster")?;
+    let mut cluster = Cluster::start(net, &o.bin, &dir, ENGINES, ROUTERS, s.cache_tier)
+        .context("starting the cluster")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -298,6 +331,16 @@ pub fn run(s: &Scenario, o: &Options) -> Result<Outcome> {
     let targets = Targets {
         admin: cluster.routers.iter().map(|r| r.admin.clone()).collect(),
         data: cluster.routers.iter().map(|r| r.url.clone()).collect(),
+        metrics: if s.cache_tier {
+            let ip = |r: &crate::cluster::Member| cluster.net.ip(r.host);
+            cluster
+                .routers
+                .iter()
+                .map(|r| format!("http://{}:9100", ip(r)))
+                .collect()
+        } else {
+            Vec::new()
+        },
     };
     rt.block_on(client::setup(&targets, s.expect.initial, LIMIT_RPS))?;
     let rec = Recorder::new();
@@ -552,6 +595,22 @@ fn nemesis(
                 c.engines[0].resume()?;
                 rec.fault("stop pause engine 1", &[], false);
             }
+            Nemesis::AgentKill => {
+                rec.fault("start kill agent 1", &[], true);
+                c.agents[0].kill();
+                hold(Duration::from_secs(8), deadline);
+                c.start_agent(0)?;
+                rec.fault("stop kill agent 1", &[], false);
+            }
+            Nemesis::RedisKill => {
+                rec.fault("start kill redis", &[], true);
+                if let Some(r) = c.redis.as_mut() {
+                    r.kill();
+                }
+                hold(Duration::from_secs(8), deadline);
+                c.start_redis()?;
+                rec.fault("stop kill redis", &[], false);
+            }
             Nemesis::EngineKill => {
                 rec.fault("start kill engine 1", &[], true);
                 c.engines[0].kill();
@@ -613,6 +672,22 @@ fn recover(c: &mut Cluster, rec: &Recorder) {
                     false,
                 );
             }
+        }
+    }
+    for i in 0..c.agents.len() {
+        if !c.agents[i].running() {
+            if let Err(e) = c.start_agent(i) {
+                rec.fault(
+                    format!("note agent {} did not restart: {e:#}", i + 1),
+                    &[],
+                    false,
+                );
+            }
+        }
+    }
+    if c.redis.as_ref().is_some_and(|r| !r.running()) {
+        if let Err(e) = c.start_redis() {
+            rec.fault(format!("note redis did not restart: {e:#}"), &[], false);
         }
     }
     for i in 0..c.routers.len() {

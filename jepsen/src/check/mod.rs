@@ -72,6 +72,7 @@ pub fn all(h: &History, e: &Expect) -> Vec<Check> {
         unknown_creates_settle(h, e),
         converged(h),
         gossip_reconverged(h),
+        residency_followed(h),
         healthy_writes(h, e),
         cut_off_leader(h, e),
         leaderless(h, e),
@@ -327,6 +328,37 @@ fn unknown_creates_settle(h: &History, e: &Expect) -> Check {
             reads.len(),
             e.write_bound_ms
         ),
+    )
+}
+
+/// With the cache tier, every router heard residency changes from the agents (the tier
+/// was exercised, and killing an agent or Redis did not stop it).
+fn residency_followed(h: &History) -> Check {
+    let name = "routers follow the cache-agents";
+    let views: Vec<&Op> = h
+        .ops
+        .iter()
+        .filter(|o| o.f == F::FinalRead && o.detail == "residency")
+        .collect();
+    if views.is_empty() {
+        return Check::skipped(name, "no cache tier in this scenario");
+    }
+    let bad = views
+        .iter()
+        .filter(|o| o.outcome != Outcome::Ok || o.value.unwrap_or(0) == 0)
+        .map(|o| {
+            format!(
+                "router {}: {:?} residency changes heard",
+                o.node + 1,
+                o.value
+            )
+        })
+        .collect();
+    let counts: Vec<u64> = views.iter().filter_map(|o| o.value).collect();
+    Check::new(
+        name,
+        bad,
+        format!("residency changes heard per router: {counts:?}"),
     )
 }
 
