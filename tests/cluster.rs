@@ -1,6 +1,7 @@
 //! Router replicas active-active: real `warmpath router` processes gossiping on loopback,
 //! in front of real engine-sims.
 
+use crate::router::metric;
 use crate::Proc;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -323,13 +324,6 @@ async fn metrics_text(c: &HttpClient, url: &str) -> String {
         .expect("metrics answer");
     let body = resp.into_body().collect().await.expect("body").to_bytes();
     String::from_utf8_lossy(&body).to_string()
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// With a cluster secret, an anonymous chitchat Syn gets no reply and is counted as dropped.

@@ -359,7 +359,18 @@ async fn requests_through_a_fault(
             (stream, post(&c, &url, "/v1/completions", body, &[]).await)
         }));
     }
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The fault comes once every request is on an instance and has had time to send its
+    // first bytes (a fixed wait was too short on a loaded machine: the requests failed
+    // over before their first byte and no stream had anything to end).
+    let text = wait_for_metrics(&c, &router.url, |t| {
+        metric(t, "warmpath_router_instance_in_flight") >= n as f64
+    })
+    .await;
+    assert!(
+        metric(&text, "warmpath_router_instance_in_flight") >= n as f64,
+        "not every request in flight:\n{text}"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
     fault();
     let (mut answered, mut ended) = (0, 0);
     for t in tasks {
