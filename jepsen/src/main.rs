@@ -148,8 +148,38 @@ fn run_all(scenarios: &[scenario::Scenario], c: &Common) -> Result<bool> {
     Ok(all_pass)
 }
 
+/// On SIGINT or SIGTERM (a `timeout`, a Ctrl-C), kill what the run started and remove its
+/// namespaces before exiting: `Drop` does not run then.
+fn clean_up_on_signal() {
+    std::thread::spawn(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
+        let Ok(rt) = rt else { return };
+        rt.block_on(async {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut int), Ok(mut term)) = (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) else {
+                return;
+            };
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!(
+                "warmpath-jepsen: stopped by a signal; removing the run's processes and namespaces"
+            );
+            net::cleanup_after_signal();
+            std::process::exit(130);
+        });
+    });
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    clean_up_on_signal();
     let pass = match cli.command {
         Command::List => {
             for s in scenario::all() {

@@ -264,6 +264,27 @@ impl Namespaces {
     }
 }
 
+/// What a harness stopped by a signal leaves behind: kills the processes in this run's
+/// namespaces and removes the namespaces (a normal exit does both through `Drop`).
+pub fn cleanup_after_signal() {
+    let subnet = (std::process::id() % 250 + 1) as u8;
+    let ns = Namespaces {
+        prefix: format!("wpj{subnet}"),
+        subnet,
+        hosts: 8,
+    };
+    for name in (0..8).map(|i| ns.host(i)).chain([ns.hub()]) {
+        if let Ok(out) = Command::new("ip").args(["netns", "pids", &name]).output() {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-KILL", pid]).status();
+            }
+        }
+    }
+    ns.teardown();
+    // Keep `Drop` from running the teardown a second time on a value never set up.
+    std::mem::forget(ns);
+}
+
 impl Drop for Namespaces {
     fn drop(&mut self) {
         self.teardown();
