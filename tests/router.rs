@@ -189,11 +189,8 @@ async fn bad_requests_get_clear_errors() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_healthy_instance_is_503_with_retry_after() {
-    // An address nothing listens on: bind, note the port, close.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // An address nothing listens on.
+    let dead = crate::free_addr();
     let url = format!("http://{dead}");
     let r = Proc::start(&["router", "--listen", "127.0.0.1:0", "--instance", &url]);
     let c = client();

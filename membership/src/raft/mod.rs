@@ -821,7 +821,7 @@ impl RaftNode {
 
     /// Waits until the leader is no longer `url` (or the deadline).
     async fn wait_leader_change(&self, url: &str, deadline: Instant) {
-        self.wait_leader_url(|current| current != Some(url), deadline)
+        self.wait_leader_url(|current, _| current != Some(url), deadline)
             .await
     }
 
@@ -829,7 +829,7 @@ impl RaftNode {
     /// write went to `url`) is known, or the deadline.
     async fn wait_new_leader(&self, url: &str, known: Option<&str>, deadline: Instant) {
         self.wait_leader_url(
-            |current| current.is_some_and(|c| c != url) && current != known,
+            |current, _| current.is_some_and(|c| c != url) && current != known,
             deadline,
         )
         .await
@@ -838,31 +838,22 @@ impl RaftNode {
     /// Waits until a leader is known that is not `tried` or was elected in a later term
     /// than the current one (or the deadline).
     async fn wait_next_leader(&self, tried: Option<&str>, deadline: Instant) {
+        let term = self.raft.metrics().borrow().current_term;
+        self.wait_leader_url(
+            |current, now| current.is_some() && (current != tried || now > term),
+            deadline,
+        )
+        .await
+    }
+
+    /// Waits until `done` holds of the leader's base URL this node knows of and the
+    /// current term (or the deadline).
+    async fn wait_leader_url(&self, done: impl Fn(Option<&str>, u64) -> bool, deadline: Instant) {
         let mut rx = self.raft.metrics();
-        let term = rx.borrow().current_term;
         loop {
             {
                 let m = rx.borrow_and_update();
-                let leader = leader_url_of(&m);
-                if leader.is_some() && (leader.as_deref() != tried || m.current_term > term) {
-                    return;
-                }
-            }
-            match tokio::time::timeout_at(deadline, rx.changed()).await {
-                Ok(Ok(())) => {}
-                _ => return,
-            }
-        }
-    }
-
-    /// Waits until `done` holds of the leader's base URL this node knows of (or the
-    /// deadline).
-    async fn wait_leader_url(&self, done: impl Fn(Option<&str>) -> bool, deadline: Instant) {
-        let mut rx = self.raft.metrics();
-        loop {
-            {
-                let current = leader_url_of(&rx.borrow_and_update());
-                if done(current.as_deref()) {
+                if done(leader_url_of(&m).as_deref(), m.current_term) {
                     return;
                 }
             }
