@@ -2,7 +2,8 @@
 //! the client side openraft uses to reach peers (hyper-util's pooled HTTP/1 client).
 //!
 //! Bodies are JSON. Peer RPCs (`append`, `vote`, `snapshot`) carry openraft's own request
-//! types and answer `Result<response, RaftError>`; leader-only operations (`write`,
+//! types and answer `Result<response, RaftError>`; `pre-vote` is warmpath's own (see
+//! [`super::elect`]); leader-only operations (`write`,
 //! `read-index`, `join`) answer a [`LeaderReply`]. A node that has shut down answers 503.
 //!
 //! Client errors are classified once, here, into openraft's [`RPCError`] kinds: refused
@@ -10,8 +11,9 @@
 //! `Timeout`, an error decoded from the peer is `RemoteError`, anything else (bad status,
 //! undecodable body, broken connection) is `Network`.
 
+use super::elect::{answer, Contact, PreVoteRequest, PATH_PRE_VOTE};
 use super::state::{Command, CommandResult};
-use super::store::{NodeId, TypeConfig};
+use super::store::{self, NodeId, TypeConfig};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -32,6 +34,7 @@ use openraft::raft::{
 };
 use openraft::{BasicNode, RPCTypes, Raft, RaftNetwork, RaftNetworkFactory};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Path of the AppendEntries RPC.
@@ -347,6 +350,12 @@ pub(crate) struct ServerState {
     pub(crate) auth_hash: Option<blake3::Hash>,
     /// How long a forwarded write may wait for its commit.
     pub(crate) write_timeout: Duration,
+    /// When a leader was last heard; the append and snapshot handlers touch it.
+    pub(crate) contact: Contact,
+    /// The leader lease (the top of the election range), for pre-vote answers.
+    pub(crate) lease: Duration,
+    /// The store, for this node's last log id in pre-vote answers.
+    pub(crate) db: Arc<redb::Database>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -365,6 +374,7 @@ pub(crate) fn router(state: ServerState) -> Router {
     Router::new()
         .route(PATH_APPEND, post(append))
         .route(PATH_VOTE, post(vote))
+        .route(PATH_PRE_VOTE, post(pre_vote))
         .route(PATH_SNAPSHOT, post(snapshot))
         .route(PATH_WRITE, post(write))
         .route(PATH_READ_INDEX, post(read_index))
@@ -425,7 +435,12 @@ async fn append(
     State(s): State<ServerState>,
     Json(rpc): Json<AppendEntriesRequest<TypeConfig>>,
 ) -> Response {
-    rpc_reply(s.raft.append_entries(rpc).await)
+    let r = s.raft.append_entries(rpc).await;
+    // Anything but a higher vote means the sender leads this node's term.
+    if matches!(&r, Ok(resp) if !matches!(resp, AppendEntriesResponse::HigherVote(_))) {
+        s.contact.touch();
+    }
+    rpc_reply(r)
 }
 
 async fn vote(State(s): State<ServerState>, Json(rpc): Json<VoteRequest<NodeId>>) -> Response {
@@ -436,7 +451,37 @@ async fn snapshot(
     State(s): State<ServerState>,
     Json(rpc): Json<InstallSnapshotRequest<TypeConfig>>,
 ) -> Response {
-    rpc_reply(s.raft.install_snapshot(rpc).await)
+    let vote = rpc.vote;
+    let r = s.raft.install_snapshot(rpc).await;
+    if matches!(&r, Ok(resp) if resp.vote == vote) {
+        s.contact.touch();
+    }
+    rpc_reply(r)
+}
+
+/// Answers a pre-vote from what this node has heard and stored; changes nothing.
+async fn pre_vote(State(s): State<ServerState>, Json(req): Json<PreVoteRequest>) -> Response {
+    if let Some(r) = stopped(&s) {
+        return r;
+    }
+    let leading = {
+        let m = s.raft.metrics();
+        let m = m.borrow();
+        m.state == openraft::ServerState::Leader
+            && m.millis_since_quorum_ack
+                .is_none_or(|ms| ms <= s.lease.as_millis() as u64)
+    };
+    let mine = match store::last_log_id(&s.db).await {
+        Ok(last) => last,
+        Err(e) => {
+            return (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("cannot read the last log id: {e}"),
+            )
+                .into_response()
+        }
+    };
+    Json(answer(&req, mine, s.contact.silence(), s.lease, leading)).into_response()
 }
 
 /// A stopped node takes no leader work: 503 tells the caller nothing was submitted.

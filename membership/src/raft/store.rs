@@ -317,6 +317,30 @@ fn put_meta(
     txn.commit().map_err(any)
 }
 
+/// The last purged and the last stored log ids, as read from the database (what this node
+/// would vote with; the pre-vote answers with it too).
+pub(crate) fn log_state(db: &Database) -> Result<LogState<TypeConfig>, AnyError> {
+    let last_purged: Option<LogId<NodeId>> = get_meta(db, KEY_LAST_PURGED)?
+        .map(|b| decode(&b))
+        .transpose()?;
+    let txn = db.begin_read().map_err(any)?;
+    let t = txn.open_table(LOGS).map_err(any)?;
+    let last = match t.last().map_err(any)? {
+        Some((_, v)) => Some(decode::<Entry<TypeConfig>>(v.value())?.log_id),
+        None => last_purged,
+    };
+    Ok(LogState {
+        last_purged_log_id: last_purged,
+        last_log_id: last,
+    })
+}
+
+/// This node's last stored log id, read on a storage thread.
+pub(crate) async fn last_log_id(db: &Arc<Database>) -> Result<Option<LogId<NodeId>>, AnyError> {
+    let db = db.clone();
+    Ok(blocking(move || log_state(&db)).await?.last_log_id)
+}
+
 fn get_meta(db: &Database, key: &'static str) -> Result<Option<Vec<u8>>, AnyError> {
     let txn = db.begin_read().map_err(any)?;
     let t = txn.open_table(META).map_err(any)?;
@@ -534,23 +558,9 @@ impl RaftStorage<TypeConfig> for Store {
 
     async fn get_log_state(&mut self) -> StoreResult<LogState<TypeConfig>> {
         let db = self.db.clone();
-        blocking(move || {
-            let last_purged: Option<LogId<NodeId>> = get_meta(&db, KEY_LAST_PURGED)?
-                .map(|b| decode(&b))
-                .transpose()?;
-            let txn = db.begin_read().map_err(any)?;
-            let t = txn.open_table(LOGS).map_err(any)?;
-            let last = match t.last().map_err(any)? {
-                Some((_, v)) => Some(decode::<Entry<TypeConfig>>(v.value())?.log_id),
-                None => last_purged,
-            };
-            Ok(LogState {
-                last_purged_log_id: last_purged,
-                last_log_id: last,
-            })
-        })
-        .await
-        .map_err(|e| StorageIOError::read_logs(e).into())
+        blocking(move || log_state(&db))
+            .await
+            .map_err(|e| StorageIOError::read_logs(e).into())
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
