@@ -1076,6 +1076,10 @@ async fn raft_rpcs_need_the_peer_token_before_the_body_is_read() {
         ("/raft/write", Bytes::from_static(b"{not json")),
         ("/raft/vote", Bytes::from(forged_vote.to_string())),
         ("/raft/append", Bytes::from(forged_append.to_string())),
+        (
+            "/raft/pre-vote",
+            Bytes::from(json!({"candidate": 7, "last_log_id": null}).to_string()),
+        ),
         ("/raft/join", Bytes::from_static(b"{}")),
     ] {
         assert_eq!(

@@ -18,7 +18,8 @@
 //! gossip socket. Inbound, a datagram from peer P is checked (MAC, partition switch) and
 //! handed to chitchat through P's shadow, and the reply address is mapped back to P. The
 //! cost is two loopback hops per datagram, a few microseconds, at about 20 datagrams per
-//! second per peer.
+//! second per peer. The real gossip socket is a [`Datagrams`]: the deterministic
+//! simulation test replaces it with a simulated network (the loopback relay stays real).
 //!
 //! **Authentication.** With `secret` set, every datagram carries a 32-byte keyed blake3
 //! MAC (key `blake3::derive_key("warmpath 2026-11 gossip mac v1", secret)`) over all its
@@ -111,6 +112,33 @@ pub struct GossipConfig {
     pub decision_ttl: Duration,
     /// Cluster secret: when set, every datagram is authenticated with it.
     pub secret: Option<Vec<u8>>,
+    /// Where datagrams go; `None` binds a UDP socket on `listen`. The deterministic
+    /// simulation passes its simulated network here (and `listen` is then only a name).
+    pub datagrams: Option<Arc<dyn Datagrams>>,
+}
+
+/// What [`Datagrams::send_to`] returns: the bytes sent.
+pub type SendDatagram<'a> = Pin<Box<dyn Future<Output = std::io::Result<usize>> + Send + 'a>>;
+/// What [`Datagrams::recv_from`] returns: the datagram's length and sender.
+pub type RecvDatagram<'a> =
+    Pin<Box<dyn Future<Output = std::io::Result<(usize, SocketAddr)>> + Send + 'a>>;
+
+/// Sends and receives gossip datagrams for one router: a UDP socket, or a simulated
+/// network. Receiving must be cancel-safe (it runs in a `select!`).
+pub trait Datagrams: Send + Sync + 'static {
+    /// Sends one datagram to `to`.
+    fn send_to<'a>(&'a self, buf: &'a [u8], to: SocketAddr) -> SendDatagram<'a>;
+    /// Receives one datagram into `buf`: its length and sender.
+    fn recv_from<'a>(&'a self, buf: &'a mut [u8]) -> RecvDatagram<'a>;
+}
+
+impl Datagrams for tokio::net::UdpSocket {
+    fn send_to<'a>(&'a self, buf: &'a [u8], to: SocketAddr) -> SendDatagram<'a> {
+        Box::pin(tokio::net::UdpSocket::send_to(self, buf, to))
+    }
+    fn recv_from<'a>(&'a self, buf: &'a mut [u8]) -> RecvDatagram<'a> {
+        Box::pin(tokio::net::UdpSocket::recv_from(self, buf))
+    }
 }
 
 impl std::fmt::Debug for GossipConfig {
@@ -126,6 +154,7 @@ impl std::fmt::Debug for GossipConfig {
             .field("decision_ttl", &self.decision_ttl)
             // The secret is never logged.
             .field("secret", &self.secret.as_ref().map(|_| ".."))
+            .field("simulated", &self.datagrams.is_some())
             .finish()
     }
 }
@@ -384,16 +413,22 @@ impl Gossip {
                 config.advertise
             )));
         }
-        let socket = std::net::UdpSocket::bind(config.listen)
-            .and_then(|s| s.set_nonblocking(true).map(|()| s))
-            .map_err(|source| GossipError::Bind {
-                addr: config.listen,
-                source,
-            })?;
-        let bound = socket.local_addr().map_err(|source| GossipError::Bind {
-            addr: config.listen,
-            source,
-        })?;
+        let (prebound, bound) = match &config.datagrams {
+            Some(d) => (Prebound::Simulated(d.clone()), config.listen),
+            None => {
+                let socket = std::net::UdpSocket::bind(config.listen)
+                    .and_then(|s| s.set_nonblocking(true).map(|()| s))
+                    .map_err(|source| GossipError::Bind {
+                        addr: config.listen,
+                        source,
+                    })?;
+                let bound = socket.local_addr().map_err(|source| GossipError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+                (Prebound::Udp(socket), bound)
+            }
+        };
         let mut advertise = config.advertise;
         if advertise.port() == 0 {
             advertise.set_port(bound.port());
@@ -409,7 +444,7 @@ impl Gossip {
             counters: Counters::default(),
         });
         let transport = WarmTransport {
-            prebound: Mutex::new(Some(socket)),
+            prebound: Mutex::new(Some(prebound)),
             shared: shared.clone(),
         };
         // Heartbeats are observed about once per gossip interval; a threshold of 1 s worth
@@ -764,9 +799,15 @@ impl Gossip {
 /// The transport handed to chitchat: opens [`WarmSocket`]s.
 struct WarmTransport {
     /// The gossip socket, bound by [`Gossip::start`] (so port 0 works and the bound port is
-    /// known before chitchat starts).
-    prebound: Mutex<Option<std::net::UdpSocket>>,
+    /// known before chitchat starts), or the simulated network.
+    prebound: Mutex<Option<Prebound>>,
     shared: Arc<Shared>,
+}
+
+/// What [`Gossip::start`] prepared for the transport.
+enum Prebound {
+    Udp(std::net::UdpSocket),
+    Simulated(Arc<dyn Datagrams>),
 }
 
 impl WarmTransport {
@@ -776,17 +817,22 @@ impl WarmTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        let std_socket = match prebound {
-            Some(s) => s,
+        let (public, local_addr): (Arc<dyn Datagrams>, SocketAddr) = match prebound {
+            Some(Prebound::Simulated(d)) => (d, listen_addr),
+            Some(Prebound::Udp(s)) => {
+                let public = tokio::net::UdpSocket::from_std(s)?;
+                let local_addr = public.local_addr()?;
+                (Arc::new(public), local_addr)
+            }
             None => {
                 let s = std::net::UdpSocket::bind(listen_addr)
                     .with_context(|| format!("failed to bind {listen_addr}/udp for gossip"))?;
                 s.set_nonblocking(true)?;
-                s
+                let public = tokio::net::UdpSocket::from_std(s)?;
+                let local_addr = public.local_addr()?;
+                (Arc::new(public), local_addr)
             }
         };
-        let public = tokio::net::UdpSocket::from_std(std_socket)?;
-        let local_addr = public.local_addr()?;
         let inner = chitchat::transport::UdpSocket::open(([127, 0, 0, 1], 0).into()).await?;
         let inner_addr = inner.local_addr()?;
         Ok(Box::new(WarmSocket {
@@ -836,7 +882,7 @@ struct Reassembly {
 /// The gossip socket chitchat uses (see the module docs for the loopback relay).
 struct WarmSocket {
     shared: Arc<Shared>,
-    public: tokio::net::UdpSocket,
+    public: Arc<dyn Datagrams>,
     local_addr: SocketAddr,
     inner: Box<dyn Socket>,
     inner_addr: SocketAddr,
@@ -1197,6 +1243,7 @@ mod tests {
             http_url: format!("http://{node_id}.test:8080"),
             decision_ttl: TTL,
             secret: secret.map(<[u8]>::to_vec),
+            datagrams: None,
         }
     }
 

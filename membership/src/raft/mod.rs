@@ -2,7 +2,9 @@
 //!
 //! - [`state`]: the pure state machine (tenants, pools, API key hashes, config version).
 //! - [`store`]: the durable log, vote and snapshot in redb; the openraft type config.
-//! - [`network`]: Raft RPCs over HTTP (`/raft/…` routes and the peer client).
+//! - [`network`]: Raft RPCs over HTTP (`/raft/…` routes and the peer client, over TCP or a
+//!   simulated network).
+//! - [`elect`]: the election timer and its pre-vote.
 //! - this module: [`RaftNode`], the handle the router uses.
 //!
 //! Writes go to the leader: a follower or learner forwards a write over HTTP (one hop, at
@@ -29,7 +31,9 @@ pub mod store;
 #[cfg(test)]
 mod tests;
 
-use network::{HttpClient, HttpError, JoinRequest, LeaderReply, NetworkFactory, ServerState};
+use network::{
+    HttpClient, HttpError, JoinRequest, LeaderReply, NetworkFactory, PeerTransport, ServerState,
+};
 use openraft::error::{CheckIsLeaderError, ClientWriteError, InitializeError, RaftError};
 use openraft::{BasicNode, ChangeMembers, Raft, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
@@ -42,11 +46,30 @@ use store::{NodeId, Store, TypeConfig};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-/// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it).
+/// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it); under
+/// [`enter_simulation`], the simulated clock.
 pub(crate) fn unix_ms() -> u64 {
+    if let Some((wall_ms, at)) = SIM_WALL.with(std::cell::Cell::get) {
+        return wall_ms + at.elapsed().as_millis() as u64;
+    }
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+thread_local! {
+    /// Set by [`enter_simulation`]: the wall clock at that moment and tokio's clock then.
+    static SIM_WALL: std::cell::Cell<Option<(u64, Instant)>> = const { std::cell::Cell::new(None) };
+}
+
+/// For the deterministic simulation, called on the thread that runs it, inside its
+/// single-threaded runtime with paused time: storage work runs on this thread (see
+/// [`store::run_storage_inline`]) and the wall clock that bounds forwarded writes follows
+/// tokio's simulated clock, so a message held for seconds of simulated time arrives late
+/// by those seconds.
+pub fn enter_simulation() {
+    store::run_storage_inline();
+    SIM_WALL.with(|w| w.set(Some((unix_ms(), Instant::now()))));
 }
 
 /// A leader that has heard from no quorum for this long refuses writes at once (twice the
@@ -87,6 +110,11 @@ pub struct NodeConfig {
     pub logs_kept_after_snapshot: u64,
     /// Bearer token peers must send on `/raft/` calls; `None` accepts any caller.
     pub auth_token: Option<String>,
+    /// How peer calls travel; `None` is HTTP over TCP. The deterministic simulation
+    /// passes its simulated network here.
+    pub transport: Option<Arc<dyn PeerTransport>>,
+    /// Seed of the election timer's randomness; `None` draws one from the clock.
+    pub election_seed: Option<u64>,
 }
 
 impl NodeConfig {
@@ -114,6 +142,8 @@ impl NodeConfig {
             snapshot_every: 1000,
             logs_kept_after_snapshot: 1000,
             auth_token: None,
+            transport: None,
+            election_seed: None,
         }
     }
 }
@@ -360,7 +390,10 @@ impl RaftNode {
         }
         .validate()
         .map_err(|e| StartError::Raft(e.to_string()))?;
-        let client = HttpClient::new(config.connect_timeout, config.auth_token.clone());
+        let client = match &config.transport {
+            Some(t) => HttpClient::over(t.clone(), config.auth_token.clone()),
+            None => HttpClient::new(config.connect_timeout, config.auth_token.clone()),
+        };
         let factory = NetworkFactory {
             node_id: config.node_id,
             client: client.clone(),
@@ -410,7 +443,11 @@ impl RaftNode {
                 node_id: config.node_id,
                 tick: config.heartbeat_interval / 2,
                 timeout: config.election_timeout,
-                rng: rand::SeedableRng::seed_from_u64(elect::Elections::seed(config.node_id)),
+                rng: rand::SeedableRng::seed_from_u64(
+                    config
+                        .election_seed
+                        .unwrap_or_else(|| elect::Elections::seed(config.node_id)),
+                ),
             }
             .run(),
         );
@@ -499,6 +536,14 @@ impl RaftNode {
         let mut hint: Option<String> = None;
         let mut last_err = None;
         for _ in 0..4 {
+            // Out of time after an attempt that surely failed (the leader unreachable, no
+            // leader change before the deadline): say so, rather than send the write again
+            // with no time left and report a timeout, whose outcome would read "unknown".
+            if Instant::now() >= deadline {
+                if let Some(e) = last_err {
+                    return Err(e);
+                }
+            }
             let target = match hint.take() {
                 Some(url) => Target::Remote(url),
                 None => match self.wait_leader(deadline).await {

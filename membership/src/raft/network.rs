@@ -1,5 +1,6 @@
 //! Raft RPCs over HTTP between routers: the axum routes a node serves under `/raft/`, and
-//! the client side openraft uses to reach peers (hyper-util's pooled HTTP/1 client).
+//! the client side openraft uses to reach peers (hyper-util's pooled HTTP/1 client, or a
+//! simulated network: [`PeerTransport`]).
 //!
 //! Bodies are JSON. Peer RPCs (`append`, `vote`, `snapshot`) carry openraft's own request
 //! types and answer `Result<response, RaftError>`; `pre-vote` is warmpath's own (see
@@ -34,6 +35,8 @@ use openraft::raft::{
 };
 use openraft::{BasicNode, RPCTypes, Raft, RaftNetwork, RaftNetworkFactory};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -142,24 +145,90 @@ impl HttpError {
     }
 }
 
-/// A pooled HTTP client for peer calls.
+/// What a [`PeerTransport`] could not do.
 #[derive(Debug, Clone)]
-pub struct HttpClient {
-    client: Client<HttpConnector, Full<Bytes>>,
-    auth_token: Option<String>,
+pub enum SendError {
+    /// No connection could be made: nothing was delivered.
+    Connect(String),
+    /// The request went out but no whole answer came back: it may have been delivered.
+    Broken(String),
 }
 
-impl HttpClient {
-    /// A client that gives up connecting after `connect_timeout` and sends `auth_token`, if
-    /// any, as a bearer token.
-    pub fn new(connect_timeout: Duration, auth_token: Option<String>) -> HttpClient {
+/// The future a [`PeerTransport`] returns: the answer's status and body.
+pub type SendFuture = Pin<Box<dyn Future<Output = Result<(u16, Bytes), SendError>> + Send>>;
+
+/// How peer calls travel. Production uses [`HyperTransport`] (HTTP/1 over TCP); the
+/// deterministic simulation test hands every node a simulated network instead, which
+/// delivers the same requests to the same `/raft/` handlers with seeded delay, loss and
+/// partitions.
+pub trait PeerTransport: Send + Sync + std::fmt::Debug + 'static {
+    /// Sends one request and returns the answer's status and (at most
+    /// [`MAX_BODY_BYTES`]) body.
+    fn send(&self, req: hyper::Request<Bytes>) -> SendFuture;
+}
+
+/// Peer calls over TCP: hyper-util's pooled HTTP/1 client.
+#[derive(Debug, Clone)]
+pub struct HyperTransport {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl HyperTransport {
+    /// A client that gives up connecting after `connect_timeout`.
+    pub fn new(connect_timeout: Duration) -> HyperTransport {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
-        HttpClient { client, auth_token }
+        HyperTransport { client }
+    }
+}
+
+impl PeerTransport for HyperTransport {
+    fn send(&self, req: hyper::Request<Bytes>) -> SendFuture {
+        let sent = self.client.request(req.map(Full::new));
+        Box::pin(async move {
+            let resp = sent.await.map_err(|e| {
+                if e.is_connect() {
+                    SendError::Connect(e.to_string())
+                } else {
+                    SendError::Broken(e.to_string())
+                }
+            })?;
+            let status = resp.status().as_u16();
+            let body = Limited::new(resp.into_body(), MAX_BODY_BYTES)
+                .collect()
+                .await
+                .map_err(|e| SendError::Broken(format!("body: {e}")))?
+                .to_bytes();
+            Ok((status, body))
+        })
+    }
+}
+
+/// A client for peer calls: JSON bodies, the peer bearer token, deadlines, and errors
+/// classified into [`HttpError`], over any [`PeerTransport`].
+#[derive(Debug, Clone)]
+pub struct HttpClient {
+    transport: Arc<dyn PeerTransport>,
+    auth_token: Option<String>,
+}
+
+impl HttpClient {
+    /// A client over TCP that gives up connecting after `connect_timeout` and sends
+    /// `auth_token`, if any, as a bearer token.
+    pub fn new(connect_timeout: Duration, auth_token: Option<String>) -> HttpClient {
+        HttpClient::over(Arc::new(HyperTransport::new(connect_timeout)), auth_token)
+    }
+
+    /// A client over `transport`.
+    pub fn over(transport: Arc<dyn PeerTransport>, auth_token: Option<String>) -> HttpClient {
+        HttpClient {
+            transport,
+            auth_token,
+        }
     }
 
     /// POSTs `body` as JSON to `base + path` and decodes the JSON answer, all within
@@ -214,29 +283,20 @@ impl HttpClient {
             req = req.header(name, value);
         }
         let req = req
-            .body(Full::new(Bytes::from(bytes)))
+            .body(Bytes::from(bytes))
             .map_err(|e| transport(format!("request: {e}")))?;
-        let resp = self.client.request(req).await.map_err(|e| {
-            if e.is_connect() {
-                HttpError::Connect {
-                    url: url.to_string(),
-                    message: e.to_string(),
-                }
-            } else {
-                transport(e.to_string())
-            }
+        let (status, body) = self.transport.send(req).await.map_err(|e| match e {
+            SendError::Connect(message) => HttpError::Connect {
+                url: url.to_string(),
+                message,
+            },
+            SendError::Broken(message) => transport(message),
         })?;
-        let status = resp.status();
-        let body = Limited::new(resp.into_body(), MAX_BODY_BYTES)
-            .collect()
-            .await
-            .map_err(|e| transport(format!("body: {e}")))?
-            .to_bytes();
-        if !status.is_success() {
+        if !(200..300).contains(&status) {
             let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
             return Err(HttpError::Status {
                 url: url.to_string(),
-                status: status.as_u16(),
+                status,
                 body: text,
             });
         }

@@ -276,6 +276,19 @@ fn storage_threads() -> &'static StorageThreads {
     })
 }
 
+thread_local! {
+    /// Set by [`run_storage_inline`]: this thread runs database work itself.
+    static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the calling thread run every storage job itself instead of handing it to the
+/// storage threads. For the deterministic simulation: on a single-threaded runtime with
+/// paused time, work on another thread lets the clock jump ahead while a write is still
+/// in flight, and the order of events would depend on the host's scheduler.
+pub fn run_storage_inline() {
+    INLINE.with(|i| i.set(true));
+}
+
 /// Runs blocking database work on the storage threads, off the async reactor and off
 /// tokio's blocking pool.
 pub(crate) async fn blocking<T, F>(f: F) -> Result<T, AnyError>
@@ -283,6 +296,9 @@ where
     T: Send + 'static,
     F: FnOnce() -> Result<T, AnyError> + Send + 'static,
 {
+    if INLINE.with(|i| i.get()) {
+        return f();
+    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     let job: Job = Box::new(move || {
         let _ = tx.send(f());

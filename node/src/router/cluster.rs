@@ -113,6 +113,7 @@ pub async fn start_gossip(
         http_url: http_url.to_string(),
         decision_ttl,
         secret: settings.secret.clone(),
+        datagrams: None,
     };
     let gossip = Gossip::start(config).await.context("cannot start gossip")?;
     let addr = gossip.advertise_addr();
