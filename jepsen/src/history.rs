@@ -4,7 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+// tokio's clock: real time in the harness, simulated time in the simulation test.
+use tokio::time::Instant;
 
 /// What an operation does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,7 +98,14 @@ pub struct Recorder {
     inner: Arc<Mutex<History>>,
 }
 
+impl Default for Recorder {
+    fn default() -> Recorder {
+        Recorder::new()
+    }
+}
+
 impl Recorder {
+    /// A recorder whose clock starts now.
     pub fn new() -> Recorder {
         Recorder {
             start: Instant::now(),

@@ -8,10 +8,8 @@
 //! Each run writes `OUT/NAME/history.jsonl`, `report.txt`, `report.html` and the
 //! processes' logs, and exits non-zero when a check fails.
 
-mod check;
 mod client;
 mod cluster;
-mod history;
 mod net;
 mod report;
 mod scenario;
@@ -20,6 +18,7 @@ use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::Duration;
+use warmpath_jepsen::{check, history};
 
 #[derive(Parser, Debug)]
 #[command(

@@ -196,7 +196,7 @@ pub fn all() -> Vec<Scenario> {
             Some(6),
             Nemesis::FastClock,
             false,
-            false,
+            true,
             expect(false, false, Some(5_000.0)),
         ),
         s(
