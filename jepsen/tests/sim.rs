@@ -8,8 +8,9 @@
 //! The network ([`Net`]) hands each request to the destination's real axum router, after a
 //! seeded delay each way, and loses requests and answers with a seeded probability. A
 //! seeded nemesis cuts links (one node off, one way only, a bridge), makes links slow
-//! (200–2,000 ms, as a retransmitted TCP segment is: the delay injection this kernel's
-//! missing `tc netem` cannot give the process harness) and lossy, and heals. Clients
+//! (200–2,000 ms, and sometimes 4–12 s, as a retransmitted TCP segment is: the delay
+//! injection this kernel's missing `tc netem` cannot give the process harness) and
+//! lossy, and heals. Clients
 //! write and read the register, create set tenants and read the set through each node, and
 //! every operation is recorded with simulated invocation and completion times into the
 //! fault harness's [`History`]; the harness's own checkers then judge it
@@ -39,9 +40,11 @@ use warmpath_membership::decisions::Decision;
 use warmpath_membership::gossip::{
     Cursor, Datagrams, Gossip, GossipConfig, RecvDatagram, SendDatagram, DEFAULT_GOSSIP_INTERVAL,
 };
-use warmpath_membership::raft::network::{PeerTransport, SendError, SendFuture, MAX_BODY_BYTES};
+use warmpath_membership::raft::network::{
+    PeerTransport, SendError, SendFuture, MAX_BODY_BYTES, PATH_WRITE, WRITE_DEADLINE_HEADER,
+};
 use warmpath_membership::raft::state::{Command, CommandResult, CommandV1, PoolSpec, TenantSpec};
-use warmpath_membership::raft::{enter_simulation, NodeConfig, RaftNode, WriteError};
+use warmpath_membership::raft::{enter_simulation, unix_ms, NodeConfig, RaftNode, WriteError};
 
 /// Voters in the simulated group.
 const NODES: usize = 3;
@@ -58,8 +61,23 @@ const WRITE_BOUND_MS: f64 = 10_000.0;
 struct LinkFaults {
     /// Chance that a request or an answer is lost.
     loss: f64,
-    /// Chance that one is held 200–2,000 ms.
+    /// Chance that one is slow ([`LinkFaults::delay`]).
     slow: f64,
+}
+
+impl LinkFaults {
+    /// One message's delay: 0.2–5 ms; on a slow link 200–2,000 ms, and one slow message
+    /// in ten 4–12 s (held through TCP's retransmission backoff: long enough for a
+    /// forwarded write to reach the leader after its deadline, issue 12's defect 2).
+    fn delay(&self, rng: &mut StdRng) -> Duration {
+        if !rng.gen_bool(self.slow) {
+            Duration::from_micros(rng.gen_range(200..=5_000))
+        } else if rng.gen_bool(0.1) {
+            Duration::from_millis(rng.gen_range(4_000..=12_000))
+        } else {
+            Duration::from_millis(rng.gen_range(200..=2_000))
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -76,9 +94,16 @@ struct NetState {
     inboxes: BTreeMap<SocketAddr, (usize, Inbox)>,
     /// Links that drop everything, from → to.
     cut: BTreeSet<(usize, usize)>,
+    /// Links that hold everything until they are released (TCP retransmitting through a
+    /// partition: what was sent arrives after the heal).
+    held: BTreeSet<(usize, usize)>,
     faults: LinkFaults,
     delivered: u64,
     lost: u64,
+    /// Forwarded writes that reached a node past their deadline.
+    late_writes: u64,
+    /// Those that were not refused as late: each a violation.
+    late_submitted: Vec<String>,
 }
 
 /// The simulated network: every node's peer calls go through it.
@@ -103,12 +128,15 @@ impl Net {
             routers: BTreeMap::new(),
             inboxes: BTreeMap::new(),
             cut: BTreeSet::new(),
+            held: BTreeSet::new(),
             faults: LinkFaults {
                 loss: 0.0,
                 slow: 0.0,
             },
             delivered: 0,
             lost: 0,
+            late_writes: 0,
+            late_submitted: Vec::new(),
         })))
     }
 
@@ -124,15 +152,8 @@ impl Net {
             .map(|(i, r)| (*i, r.clone()))
             .ok_or_else(|| SendError::Connect(format!("no node at {base}")))?;
         let f = s.faults;
-        let delay = |rng: &mut StdRng| {
-            if rng.gen_bool(f.slow) {
-                Duration::from_millis(rng.gen_range(200..=2_000))
-            } else {
-                Duration::from_micros(rng.gen_range(200..=5_000))
-            }
-        };
-        let there = delay(&mut s.rng);
-        let back = delay(&mut s.rng);
+        let there = f.delay(&mut s.rng);
+        let back = f.delay(&mut s.rng);
         let lost_there = s.rng.gen_bool(f.loss);
         let lost_back = s.rng.gen_bool(f.loss);
         Ok(Plan {
@@ -151,17 +172,33 @@ impl Net {
         let (node, inbox) = s.inboxes.get(&to).cloned()?;
         let f = s.faults;
         let rng = &mut s.gossip_rng;
-        let delay = if rng.gen_bool(f.slow) {
-            Duration::from_millis(rng.gen_range(200..=2_000))
-        } else {
-            Duration::from_micros(rng.gen_range(200..=5_000))
-        };
+        let delay = f.delay(rng);
         let lost = rng.gen_bool(f.loss);
         Some((node, inbox, delay, lost))
     }
 
-    /// Whether a message from `from` to `to` gets through now (counted).
-    fn passes(&self, from: usize, to: usize, lost: bool) -> bool {
+    /// Records a forwarded write that reached a node: one that arrived past its deadline
+    /// must have been refused as late, never submitted (issue 12, defect 2).
+    fn forwarded_write(&self, arrived_ms: u64, deadline_ms: u64, answer: &[u8]) {
+        if arrived_ms <= deadline_ms {
+            return;
+        }
+        let mut s = self.state();
+        s.late_writes += 1;
+        if !answer.starts_with(br#"{"Late""#) {
+            s.late_submitted.push(format!(
+                "a write forwarded with deadline {deadline_ms} arrived at {arrived_ms} and was answered {}",
+                String::from_utf8_lossy(&answer[..answer.len().min(200)])
+            ));
+        }
+    }
+
+    /// Whether a message from `from` to `to` gets through (counted), once its link no
+    /// longer holds it.
+    async fn passes(&self, from: usize, to: usize, lost: bool) -> bool {
+        while self.state().held.contains(&(from, to)) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let mut s = self.state();
         let ok = !lost && !s.cut.contains(&(from, to));
         if ok {
@@ -194,14 +231,28 @@ impl PeerTransport for SimTransport {
             // Delivered on its own: a message in flight outlives a caller that gave up.
             tokio::spawn(async move {
                 tokio::time::sleep(plan.there).await;
-                if !net.passes(from, plan.to, plan.lost_there) {
+                if !net.passes(from, plan.to, plan.lost_there).await {
                     return;
                 }
+                let deadline = (req.uri().path() == PATH_WRITE)
+                    .then(|| {
+                        req.headers()
+                            .get(WRITE_DEADLINE_HEADER)?
+                            .to_str()
+                            .ok()?
+                            .parse::<u64>()
+                            .ok()
+                    })
+                    .flatten();
+                let arrived = unix_ms();
                 let Ok(resp) = plan.router.oneshot(req.map(Body::from)).await;
                 let status = resp.status().as_u16();
                 let body = axum::body::to_bytes(resp.into_body(), MAX_BODY_BYTES).await;
+                if let (Some(deadline), Ok(b)) = (deadline, &body) {
+                    net.forwarded_write(arrived, deadline, b);
+                }
                 tokio::time::sleep(plan.back).await;
-                if !net.passes(plan.to, from, plan.lost_back) {
+                if !net.passes(plan.to, from, plan.lost_back).await {
                     return;
                 }
                 let _ = tx.send(
@@ -235,7 +286,7 @@ impl Datagrams for SimDatagrams {
             let (net, from, bytes, addr) = (self.net.clone(), self.node, buf.to_vec(), self.addr);
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
-                if net.passes(from, node, lost) {
+                if net.passes(from, node, lost).await {
                     let _ = inbox.send((bytes, addr));
                 }
             });
@@ -468,18 +519,20 @@ async fn client(
     }
 }
 
-/// The nemesis: a new fault every 1–5 s until `stop`, then heals.
+/// The nemesis: a new fault every 1–5 s (a hold 6–15 s) until `stop`, then heals.
 async fn nemesis(net: Arc<Net>, rec: Recorder, seed: u64, stop: Instant) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x6e65_6d65_7369_7300);
     while Instant::now() < stop {
         let node = rng.gen_range(0..NODES);
         let others: Vec<usize> = (0..NODES).filter(|&j| j != node).collect();
         let mut cut = BTreeSet::new();
+        let mut held = BTreeSet::new();
         let mut faults = LinkFaults {
             loss: 0.0,
             slow: 0.0,
         };
-        let what = match rng.gen_range(0..7) {
+        let mut lasts = Duration::from_millis(rng.gen_range(1_000..5_000));
+        let what = match rng.gen_range(0..8) {
             0 => "heal".to_string(),
             1 => {
                 for &j in &others {
@@ -507,6 +560,16 @@ async fn nemesis(net: Arc<Net>, rec: Recorder, seed: u64, stop: Instant) {
                 format!("bridge: {a} and {b} only through {node}")
             }
             5 => {
+                // Long enough that a write forwarded into it is answered 504 before the
+                // heal delivers it to the leader (issue 12, defect 2).
+                for &j in &others {
+                    held.insert((node, j));
+                    held.insert((j, node));
+                }
+                lasts = Duration::from_millis(rng.gen_range(6_000..15_000));
+                format!("hold {node}'s links for {:.1} s", lasts.as_secs_f64())
+            }
+            6 => {
                 faults.slow = rng.gen_range(0.02..0.2);
                 format!("slow links ({:.0}%)", faults.slow * 100.0)
             }
@@ -517,6 +580,7 @@ async fn nemesis(net: Arc<Net>, rec: Recorder, seed: u64, stop: Instant) {
         };
         let touched: Vec<usize> = cut
             .iter()
+            .chain(&held)
             .flat_map(|&(a, b)| [a, b])
             .collect::<BTreeSet<_>>()
             .into_iter()
@@ -524,6 +588,7 @@ async fn nemesis(net: Arc<Net>, rec: Recorder, seed: u64, stop: Instant) {
         {
             let mut s = net.state();
             s.cut = cut;
+            s.held = held;
             s.faults = faults;
         }
         rec.fault(
@@ -531,10 +596,11 @@ async fn nemesis(net: Arc<Net>, rec: Recorder, seed: u64, stop: Instant) {
             &touched,
             what != "heal",
         );
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(1_000..5_000))).await;
+        tokio::time::sleep(lasts).await;
     }
     let mut s = net.state();
     s.cut.clear();
+    s.held.clear();
     s.faults = LinkFaults {
         loss: 0.0,
         slow: 0.0,
@@ -567,6 +633,8 @@ struct Run {
     history: History,
     delivered: u64,
     lost: u64,
+    late_writes: u64,
+    late_submitted: Vec<String>,
 }
 
 /// Starts the group's voters on `net`, each storing under `dir`.
@@ -664,14 +732,16 @@ async fn simulate(seed: u64, secs: u64, gossip: bool, dir: &std::path::Path) -> 
             g.shutdown().await;
         }
     }
-    let (delivered, lost) = {
+    let (delivered, lost, late_writes, late_submitted) = {
         let s = net.state();
-        (s.delivered, s.lost)
+        (s.delivered, s.lost, s.late_writes, s.late_submitted.clone())
     };
     Run {
         history: rec.history(),
         delivered,
         lost,
+        late_writes,
+        late_submitted,
     }
 }
 
@@ -828,12 +898,14 @@ fn raft_group_under_simulated_faults() {
         let (writes, reads, creates) = (ok(F::Write), ok(F::Read), ok(F::Create));
         println!(
             "seed {seed}: {secs} s simulated in {:.1} s; {} ops: {writes} writes, {reads} reads, \
-             {creates} creates ok; {} faults; messages {} delivered, {} lost",
+             {creates} creates ok; {} faults; messages {} delivered, {} lost; {} forwarded \
+             writes arrived past their deadline",
             wall.elapsed().as_secs_f64(),
             h.ops.len(),
             h.faults.len(),
             run.delivered,
-            run.lost
+            run.lost,
+            run.late_writes
         );
         checks.retain(|c| c.pass.is_some());
         let mut problems: Vec<String> = checks
@@ -842,6 +914,7 @@ fn raft_group_under_simulated_faults() {
             .map(|c| format!("{}: {} {:?}", c.name, c.summary, c.details))
             .collect();
         problems.extend(terms);
+        problems.extend(run.late_submitted.iter().cloned());
         problems.extend(
             h.ops
                 .iter()
@@ -904,7 +977,10 @@ async fn settled(nodes: &[Arc<RaftNode>]) -> (u64, u64) {
     for _ in 0..100 {
         let st: Vec<_> = nodes.iter().map(|n| n.status()).collect();
         if let Some(l) = st.iter().find(|s| s.role == "Leader") {
-            if st.iter().all(|s| s.leader == Some(l.node_id) && s.term == l.term) {
+            if st
+                .iter()
+                .all(|s| s.leader == Some(l.node_id) && s.term == l.term)
+            {
                 return (l.node_id, l.term);
             }
         }
@@ -927,7 +1003,10 @@ fn a_deaf_follower_does_not_depose_the_leader_when_it_rejoins() {
         let deaf = (0..NODES)
             .find(|&i| i as u64 + 1 != leader)
             .expect("a follower");
-        net.state().cut = (0..NODES).filter(|&j| j != deaf).map(|j| (j, deaf)).collect();
+        net.state().cut = (0..NODES)
+            .filter(|&j| j != deaf)
+            .map(|j| (j, deaf))
+            .collect();
         tokio::time::sleep(Duration::from_secs(5)).await;
         net.state().cut.clear();
         tokio::time::sleep(Duration::from_secs(5)).await;

@@ -47,8 +47,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it); under
-/// [`enter_simulation`], the simulated clock.
-pub(crate) fn unix_ms() -> u64 {
+/// [`enter_simulation`], the simulated clock. Forwarded writes' deadlines are on it.
+pub fn unix_ms() -> u64 {
     if let Some((wall_ms, at)) = SIM_WALL.with(std::cell::Cell::get) {
         return wall_ms + at.elapsed().as_millis() as u64;
     }
