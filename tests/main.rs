@@ -7,6 +7,7 @@
 mod agent;
 mod clients;
 mod cluster;
+mod deploy;
 mod raft;
 mod router;
 mod simulate;

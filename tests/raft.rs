@@ -409,6 +409,43 @@ async fn three_voters_and_two_learners_share_the_configuration() {
         "tenant written through a learner visible on all 5 routers at version {version} after {:.0} ms",
         took.as_secs_f64() * 1e3
     );
+    // The Raft gauges (deploy/prometheus/rules.yml alerts on them): one leader, which
+    // holds its quorum, and every member applied at least the write.
+    let gauge = |text: &str, name: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.split_whitespace().last()?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+    };
+    let c = client();
+    let mut leaders = 0.0;
+    for r in &all {
+        let url = format!("{}/metrics", r.proc.url);
+        let reply = send(&c, Method::GET, &url, None, &[], Duration::from_secs(5))
+            .await
+            .expect("/metrics answers");
+        let text = reply.body.as_str().expect("metrics text").to_string();
+        leaders += gauge(&text, "warmpath_raft_is_leader");
+        assert_eq!(
+            gauge(&text, "warmpath_raft_quorum_lost"),
+            0.0,
+            "router {}",
+            r.id
+        );
+        assert_eq!(
+            gauge(&text, "warmpath_raft_leader_known"),
+            1.0,
+            "router {}",
+            r.id
+        );
+        assert!(
+            gauge(&text, "warmpath_raft_applied_index") >= version as f64,
+            "router {}",
+            r.id
+        );
+        assert!(gauge(&text, "warmpath_raft_term") >= 1.0, "router {}", r.id);
+    }
+    assert_eq!(leaders, 1.0, "exactly one router reports leading");
 }
 
 /// The strategy `router` reports for the `default` tenant, and the config version.

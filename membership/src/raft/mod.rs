@@ -79,6 +79,64 @@ const STALE_QUORUM_MS: u64 = 2_000;
 /// is sent again to the same one.
 const RETRY_PAUSE: Duration = Duration::from_millis(300);
 
+/// Whether a leader that a quorum last acknowledged `millis_since_quorum_ack` ago is cut
+/// off (see [`RaftStatus::quorum_lost`]).
+fn quorum_lost(millis_since_quorum_ack: Option<u64>) -> bool {
+    millis_since_quorum_ack.is_some_and(|ms| ms > STALE_QUORUM_MS)
+}
+
+/// Declares the Raft gauges once (see [`publish_metrics`]).
+pub fn describe_metrics() {
+    use metrics::describe_gauge;
+    describe_gauge!("warmpath_raft_term", "This node's current Raft term.");
+    describe_gauge!(
+        "warmpath_raft_is_leader",
+        "1 while this node leads the tenant-config group."
+    );
+    describe_gauge!(
+        "warmpath_raft_leader_known",
+        "1 while this node knows a leader (itself or another)."
+    );
+    describe_gauge!(
+        "warmpath_raft_quorum_lost",
+        "1 while this node leads but no quorum has acknowledged it for over 2 s (it refuses writes)."
+    );
+    describe_gauge!(
+        "warmpath_raft_last_log_index",
+        "Index of the last entry in this node's log."
+    );
+    describe_gauge!(
+        "warmpath_raft_applied_index",
+        "Index of the last entry applied to this node's tenant config."
+    );
+}
+
+/// Publishes this node's Raft state as gauges, on every change and at least every second
+/// (losing the quorum is a matter of time passing), until Raft stops.
+async fn publish_metrics(raft: Raft<TypeConfig>) {
+    use metrics::gauge;
+    let mut rx = raft.metrics();
+    loop {
+        {
+            let m = rx.borrow_and_update();
+            if m.running_state.is_err() {
+                return;
+            }
+            let flag = |b: bool| if b { 1.0 } else { 0.0 };
+            gauge!("warmpath_raft_term").set(m.current_term as f64);
+            gauge!("warmpath_raft_is_leader").set(flag(m.state == openraft::ServerState::Leader));
+            gauge!("warmpath_raft_leader_known").set(flag(m.current_leader.is_some()));
+            gauge!("warmpath_raft_quorum_lost").set(flag(quorum_lost(m.millis_since_quorum_ack)));
+            gauge!("warmpath_raft_last_log_index").set(m.last_log_index.unwrap_or(0) as f64);
+            gauge!("warmpath_raft_applied_index").set(m.last_applied.map_or(0, |l| l.index) as f64);
+        }
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
 /// How a node joins and runs in the tenant-config cluster.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -302,6 +360,8 @@ pub struct RaftNode {
     join_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The election timer ([`elect::Elections`]), stopped at shutdown.
     elections: tokio::task::JoinHandle<()>,
+    /// [`publish_metrics`], stopped at shutdown.
+    gauges: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for RaftNode {
@@ -433,6 +493,8 @@ impl RaftNode {
                 )));
             }
         }
+        describe_metrics();
+        let gauges = tokio::spawn(publish_metrics(raft.clone()));
         let contact = elect::Contact::new();
         let elections = tokio::spawn(
             elect::Elections {
@@ -472,6 +534,7 @@ impl RaftNode {
             write_timeout: config.write_timeout,
             join_task: Mutex::new(join_task),
             elections,
+            gauges,
         })
     }
 
@@ -762,9 +825,7 @@ impl RaftNode {
             learners,
             replication_lag,
             millis_since_quorum_ack: m.millis_since_quorum_ack,
-            quorum_lost: m
-                .millis_since_quorum_ack
-                .is_some_and(|ms| ms > STALE_QUORUM_MS),
+            quorum_lost: quorum_lost(m.millis_since_quorum_ack),
         }
     }
 
@@ -834,6 +895,7 @@ impl RaftNode {
             }
         }
         self.elections.abort();
+        self.gauges.abort();
         if let Err(e) = self.raft.shutdown().await {
             tracing::warn!(node_id = self.node_id, error = %e, "raft shutdown failed");
         }

@@ -330,6 +330,14 @@ fn describe_metrics() {
         "Tenants compiled with prefix-aware because their stored strategy is unknown to this build (a newer router's, during a rolling upgrade)."
     );
     describe_counter!(
+        "warmpath_router_prompt_tokens_total",
+        "Prompt tokens of answered requests as the engines counted them (usage), by tenant and strategy."
+    );
+    describe_counter!(
+        "warmpath_router_cached_tokens_total",
+        "Of those, tokens the engines found cached (usage.prompt_tokens_details.cached_tokens), by tenant and strategy: cached / prompt is the hit rate."
+    );
+    describe_counter!(
         "warmpath_router_predictions_contradicted_total",
         "Answers whose usage reported fewer cached tokens than the routing prediction: the instance's older predictions were retired."
     );

@@ -757,6 +757,7 @@ async fn handle(
             &app,
             endpoint,
             &chosen,
+            &tenant.tenant,
             upstream_body.clone(),
             parsed.stream,
             deadline,
@@ -846,6 +847,7 @@ async fn attempt_once(
     app: &Arc<App>,
     endpoint: Endpoint,
     chosen: &Chosen,
+    tenant: &Tenant,
     body: Bytes,
     stream: bool,
     deadline: Instant,
@@ -865,6 +867,8 @@ async fn attempt_once(
         done: false,
         decided_at: chosen.decision.decided_at,
         chosen: Some(chosen.clone()),
+        tenant: tenant.id.clone(),
+        strategy: tenant.strategy.name(),
     };
     let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
     let went_down =
@@ -944,6 +948,9 @@ struct LoadGuard {
     /// The decision, until the engine's `usage` has been checked against it.
     chosen: Option<Chosen>,
     decided_at: u64,
+    /// The tenant and its strategy, labels of the prompt and cached token counters.
+    tenant: String,
+    strategy: &'static str,
 }
 
 impl LoadGuard {
@@ -963,6 +970,15 @@ impl LoadGuard {
             prompt_tokens: usage.prompt_tokens,
             cached_tokens: usage.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
         };
+        // The engines' own account of what routing saved: hit rate per tenant and policy.
+        let labels = [
+            ("tenant", self.tenant.clone()),
+            ("strategy", self.strategy.to_string()),
+        ];
+        metrics::counter!("warmpath_router_prompt_tokens_total", &labels)
+            .increment(u64::from(report.prompt_tokens));
+        metrics::counter!("warmpath_router_cached_tokens_total", &labels)
+            .increment(u64::from(report.cached_tokens));
         if self.app.core().report_cached(&chosen, report) {
             metrics::counter!("warmpath_router_predictions_contradicted_total").increment(1);
         }
