@@ -971,13 +971,11 @@ impl LoadGuard {
             cached_tokens: usage.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
         };
         // The engines' own account of what routing saved: hit rate per tenant and policy.
-        let labels = [
-            ("tenant", self.tenant.clone()),
-            ("strategy", self.strategy.to_string()),
-        ];
-        metrics::counter!("warmpath_router_prompt_tokens_total", &labels)
+        // (Once per request: `chosen` is gone after this, so the tenant id can go too.)
+        let tenant = std::mem::take(&mut self.tenant);
+        metrics::counter!("warmpath_router_prompt_tokens_total", "tenant" => tenant.clone(), "strategy" => self.strategy)
             .increment(u64::from(report.prompt_tokens));
-        metrics::counter!("warmpath_router_cached_tokens_total", &labels)
+        metrics::counter!("warmpath_router_cached_tokens_total", "tenant" => tenant, "strategy" => self.strategy)
             .increment(u64::from(report.cached_tokens));
         if self.app.core().report_cached(&chosen, report) {
             metrics::counter!("warmpath_router_predictions_contradicted_total").increment(1);
