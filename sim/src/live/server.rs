@@ -73,9 +73,15 @@ use super::offload::{AgentSettings, AgentSide};
 pub const ENGINE_TENANT: &str = "engine-sim";
 
 /// Upper bounds of the `vllm:time_to_first_token_seconds` buckets: vLLM's.
-const TTFT_BUCKETS: [f64; 22] = [
+const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// Upper bounds of the `vllm:inter_token_latency_seconds` buckets: vLLM's.
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
 ];
 
 /// How one engine-sim server behaves.
@@ -178,7 +184,8 @@ pub async fn serve(
         last_us: 0,
         routes: HashMap::new(),
         events: Vec::new(),
-        ttft: Histogram::default(),
+        ttft: Histogram::new(TTFT_BUCKETS),
+        itl: Histogram::new(ITL_BUCKETS),
         generation_tokens: 0,
     };
     // The loop ends when the last command sender is dropped, i.e. after the server stops.
@@ -334,6 +341,8 @@ struct Route {
     updates: mpsc::UnboundedSender<Update>,
     /// Virtual time of submission, for time to first token.
     arrived_us: u64,
+    /// Virtual time of the last token out, for inter-token latency.
+    last_token_us: u64,
 }
 
 /// Owner of the engine; see the module docs.
@@ -357,6 +366,8 @@ struct EngineLoop {
     events: Vec<EngineEvent>,
     /// Virtual seconds from submission to first token.
     ttft: Histogram,
+    /// Virtual seconds between a request's consecutive output tokens.
+    itl: Histogram,
     /// Output tokens delivered (first tokens included).
     generation_tokens: u64,
 }
@@ -439,6 +450,7 @@ impl EngineLoop {
                     Route {
                         updates,
                         arrived_us: now,
+                        last_token_us: now,
                     },
                 );
                 self.engine.submit(now, req);
@@ -459,6 +471,7 @@ impl EngineLoop {
                     stats: self.engine.stats().clone(),
                     generation_tokens: self.generation_tokens,
                     ttft: self.ttft.clone(),
+                    itl: self.itl.clone(),
                 });
             }
         }
@@ -497,14 +510,22 @@ impl EngineLoop {
                     l1_hit_tokens,
                     l2_hit_tokens,
                 } => {
-                    if let Some(route) = self.routes.get(&id) {
+                    if let Some(route) = self.routes.get_mut(&id) {
                         let ttft_s = at_us.saturating_sub(route.arrived_us) as f64 / 1e6;
                         self.ttft.observe(ttft_s);
+                        route.last_token_us = at_us;
                     }
                     let hits = Hits([gpu_hit_tokens, l1_hit_tokens, l2_hit_tokens]);
                     (id, Update::First { hits })
                 }
-                EngineEvent::Token { id, .. } => (id, Update::Token),
+                EngineEvent::Token { id, at_us } => {
+                    if let Some(route) = self.routes.get_mut(&id) {
+                        let itl_s = at_us.saturating_sub(route.last_token_us) as f64 / 1e6;
+                        self.itl.observe(itl_s);
+                        route.last_token_us = at_us;
+                    }
+                    (id, Update::Token)
+                }
                 EngineEvent::Finished { id, .. } => {
                     self.routes.remove(&id);
                     continue;
@@ -564,21 +585,47 @@ impl EngineLoop {
 // Metrics
 
 /// A TTFT histogram over [`TTFT_BUCKETS`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct Histogram {
+    /// Upper bounds of the buckets.
+    bounds: &'static [f64],
     /// Observations per bucket (not cumulative); beyond the last bound only in `count`.
-    buckets: [u64; TTFT_BUCKETS.len()],
+    buckets: Vec<u64>,
     count: u64,
     sum: f64,
 }
 
 impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            buckets: vec![0; bounds.len()],
+            count: 0,
+            sum: 0.0,
+        }
+    }
+
     fn observe(&mut self, value: f64) {
         self.count += 1;
         self.sum += value;
-        if let Some(i) = TTFT_BUCKETS.iter().position(|&le| value <= le) {
+        if let Some(i) = self.bounds.iter().position(|&le| value <= le) {
             self.buckets[i] += 1;
         }
+    }
+
+    /// Its Prometheus text: cumulative `_bucket` lines, `_sum` and `_count`.
+    fn render(&self, out: &mut String, name: &str, help: &str, label: &str) {
+        use std::fmt::Write as _;
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (le, n) in self.bounds.iter().zip(&self.buckets) {
+            cumulative += n;
+            let _ = writeln!(out, "{name}_bucket{{{label},le=\"{le}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{label},le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum{{{label}}} {}", self.sum);
+        let _ = writeln!(out, "{name}_count{{{label}}} {}", self.count);
     }
 }
 
@@ -594,6 +641,7 @@ struct Snapshot {
     stats: EngineStats,
     generation_tokens: u64,
     ttft: Histogram,
+    itl: Histogram,
 }
 
 /// Prometheus text exposition of `s` with vLLM's metric names.
@@ -727,35 +775,20 @@ fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> Strin
             (",finished_reason=\"abort\"", stats.cancelled.to_string()),
         ],
     );
-    let mut samples = Vec::with_capacity(TTFT_BUCKETS.len() + 1);
-    let mut cumulative = 0;
-    let bounds: Vec<String> = TTFT_BUCKETS.iter().map(|b| b.to_string()).collect();
-    let extras: Vec<String> = bounds
-        .iter()
-        .map(|b| format!(",le=\"{b}\""))
-        .chain(std::iter::once(",le=\"+Inf\"".to_string()))
-        .collect();
-    for (i, extra) in extras.iter().enumerate() {
-        cumulative += s.ttft.buckets.get(i).copied().unwrap_or(0);
-        let value = if i < TTFT_BUCKETS.len() {
-            cumulative
-        } else {
-            s.ttft.count
-        };
-        samples.push((extra.as_str(), value.to_string()));
-    }
-    let name = "vllm:time_to_first_token_seconds";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Histogram of time to first token in seconds of model time \
-         (wall time times the speed-up)."
+    s.ttft.render(
+        &mut out,
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds of model time (wall time times the \
+         speed-up).",
+        &label,
     );
-    let _ = writeln!(out, "# TYPE {name} histogram");
-    for (extra, value) in &samples {
-        let _ = writeln!(out, "{name}_bucket{{{label}{extra}}} {value}");
-    }
-    let _ = writeln!(out, "{name}_sum{{{label}}} {}", s.ttft.sum);
-    let _ = writeln!(out, "{name}_count{{{label}}} {}", s.ttft.count);
+    s.itl.render(
+        &mut out,
+        "vllm:inter_token_latency_seconds",
+        "Histogram of the time between a request's consecutive output tokens in seconds of \
+         model time (wall time times the speed-up).",
+        &label,
+    );
     out
 }
 
@@ -1762,6 +1795,7 @@ mod tests {
             ("vllm:prefix_cache_queries_total", "counter"),
             ("vllm:prefix_cache_hits_total", "counter"),
             ("vllm:time_to_first_token_seconds", "histogram"),
+            ("vllm:inter_token_latency_seconds", "histogram"),
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name}");
             assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{name}");
@@ -1789,6 +1823,9 @@ mod tests {
             assert_eq!(fast.await, 0.0);
             let gen = s.metric("vllm:generation_tokens_total", "").await;
             assert_eq!(gen, 3.0 * (i + 1) as f64);
+            // Three output tokens: two gaps between them each time.
+            let gaps = s.metric("vllm:inter_token_latency_seconds_count", "").await;
+            assert_eq!(gaps, 2.0 * (i + 1) as f64);
             assert_eq!(s.load().await, (0.0, 0.0, 0.0));
             assert_eq!(s.metric("vllm:gpu_cache_usage_perc", "").await, 0.0);
         }
@@ -1819,7 +1856,7 @@ mod tests {
 
     #[test]
     fn histogram_buckets_are_cumulative() {
-        let mut ttft = Histogram::default();
+        let mut ttft = Histogram::new(TTFT_BUCKETS);
         for v in [0.0005, 0.003, 0.003, 3000.0] {
             ttft.observe(v);
         }
@@ -1832,6 +1869,7 @@ mod tests {
             stats: EngineStats::default(),
             generation_tokens: 0,
             ttft,
+            itl: Histogram::new(ITL_BUCKETS),
         };
         let text = render_metrics("m\"x", &snapshot, None);
         let name = "vllm:time_to_first_token_seconds";
