@@ -1,12 +1,14 @@
-//! `deploy/`: the Prometheus rules pass `promtool` (syntax and their unit tests), and a
-//! real Prometheus (the distribution's package, installed by `.ci/run`) scrapes every
-//! process of a running `warmpath demo --keep-running` cluster and evaluates the rules on
-//! what they export.
+//! `deploy/`: the Prometheus rules pass `promtool` (syntax and their unit tests); a real
+//! Prometheus (the distribution's package, installed by `.ci/run`) scrapes every process
+//! of a running `warmpath demo --keep-running` cluster and evaluates the rules on what they
+//! export; and every metric the Grafana dashboard and the rules name is exported by a live
+//! process.
 
 use crate::router::{client, completion, post};
 use crate::{free_addr, scratch_dir, warmpath_bin};
 use http_body_util::BodyExt;
 use serde_json::Value;
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -65,18 +67,21 @@ impl Drop for Stopped {
     }
 }
 
-/// Starts `warmpath demo --keep-running` on a small run and returns it with the base URLs
-/// of the cluster it leaves running (routers first, then engines).
-fn demo_cluster() -> (Stopped, Vec<String>, Vec<String>) {
+/// A running `warmpath demo --keep-running` cluster: the demo process (stopping it stops
+/// the cluster), its routers' base URLs and every process's metrics URL.
+struct Demo {
+    _demo: Stopped,
+    routers: Vec<String>,
+    metrics: Vec<String>,
+}
+
+/// Starts `warmpath demo --keep-running` on a small prefix-aware run with `extra` flags
+/// and reads the cluster it leaves running from what it prints.
+fn demo_cluster(extra: &[&str]) -> Demo {
     let mut child = Command::new(warmpath_bin())
-        .args([
-            "demo",
-            "--requests",
-            "24",
-            "--policy",
-            "prefix-aware",
-            "--keep-running",
-        ])
+        .args(["demo", "--requests", "24", "--policy", "prefix-aware"])
+        .args(extra)
+        .arg("--keep-running")
         .env("WARMPATH_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
@@ -92,27 +97,36 @@ fn demo_cluster() -> (Stopped, Vec<String>, Vec<String>) {
             }
         }
     });
-    let (mut routers, mut engines) = (Vec::new(), Vec::new());
+    let (mut routers, mut metrics) = (Vec::new(), Vec::new());
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = rx
             .recv_timeout(left)
             .expect("the demo prints its running cluster in time");
-        let url = |l: &str| l.split_whitespace().nth(1).unwrap_or_default().to_string();
-        if line.trim_start().starts_with("router:") {
-            routers.push(url(line.trim_start()));
-        } else if line.trim_start().starts_with("engine:") {
-            engines.push(url(line.trim_start()));
-        } else if line.trim_start().starts_with("try:") {
+        let line = line.trim_start();
+        if line.starts_with("try:") {
             break;
         }
+        // "router:  URL  (metrics: URL/metrics)", the same for engines and agents.
+        if let Some(m) = line.split("metrics: ").nth(1) {
+            metrics.push(m.trim_end_matches(')').trim().to_string());
+        }
+        if line.starts_with("router:") {
+            routers.push(
+                line.split_whitespace()
+                    .nth(1)
+                    .unwrap_or_default()
+                    .to_string(),
+            );
+        }
     }
-    assert!(
-        !routers.is_empty() && !engines.is_empty(),
-        "{routers:?} {engines:?}"
-    );
-    (demo, routers, engines)
+    assert!(!routers.is_empty(), "no router in the demo's output");
+    Demo {
+        _demo: demo,
+        routers,
+        metrics,
+    }
 }
 
 /// One Prometheus instant query's result vector.
@@ -146,14 +160,18 @@ fn value(sample: &Value) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_prometheus_scrapes_the_demo_cluster_and_records() {
-    let (_demo, routers, engines) = tokio::task::spawn_blocking(demo_cluster)
+    let demo = tokio::task::spawn_blocking(|| demo_cluster(&[]))
         .await
         .expect("demo");
+    let routers = &demo.routers;
     let dir = scratch_dir("deploy-prometheus");
-    let targets: Vec<String> = routers
+    let targets: Vec<String> = demo
+        .metrics
         .iter()
-        .chain(&engines)
-        .map(|u| format!("'{}'", u.trim_start_matches("http://")))
+        .map(|u| {
+            let host = u.trim_start_matches("http://").trim_end_matches("/metrics");
+            format!("'{host}'")
+        })
         .collect();
     let rules = deploy_dir().join("prometheus/rules.yml");
     let config = format!(
@@ -228,4 +246,123 @@ async fn a_real_prometheus_scrapes_the_demo_cluster_and_records() {
         "the engines report cached prompt tokens and the hit ratio records them: {hit_ratio:?}"
     );
     println!("up: {up:?}\nrequests: {recorded:?}\nhit ratio: {hit_ratio:?}");
+}
+
+/// Every metric name in `text` (PromQL or YAML): `warmpath_…` and `vllm:…`.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let rest = &text[i..];
+        let starts = rest.starts_with("warmpath_") || rest.starts_with("vllm:");
+        let boundary = i == 0
+            || !(bytes[i - 1].is_ascii_alphanumeric()
+                || bytes[i - 1] == b'_'
+                || bytes[i - 1] == b':');
+        if starts && boundary {
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+                .unwrap_or(rest.len());
+            names.insert(rest[..end].to_string());
+            i += end;
+        } else {
+            i += 1;
+        }
+    }
+    names
+}
+
+/// The names of the series in a Prometheus text exposition.
+fn exported(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_string)
+        .collect()
+}
+
+async fn get_text(url: &str) -> String {
+    let resp = client()
+        .get(url.parse().expect("a metrics URL"))
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    let body = resp.into_body().collect().await.expect("a body").to_bytes();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// The dashboard's queries and the rules name only metrics that the processes export:
+/// checked against the live `/metrics` of a demo cluster with two gossiping routers,
+/// cache-agents with both tiers and residency, and a Raft router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_and_rules_name_only_metrics_the_processes_export() {
+    let dashboard =
+        std::fs::read_to_string(deploy_dir().join("grafana/warmpath.json")).expect("the dashboard");
+    let json: Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    let mut wanted = BTreeSet::new();
+    let mut panels = 0;
+    for p in json["panels"].as_array().expect("panels") {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            wanted.extend(metric_names(t["expr"].as_str().expect("an expr")));
+            panels += 1;
+        }
+    }
+    let rules =
+        std::fs::read_to_string(deploy_dir().join("prometheus/rules.yml")).expect("the rules");
+    wanted.extend(metric_names(&rules));
+    assert!(
+        panels >= 20 && wanted.len() >= 30,
+        "{panels} queries, {wanted:?}"
+    );
+
+    let demo = tokio::task::spawn_blocking(|| {
+        demo_cluster(&[
+            "--routers",
+            "2",
+            "--l1-kv-tokens",
+            "4096",
+            "--l2",
+            "dir",
+            "--residency",
+        ])
+    })
+    .await
+    .expect("demo");
+    let raft = crate::raft::Setup::new("deploy-raft-metrics", 1);
+    let voters = raft.start_voters();
+    crate::raft::wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
+    // A rate-limited tenant, whose refusals are counted.
+    crate::raft::create_limited_tenant(&voters[0], "limited", "sk-deploy-limited").await;
+    // Traffic through both routers (decisions to gossip, KV events to follow), and one
+    // request for a model nobody serves (an error the router answers itself).
+    let http = client();
+    for n in 0..40 {
+        let prefix = "A shared system prompt for every ticket of this test run. ".repeat(10);
+        let body = completion(&format!("{prefix}Ticket {}", n % 5), 4, n % 2 == 0);
+        let router = &demo.routers[n % demo.routers.len()];
+        let r = post(&http, router, "/v1/completions", body, &[]).await;
+        assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+    }
+    let unknown = r#"{"model":"no-such-model","prompt":"hi","max_tokens":1}"#;
+    let r = post(&http, &demo.routers[0], "/v1/completions", unknown, &[]).await;
+    assert_eq!(r.status, 404);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let mut sources = demo.metrics.clone();
+    sources.push(format!("{}/metrics", voters[0].proc.url));
+    let mut have = BTreeSet::new();
+    for url in &sources {
+        have.extend(exported(&get_text(url).await));
+    }
+    let missing: Vec<&String> = wanted.iter().filter(|n| !have.contains(*n)).collect();
+    assert!(
+        missing.is_empty(),
+        "named in deploy/ but exported by none of {} processes: {missing:?}",
+        sources.len()
+    );
+    println!(
+        "{panels} dashboard queries and the rules name {} metrics; all exported by {} live processes",
+        wanted.len(),
+        sources.len()
+    );
 }

@@ -143,8 +143,8 @@ fn explain_body(tenant: &str) -> Value {
 
 /// A router with Raft on.
 #[derive(Debug)]
-struct Router {
-    proc: Proc,
+pub(crate) struct Router {
+    pub(crate) proc: Proc,
     /// Its admin API (and Raft) base URL.
     admin: String,
     id: u64,
@@ -152,7 +152,7 @@ struct Router {
 
 /// The scratch directory, token file, voter addresses and engine of one test's cluster;
 /// the directory is removed on drop (after the routers, declared later, are dropped).
-struct Setup {
+pub(crate) struct Setup {
     dir: PathBuf,
     token_file: String,
     peer_token_file: String,
@@ -167,7 +167,7 @@ impl Drop for Setup {
 }
 
 impl Setup {
-    fn new(test: &str, voters: u64) -> Setup {
+    pub(crate) fn new(test: &str, voters: u64) -> Setup {
         let dir = scratch_dir(test);
         let token_file = dir.join("admin.token");
         std::fs::write(&token_file, format!("{TOKEN}\n")).expect("token file");
@@ -255,7 +255,7 @@ impl Setup {
         }
     }
 
-    fn start_voters(&self) -> Vec<Router> {
+    pub(crate) fn start_voters(&self) -> Vec<Router> {
         self.voters
             .iter()
             .map(|(id, addr)| self.start(*id, &addr.to_string()))
@@ -270,7 +270,7 @@ impl Setup {
 
 /// Waits until every router has applied the configuration seeded from the config file (the
 /// `default` tenant and the `sim-llama` pool) and routes with it.
-async fn wait_seeded(routers: &[&Router]) {
+pub(crate) async fn wait_seeded(routers: &[&Router]) {
     for r in routers {
         let base = &r.admin;
         until(
@@ -910,7 +910,7 @@ async fn bad_admin_requests() {
 
 /// Creates tenant `id` with a 2 rps rate limit and API key `key` on `r`, and waits until
 /// the router routes for it.
-async fn create_limited_tenant(r: &Router, id: &str, key: &str) {
+pub(crate) async fn create_limited_tenant(r: &Router, id: &str, key: &str) {
     let reply = admin(
         &r.admin,
         Method::PUT,

@@ -177,6 +177,18 @@ impl Agent {
                 agent.report.changed.clone(),
             ));
         }
+        // Counters of lookups and of rare events are exported from the start, at 0: rates,
+        // alerts and dashboards work before the first event.
+        for tier in ["l1", "l2"] {
+            counter!("warmpath_agent_hits_total", "tier" => tier).increment(0);
+        }
+        counter!("warmpath_agent_misses_total").increment(0);
+        counter!("warmpath_agent_evictions_total", "tier" => "l1").increment(0);
+        if !matches!(agent.config.l2, L2Config::None) {
+            for op in ["contains", "get", "put"] {
+                counter!("warmpath_agent_l2_errors_total", "op" => op).increment(0);
+            }
+        }
         gauge!("warmpath_agent_capacity_bytes", "tier" => "l1").set(agent.config.l1_bytes as f64);
         if let L2Config::Dir { bytes, .. } = &agent.config.l2 {
             gauge!("warmpath_agent_capacity_bytes", "tier" => "l2").set(*bytes as f64);

@@ -106,6 +106,8 @@ fn kv_bytes(tokens: u64, scale: f64) -> u64 {
 struct Proc {
     child: Child,
     url: String,
+    /// Where its metrics are served, when not at `url` (a cache-agent's metrics port).
+    metrics: Option<String>,
 }
 
 async fn spawn(args: &[String]) -> Result<Proc> {
@@ -141,7 +143,14 @@ async fn spawn_with_lines(args: &[String], lines_wanted: usize) -> Result<(Proc,
         .to_string();
     // Keep draining stdout so the child never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((Proc { child, url }, first))
+    Ok((
+        Proc {
+            child,
+            url,
+            metrics: None,
+        },
+        first,
+    ))
 }
 
 struct Cluster {
@@ -254,6 +263,8 @@ async fn start_host(
             "agent".into(),
             "--listen".into(),
             "127.0.0.1:0".into(),
+            "--metrics-listen".into(),
+            "127.0.0.1:0".into(),
             "--l1-bytes".into(),
             kv_bytes(l1_tokens, args.agent_block_scale).to_string(),
         ];
@@ -286,8 +297,14 @@ async fn start_host(
                 agent_args.extend(["--l2-bytes".into(), share.max(1).to_string()]);
             }
         }
-        let (agent, lines) =
-            spawn_with_lines(&agent_args, if args.residency { 2 } else { 1 }).await?;
+        // Its lines: the block API's address, the residency address (with residency),
+        // then the metrics port's.
+        let (mut agent, lines) =
+            spawn_with_lines(&agent_args, if args.residency { 3 } else { 2 }).await?;
+        agent.metrics = lines
+            .last()
+            .and_then(|l| l.rsplit(" on ").next())
+            .map(|m| m.trim().to_string());
         if args.residency {
             let quic = lines[1]
                 .rsplit(" on ")
@@ -595,7 +612,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 println!("  engine:  {}  (metrics: {}/metrics)", e.url, e.url);
             }
             for a in &cluster.agents {
-                println!("  agent:   {}  (block API)", a.url);
+                println!(
+                    "  agent:   {}  (block API; metrics: {})",
+                    a.url,
+                    a.metrics.as_deref().unwrap_or("none")
+                );
             }
             println!(
                 "  try: curl -s {}/v1/completions -H 'x-warmpath-explain: 1' -d '{{\"model\":\"sim-llama\",\"prompt\":\"hello\",\"max_tokens\":8}}'",

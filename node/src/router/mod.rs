@@ -293,7 +293,20 @@ pub fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
                 )
                 .unwrap_or_else(|_| metrics_exporter_prometheus::PrometheusBuilder::new());
             match builder.install_recorder() {
-                Ok(h) => h,
+                Ok(h) => {
+                    // Counters of rare events are exported from the start, at 0: their
+                    // rates and alerts then work before the first event, and dashboards
+                    // and rules can be checked against a fresh process.
+                    for name in [
+                        "warmpath_router_upstream_failures_total",
+                        "warmpath_router_stream_breaks_total",
+                        "warmpath_router_predictions_contradicted_total",
+                        "warmpath_router_tenant_strategy_fallbacks_total",
+                    ] {
+                        metrics::counter!(name).increment(0);
+                    }
+                    h
+                }
                 Err(_) => metrics_exporter_prometheus::PrometheusBuilder::new()
                     .build_recorder()
                     .handle(),

@@ -232,8 +232,13 @@ impl TenantTable {
                 .filter(|e| e.tenant.rate_limit_rps == t.rate_limit_rps)
                 .and_then(|e| e.limiter.clone());
             let limiter = kept.or_else(|| {
-                t.rate_limit_rps
-                    .map(|rps| Arc::new(Mutex::new(super::ratelimit::TokenBucket::new(rps))))
+                t.rate_limit_rps.map(|rps| {
+                    // Exported from the start (at 0), so that its rate and alerts work
+                    // before the first refusal.
+                    metrics::counter!("warmpath_router_rate_limited_total", "tenant" => t.id.clone())
+                        .increment(0);
+                    Arc::new(Mutex::new(super::ratelimit::TokenBucket::new(rps)))
+                })
             });
             by_id.insert(
                 t.id.clone(),
