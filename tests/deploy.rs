@@ -1,8 +1,8 @@
 //! `deploy/`: the Prometheus rules pass `promtool` (syntax and their unit tests); a real
 //! Prometheus (the distribution's package, installed by `.ci/run`) scrapes every process
 //! of a running `warmpath demo --keep-running` cluster and evaluates the rules on what they
-//! export; and every metric the Grafana dashboard and the rules name is exported by a live
-//! process.
+//! export; every metric the Grafana dashboard and the rules name is exported by a live
+//! process; and the systemd units verify, are hardened and pass real flags.
 
 use crate::router::{client, completion, post};
 use crate::{free_addr, scratch_dir, warmpath_bin};
@@ -365,4 +365,65 @@ async fn the_dashboard_and_rules_name_only_metrics_the_processes_export() {
         wanted.len(),
         sources.len()
     );
+}
+
+/// The systemd units pass `systemd-analyze verify`, are hardened (an offline exposure of
+/// at most 2.0 of 10 in `systemd-analyze security`), and pass only flags the binary has.
+#[test]
+fn systemd_units_verify_are_hardened_and_pass_real_flags() {
+    let dir = scratch_dir("deploy-systemd");
+    for (unit, command) in [
+        ("warmpath-router.service", "router"),
+        ("warmpath-agent.service", "agent"),
+    ] {
+        let text =
+            std::fs::read_to_string(deploy_dir().join("systemd").join(unit)).expect("the unit");
+        // The binary where the unit expects it: this build's.
+        let here = text.replace("/usr/local/bin/warmpath", warmpath_bin().to_str().unwrap());
+        let path = dir.join(unit);
+        std::fs::write(&path, here).expect("write the unit");
+        let path = path.to_str().unwrap();
+        let out = run("systemd-analyze", &["verify", "--man=no", path]);
+        assert!(
+            out.status.success(),
+            "{unit}: systemd-analyze verify: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = run(
+            "systemd-analyze",
+            &["security", "--offline=true", "--threshold=20", path],
+        );
+        assert!(
+            out.status.success(),
+            "{unit}: exposure above 2.0: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        // Every flag of the ExecStart line (with its continuations) is one the command
+        // takes.
+        let exec: String = text
+            .split("ExecStart=")
+            .nth(1)
+            .expect("an ExecStart")
+            .split_inclusive('\n')
+            .scan(true, |more, line| {
+                let keep = *more;
+                *more = line.trim_end().ends_with('\\');
+                keep.then_some(line)
+            })
+            .collect();
+        let help = crate::warmpath(&[command, "--help"]);
+        let help = String::from_utf8_lossy(&help.stdout);
+        let flags: Vec<&str> = exec
+            .split_whitespace()
+            .filter(|w| w.starts_with("--"))
+            .collect();
+        assert!(flags.len() >= 3, "{unit}: {exec}");
+        for flag in flags {
+            assert!(
+                help.split_whitespace()
+                    .any(|w| w.trim_end_matches(',') == flag),
+                "{unit} passes {flag}, which `warmpath {command}` does not take"
+            );
+        }
+    }
 }
