@@ -817,22 +817,27 @@ impl WarmTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        let (public, local_addr): (Arc<dyn Datagrams>, SocketAddr) = match prebound {
-            Some(Prebound::Simulated(d)) => (d, listen_addr),
-            Some(Prebound::Udp(s)) => {
-                let public = tokio::net::UdpSocket::from_std(s)?;
-                let local_addr = public.local_addr()?;
-                (Arc::new(public), local_addr)
-            }
+        let std_socket = match prebound {
+            Some(Prebound::Simulated(d)) => return self.wrap(d, listen_addr).await,
+            Some(Prebound::Udp(s)) => s,
             None => {
                 let s = std::net::UdpSocket::bind(listen_addr)
                     .with_context(|| format!("failed to bind {listen_addr}/udp for gossip"))?;
                 s.set_nonblocking(true)?;
-                let public = tokio::net::UdpSocket::from_std(s)?;
-                let local_addr = public.local_addr()?;
-                (Arc::new(public), local_addr)
+                s
             }
         };
+        let public = tokio::net::UdpSocket::from_std(std_socket)?;
+        let local_addr = public.local_addr()?;
+        self.wrap(Arc::new(public), local_addr).await
+    }
+
+    /// The socket chitchat gets: `public` behind the loopback relay.
+    async fn wrap(
+        &self,
+        public: Arc<dyn Datagrams>,
+        local_addr: SocketAddr,
+    ) -> anyhow::Result<Box<dyn Socket>> {
         let inner = chitchat::transport::UdpSocket::open(([127, 0, 0, 1], 0).into()).await?;
         let inner_addr = inner.local_addr()?;
         Ok(Box::new(WarmSocket {

@@ -151,18 +151,10 @@ pub(crate) struct Elections {
 }
 
 impl Elections {
-    /// A seed for [`Elections::rng`] that differs between nodes and runs.
-    pub(crate) fn seed(node_id: NodeId) -> u64 {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        nanos ^ node_id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-    }
-
     /// Watches for a silent leader and stands after a won pre-vote, until Raft stops.
     pub(crate) async fn run(mut self) {
         let (lo, hi) = self.timeout;
-        let mut stand_after = hi + self.rng.gen_range(Duration::ZERO..=hi - lo);
+        let mut stand_after = self.standing_time();
         let mut not_before = Instant::now();
         loop {
             tokio::time::sleep(self.tick).await;
@@ -185,9 +177,16 @@ impl Elections {
                     return;
                 }
             }
-            stand_after = hi + self.rng.gen_range(Duration::ZERO..=hi - lo);
+            stand_after = self.standing_time();
             not_before = Instant::now() + self.rng.gen_range(lo..=hi);
         }
+    }
+
+    /// How long without a leader before this node stands: the lease (the top of the
+    /// election range) and a random part of the range.
+    fn standing_time(&mut self) -> Duration {
+        let (lo, hi) = self.timeout;
+        hi + self.rng.gen_range(Duration::ZERO..=hi - lo)
     }
 
     fn ballot(&self) -> Standing {

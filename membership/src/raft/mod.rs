@@ -85,8 +85,8 @@ fn quorum_lost(millis_since_quorum_ack: Option<u64>) -> bool {
     millis_since_quorum_ack.is_some_and(|ms| ms > STALE_QUORUM_MS)
 }
 
-/// Declares the Raft gauges once (see [`publish_metrics`]).
-pub fn describe_metrics() {
+/// Declares the Raft gauges (see [`publish_metrics`]).
+fn describe_metrics() {
     use metrics::describe_gauge;
     describe_gauge!("warmpath_raft_term", "This node's current Raft term.");
     describe_gauge!(
@@ -171,7 +171,7 @@ pub struct NodeConfig {
     /// How peer calls travel; `None` is HTTP over TCP. The deterministic simulation
     /// passes its simulated network here.
     pub transport: Option<Arc<dyn PeerTransport>>,
-    /// Seed of the election timer's randomness; `None` draws one from the clock.
+    /// Seed of the election timer's randomness; `None` draws one from the OS.
     pub election_seed: Option<u64>,
 }
 
@@ -506,9 +506,7 @@ impl RaftNode {
                 tick: config.heartbeat_interval / 2,
                 timeout: config.election_timeout,
                 rng: rand::SeedableRng::seed_from_u64(
-                    config
-                        .election_seed
-                        .unwrap_or_else(|| elect::Elections::seed(config.node_id)),
+                    config.election_seed.unwrap_or_else(rand::random),
                 ),
             }
             .run(),
