@@ -71,6 +71,34 @@ pub struct TenantEntry {
     limiter: Option<Arc<Mutex<super::ratelimit::TokenBucket>>>,
     /// The configuration version of the table holding this entry (responses carry it).
     config_version: u64,
+    /// Its counters, resolved once per table: no label lookup or copy of the id per
+    /// request.
+    counters: TenantCounters,
+}
+
+/// A tenant's labelled counters.
+#[derive(Clone)]
+struct TenantCounters {
+    /// Prompt tokens of its answered requests as the engines counted them (by strategy).
+    prompt_tokens: metrics::Counter,
+    /// Of those, tokens the engines found cached.
+    cached_tokens: metrics::Counter,
+    /// Requests its rate limit refused; only a limited tenant has one. Registered with
+    /// the table, so it is exported (at 0) before the first refusal.
+    rate_limited: Option<metrics::Counter>,
+}
+
+impl TenantCounters {
+    fn new(t: &Tenant) -> TenantCounters {
+        let strategy = t.strategy.name();
+        TenantCounters {
+            prompt_tokens: metrics::counter!("warmpath_router_prompt_tokens_total", "tenant" => t.id.clone(), "strategy" => strategy),
+            cached_tokens: metrics::counter!("warmpath_router_cached_tokens_total", "tenant" => t.id.clone(), "strategy" => strategy),
+            rate_limited: t.rate_limit_rps.map(|_| {
+                metrics::counter!("warmpath_router_rate_limited_total", "tenant" => t.id.clone())
+            }),
+        }
+    }
 }
 
 impl std::fmt::Debug for TenantEntry {
@@ -232,13 +260,8 @@ impl TenantTable {
                 .filter(|e| e.tenant.rate_limit_rps == t.rate_limit_rps)
                 .and_then(|e| e.limiter.clone());
             let limiter = kept.or_else(|| {
-                t.rate_limit_rps.map(|rps| {
-                    // Exported from the start (at 0), so that its rate and alerts work
-                    // before the first refusal.
-                    metrics::counter!("warmpath_router_rate_limited_total", "tenant" => t.id.clone())
-                        .increment(0);
-                    Arc::new(Mutex::new(super::ratelimit::TokenBucket::new(rps)))
-                })
+                t.rate_limit_rps
+                    .map(|rps| Arc::new(Mutex::new(super::ratelimit::TokenBucket::new(rps))))
             });
             by_id.insert(
                 t.id.clone(),
@@ -247,6 +270,7 @@ impl TenantTable {
                     tenant: t.clone(),
                     limiter,
                     config_version: version,
+                    counters: TenantCounters::new(t),
                 }),
             );
         }
@@ -697,7 +721,9 @@ async fn handle(
         let mut bucket = limiter.lock().unwrap_or_else(|e| e.into_inner());
         bucket.set_share(1.0 / (peers + 1) as f64);
         if let Err(wait) = bucket.admit(Instant::now()) {
-            metrics::counter!("warmpath_router_rate_limited_total", "tenant" => tenant.tenant.id.clone()).increment(1);
+            if let Some(refused) = &tenant.counters.rate_limited {
+                refused.increment(1);
+            }
             return Err(ProxyError::RateLimited {
                 tenant: tenant.tenant.id.clone(),
                 rps,
@@ -762,7 +788,7 @@ async fn handle(
             &app,
             endpoint,
             &chosen,
-            &tenant.tenant,
+            &tenant.counters,
             upstream_body.clone(),
             parsed.stream,
             deadline,
@@ -852,7 +878,7 @@ async fn attempt_once(
     app: &Arc<App>,
     endpoint: Endpoint,
     chosen: &Chosen,
-    tenant: &Tenant,
+    counters: &TenantCounters,
     body: Bytes,
     stream: bool,
     deadline: Instant,
@@ -872,8 +898,7 @@ async fn attempt_once(
         done: false,
         decided_at: chosen.decision.decided_at,
         chosen: Some(chosen.clone()),
-        tenant: tenant.id.clone(),
-        strategy: tenant.strategy.name(),
+        counters: counters.clone(),
     };
     let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
     let went_down =
@@ -953,9 +978,8 @@ struct LoadGuard {
     /// The decision, until the engine's `usage` has been checked against it.
     chosen: Option<Chosen>,
     decided_at: u64,
-    /// The tenant and its strategy, labels of the prompt and cached token counters.
-    tenant: String,
-    strategy: &'static str,
+    /// The tenant's counters, for the engine's account of prompt and cached tokens.
+    counters: TenantCounters,
 }
 
 impl LoadGuard {
@@ -976,12 +1000,9 @@ impl LoadGuard {
             cached_tokens: usage.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
         };
         // The engines' own account of what routing saved: hit rate per tenant and policy.
-        // (Once per request: `chosen` is gone after this, so the tenant id can go too.)
-        let tenant = std::mem::take(&mut self.tenant);
-        metrics::counter!("warmpath_router_prompt_tokens_total", "tenant" => tenant.clone(), "strategy" => self.strategy)
-            .increment(u64::from(report.prompt_tokens));
-        metrics::counter!("warmpath_router_cached_tokens_total", "tenant" => tenant, "strategy" => self.strategy)
-            .increment(u64::from(report.cached_tokens));
+        let c = &self.counters;
+        c.prompt_tokens.increment(u64::from(report.prompt_tokens));
+        c.cached_tokens.increment(u64::from(report.cached_tokens));
         if self.app.core().report_cached(&chosen, report) {
             metrics::counter!("warmpath_router_predictions_contradicted_total").increment(1);
         }
