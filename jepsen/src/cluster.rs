@@ -37,6 +37,8 @@ pub struct Member {
     pub id: u64,
     /// Its Raft data directory (routers).
     pub raft_dir: Option<PathBuf>,
+    /// Its metrics base URL (routers, with the cache tier).
+    pub metrics: Option<String>,
     pub paused: bool,
 }
 
@@ -225,9 +227,11 @@ impl Cluster {
             for (j, a) in admin.iter().enumerate() {
                 args.extend(["--voter".into(), format!("{}=http://{a}", j + 1)]);
             }
+            let mut metrics = None;
             if cache_tier {
-                let metrics = format!("{}:9100", c.net.ip(h));
-                args.extend(["--metrics-listen".into(), metrics]);
+                let listen = format!("{}:9100", c.net.ip(h));
+                metrics = Some(format!("http://{listen}"));
+                args.extend(["--metrics-listen".into(), listen]);
                 for e in 0..engines {
                     args.extend(["--residency-agent".into(), format!("{}:7700", c.net.ip(e))]);
                 }
@@ -242,6 +246,7 @@ impl Cluster {
             m.id = id;
             m.admin = format!("http://{}", admin[i]);
             m.raft_dir = Some(raft_dir);
+            m.metrics = metrics;
             c.routers.push(m);
         }
         if c.redis.is_some() {
@@ -343,6 +348,7 @@ impl Member {
             admin: String::new(),
             id: 0,
             raft_dir: None,
+            metrics: None,
             paused: false,
         }
     }

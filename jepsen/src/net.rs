@@ -73,7 +73,7 @@ impl Net {
     /// The address host `i` listens on.
     pub fn ip(&self, i: usize) -> String {
         match self {
-            Net::Namespaces(ns) => format!("10.77.{}.{}", ns.subnet, i + 1),
+            Net::Namespaces(ns) => ns.ip(i),
             Net::Loopback => "127.0.0.1".into(),
         }
     }
@@ -156,14 +156,20 @@ impl Net {
 }
 
 impl Namespaces {
-    fn setup(hosts: usize) -> Result<Namespaces> {
-        // One run per process; a crashed run's leftovers with the same prefix go first.
+    /// This process's namespaces (one run per process): their names and subnet follow
+    /// from its pid.
+    fn of_this_process(hosts: usize) -> Namespaces {
         let subnet = (std::process::id() % 250 + 1) as u8;
-        let ns = Namespaces {
+        Namespaces {
             prefix: format!("wpj{subnet}"),
             subnet,
             hosts,
-        };
+        }
+    }
+
+    fn setup(hosts: usize) -> Result<Namespaces> {
+        // A crashed run's leftovers with the same prefix go first.
+        let ns = Namespaces::of_this_process(hosts);
         ns.teardown();
         let hub = ns.hub();
         sh("ip", &["netns", "add", &hub])?;
@@ -184,7 +190,7 @@ impl Namespaces {
                     "ip",
                     &["-n", &hub, "link", "set", &a, "master", "br0", "up"],
                 )?;
-                let addr = format!("10.77.{subnet}.{}/24", i + 1);
+                let addr = format!("{}/24", ns.ip(i));
                 sh("ip", &["-n", &host, "addr", "add", &addr, "dev", &b])?;
                 sh("ip", &["-n", &host, "link", "set", &b, "up"])?;
                 sh("ip", &["-n", &host, "link", "set", "lo", "up"])?;
@@ -202,7 +208,13 @@ impl Namespaces {
             )?;
             sh(
                 "ip",
-                &["addr", "add", &format!("10.77.{subnet}.254/24"), "dev", &c],
+                &[
+                    "addr",
+                    "add",
+                    &format!("10.77.{}.254/24", ns.subnet),
+                    "dev",
+                    &c,
+                ],
             )?;
             sh("ip", &["link", "set", &c, "up"])?;
             ns.nft(&["add table bridge jepsen"])?;
@@ -267,13 +279,9 @@ impl Namespaces {
 /// What a harness stopped by a signal leaves behind: kills the processes in this run's
 /// namespaces and removes the namespaces (a normal exit does both through `Drop`).
 pub fn cleanup_after_signal() {
-    let subnet = (std::process::id() % 250 + 1) as u8;
-    let ns = Namespaces {
-        prefix: format!("wpj{subnet}"),
-        subnet,
-        hosts: 8,
-    };
-    for name in (0..8).map(|i| ns.host(i)).chain([ns.hub()]) {
+    // More hosts than any run sets up: removing one that is not there does nothing.
+    let ns = Namespaces::of_this_process(8);
+    for name in (0..ns.hosts).map(|i| ns.host(i)).chain([ns.hub()]) {
         if let Ok(out) = Command::new("ip").args(["netns", "pids", &name]).output() {
             for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
                 let _ = Command::new("kill").args(["-KILL", pid]).status();

@@ -331,16 +331,11 @@ pub fn run(s: &Scenario, o: &Options) -> Result<Outcome> {
     let targets = Targets {
         admin: cluster.routers.iter().map(|r| r.admin.clone()).collect(),
         data: cluster.routers.iter().map(|r| r.url.clone()).collect(),
-        metrics: if s.cache_tier {
-            let ip = |r: &crate::cluster::Member| cluster.net.ip(r.host);
-            cluster
-                .routers
-                .iter()
-                .map(|r| format!("http://{}:9100", ip(r)))
-                .collect()
-        } else {
-            Vec::new()
-        },
+        metrics: cluster
+            .routers
+            .iter()
+            .filter_map(|r| r.metrics.clone())
+            .collect(),
     };
     rt.block_on(client::setup(&targets, s.expect.initial, LIMIT_RPS))?;
     let rec = Recorder::new();

@@ -152,12 +152,19 @@ fn linearizable(h: &History, e: &Expect) -> Check {
     }
 }
 
-/// The final linearizable reads, per router: the tenant ids seen.
-fn final_reads(h: &History) -> Vec<&Op> {
+/// The final reads of one kind (`linearizable`, `residency`, `gossip`), per router.
+fn finals<'h>(h: &'h History, kind: &str) -> Vec<&'h Op> {
     h.ops
         .iter()
-        .filter(|o| o.f == F::FinalRead && o.outcome == Outcome::Ok && o.detail == "linearizable")
+        .filter(|o| o.f == F::FinalRead && o.detail == kind)
         .collect()
+}
+
+/// The final linearizable reads that answered, per router: the tenant ids seen.
+fn final_reads(h: &History) -> Vec<&Op> {
+    let mut reads = finals(h, "linearizable");
+    reads.retain(|o| o.outcome == Outcome::Ok);
+    reads
 }
 
 /// Every tenant whose creation was acknowledged is in every router's final read.
@@ -335,11 +342,7 @@ fn unknown_creates_settle(h: &History, e: &Expect) -> Check {
 /// was exercised, and killing an agent or Redis did not stop it).
 fn residency_followed(h: &History) -> Check {
     let name = "routers follow the cache-agents";
-    let views: Vec<&Op> = h
-        .ops
-        .iter()
-        .filter(|o| o.f == F::FinalRead && o.detail == "residency")
-        .collect();
+    let views = finals(h, "residency");
     if views.is_empty() {
         return Check::skipped(name, "no cache tier in this scenario");
     }
@@ -365,11 +368,7 @@ fn residency_followed(h: &History) -> Check {
 /// After the heal every router's gossip lists every other router as a live peer.
 fn gossip_reconverged(h: &History) -> Check {
     let name = "gossip reconverges";
-    let views: Vec<&Op> = h
-        .ops
-        .iter()
-        .filter(|o| o.f == F::FinalRead && o.detail == "gossip")
-        .collect();
+    let views = finals(h, "gossip");
     let routers = views.len() as u64;
     let bad = views
         .iter()
