@@ -41,7 +41,8 @@ use warmpath_membership::gossip::{
     Cursor, Datagrams, Gossip, GossipConfig, RecvDatagram, SendDatagram, DEFAULT_GOSSIP_INTERVAL,
 };
 use warmpath_membership::raft::network::{
-    PeerTransport, SendError, SendFuture, MAX_BODY_BYTES, PATH_WRITE, WRITE_DEADLINE_HEADER,
+    LeaderReply, PeerTransport, SendError, SendFuture, MAX_BODY_BYTES, PATH_WRITE,
+    WRITE_DEADLINE_HEADER,
 };
 use warmpath_membership::raft::state::{Command, CommandResult, CommandV1, PoolSpec, TenantSpec};
 use warmpath_membership::raft::{enter_simulation, unix_ms, NodeConfig, RaftNode, WriteError};
@@ -56,8 +57,8 @@ const INITIAL: u64 = 1;
 /// How long an unanswered write may still take effect (the harness's bound).
 const WRITE_BOUND_MS: f64 = 10_000.0;
 
-/// One link's behaviour, drawn per message.
-#[derive(Debug, Clone, Copy)]
+/// One link's behaviour, drawn per message; the default is a healthy link.
+#[derive(Debug, Clone, Copy, Default)]
 struct LinkFaults {
     /// Chance that a request or an answer is lost.
     loss: f64,
@@ -129,10 +130,7 @@ impl Net {
             inboxes: BTreeMap::new(),
             cut: BTreeSet::new(),
             held: BTreeSet::new(),
-            faults: LinkFaults {
-                loss: 0.0,
-                slow: 0.0,
-            },
+            faults: LinkFaults::default(),
             delivered: 0,
             lost: 0,
             late_writes: 0,
@@ -185,7 +183,11 @@ impl Net {
         }
         let mut s = self.state();
         s.late_writes += 1;
-        if !answer.starts_with(br#"{"Late""#) {
+        let refused = matches!(
+            serde_json::from_slice::<LeaderReply<CommandResult>>(answer),
+            Ok(LeaderReply::Late { .. })
+        );
+        if !refused {
             s.late_submitted.push(format!(
                 "a write forwarded with deadline {deadline_ms} arrived at {arrived_ms} and was answered {}",
                 String::from_utf8_lossy(&answer[..answer.len().min(200)])
@@ -527,10 +529,7 @@ async fn nemesis(net: Arc<Net>, rec: Recorder, seed: u64, stop: Instant) {
         let others: Vec<usize> = (0..NODES).filter(|&j| j != node).collect();
         let mut cut = BTreeSet::new();
         let mut held = BTreeSet::new();
-        let mut faults = LinkFaults {
-            loss: 0.0,
-            slow: 0.0,
-        };
+        let mut faults = LinkFaults::default();
         let mut lasts = Duration::from_millis(rng.gen_range(1_000..5_000));
         let what = match rng.gen_range(0..8) {
             0 => "heal".to_string(),
@@ -601,10 +600,7 @@ async fn nemesis(net: Arc<Net>, rec: Recorder, seed: u64, stop: Instant) {
     let mut s = net.state();
     s.cut.clear();
     s.held.clear();
-    s.faults = LinkFaults {
-        loss: 0.0,
-        slow: 0.0,
-    };
+    s.faults = LinkFaults::default();
     drop(s);
     rec.fault("stop all: healed", &[], false);
 }
