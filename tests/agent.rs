@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use warmpath_cache_agent::client::{AgentAddr, AgentClient};
 use warmpath_cache_agent::proto::{self, PutRefusal, Request, Response, StoreTier};
 
-use crate::router::{client, completion, long_prompt, post};
+use crate::router::{client, completion, get_text, long_prompt, post};
 use crate::{scratch_dir, Proc, Redis};
 
 const LAYOUT: u64 = 7;
@@ -60,7 +60,7 @@ async fn post_fresh(http: &crate::router::HttpClient, url: &str, seed: u64) {
 /// The (instance, block) pairs the router at `url` holds as observed (from agents).
 async fn observed_holders(url: &str) -> f64 {
     crate::router::metric(
-        &http_get(&format!("{url}/metrics")).await,
+        &get_text(&format!("{url}/metrics")).await,
         "warmpath_index_holders{source=\"observed\"}",
     )
 }
@@ -158,7 +158,7 @@ async fn blocks_go_through_l1_and_redis_over_tcp_and_unix() {
     assert!(stats.l2_hits >= 4 && stats.l1_hits >= 1, "{stats:?}");
     assert!(stats.l1.bytes <= 64 << 10, "{stats:?}");
 
-    let text = http_get(&metrics_url).await;
+    let text = get_text(&metrics_url).await;
     for want in [
         "warmpath_agent_hits_total{tier=\"l2\"}",
         "warmpath_agent_occupancy_bytes{tier=\"l1\"}",
@@ -404,16 +404,6 @@ async fn read_response(s: &mut tokio::net::TcpStream) -> (u64, Response) {
     (frame.id, frame.header)
 }
 
-async fn http_get(url: &str) -> String {
-    use http_body_util::BodyExt;
-    let resp = client()
-        .get(url.parse().unwrap())
-        .await
-        .expect("the metrics port answers");
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    String::from_utf8_lossy(&body).into_owned()
-}
-
 /// Tokens of a prompt's KV found in each tier, from engine-sim's usage.
 fn tier_tokens(v: &Value) -> (u64, u64, u64) {
     let t = &v["usage"]["prompt_tokens_details"]["kv_tier_tokens"];
@@ -472,7 +462,7 @@ async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
         ask(3).await;
     };
     assert_eq!(loaded.2, 0, "no L2 configured: {loaded:?}");
-    let metrics = http_get(&format!("{}/metrics", engine.url)).await;
+    let metrics = get_text(&format!("{}/metrics", engine.url)).await;
     assert!(
         metrics.contains(
             "warmpath_engine_prefix_hit_tokens_total{model_name=\"sim-llama\",tier=\"l1\"}"
@@ -948,7 +938,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     // send time: serve new prompts until a delta arrives).
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let text = http_get(&format!("{}/metrics", router.url)).await;
+        let text = get_text(&format!("{}/metrics", router.url)).await;
         if text.contains("warmpath_router_residency_lag_seconds") {
             break;
         }
@@ -1129,7 +1119,7 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     // The agent's own tiers: three blocks put into L1, written through to L2.
     put_chain(&c, 1..4, 4096).await;
     eventually("router B to see the agent's L1 and L2", || async {
-        let m = http_get(&format!("{}/metrics", b.url)).await;
+        let m = get_text(&format!("{}/metrics", b.url)).await;
         observed_holders(&b.url).await == 3.0
             && crate::router::metric(&m, "warmpath_index_l2_blocks") == 3.0
     })

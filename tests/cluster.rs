@@ -1,7 +1,7 @@
 //! Router replicas active-active: real `warmpath router` processes gossiping on loopback,
 //! in front of real engine-sims.
 
-use crate::router::metric;
+use crate::router::{get_text, metric};
 use crate::Proc;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -317,15 +317,6 @@ fn gossiping_router(engine: &Proc, files: u32, extra: &[&str]) -> (Proc, String)
     (proc, gossip)
 }
 
-async fn metrics_text(c: &HttpClient, url: &str) -> String {
-    let resp = c
-        .get(format!("{url}/metrics").parse().expect("uri"))
-        .await
-        .expect("metrics answer");
-    let body = resp.into_body().collect().await.expect("body").to_bytes();
-    String::from_utf8_lossy(&body).to_string()
-}
-
 /// With a cluster secret, an anonymous chitchat Syn gets no reply and is counted as dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_anonymous_gossip_syn_gets_no_reply() {
@@ -348,8 +339,7 @@ async fn an_anonymous_gossip_syn_gets_no_reply() {
     let mut buf = [0u8; 65_536];
     let reply = tokio::time::timeout(Duration::from_millis(800), spy.recv_from(&mut buf)).await;
     assert!(reply.is_err(), "an anonymous Syn was answered");
-    let c = client();
-    let text = metrics_text(&c, &r.url).await;
+    let text = get_text(&format!("{}/metrics", r.url)).await;
     assert!(
         metric(
             &text,
@@ -408,9 +398,11 @@ async fn a_partition_does_not_double_a_tenants_rate() {
     let a = replica_with("a", &[], &[], &["--config", config]);
     let b = replica_with("b", &[], &[&a.gossip], &["--config", config]);
     let c = client();
-    let peers = |url: String| {
-        let c = c.clone();
-        async move { metric(&metrics_text(&c, &url).await, "warmpath_gossip_peers") }
+    let peers = |url: String| async move {
+        metric(
+            &get_text(&format!("{url}/metrics")).await,
+            "warmpath_gossip_peers",
+        )
     };
     let until = |url: String, want: f64, what: &'static str| {
         let peers = &peers;

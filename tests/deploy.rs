@@ -4,7 +4,7 @@
 //! export; every metric the Grafana dashboard and the rules name is exported by a live
 //! process; and the systemd units verify, are hardened and pass real flags.
 
-use crate::router::{client, completion, post};
+use crate::router::{client, completion, get_text, post};
 use crate::{free_addr, scratch_dir, warmpath_bin};
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -280,15 +280,6 @@ fn exported(text: &str) -> BTreeSet<String> {
         .filter_map(|l| l.split(['{', ' ']).next())
         .map(str::to_string)
         .collect()
-}
-
-async fn get_text(url: &str) -> String {
-    let resp = client()
-        .get(url.parse().expect("a metrics URL"))
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e}"));
-    let body = resp.into_body().collect().await.expect("a body").to_bytes();
-    String::from_utf8_lossy(&body).into_owned()
 }
 
 /// The dashboard's queries and the rules name only metrics that the processes export:

@@ -412,19 +412,15 @@ async fn three_voters_and_two_learners_share_the_configuration() {
     // The Raft gauges (deploy/prometheus/rules.yml alerts on them): one leader, which
     // holds its quorum, and every member applied at least the write.
     let gauge = |text: &str, name: &str| -> f64 {
-        text.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-            .and_then(|l| l.split_whitespace().last()?.parse().ok())
-            .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+        assert!(
+            text.lines().any(|l| l.starts_with(name)),
+            "{name} missing from /metrics"
+        );
+        crate::router::metric(text, name)
     };
-    let c = client();
     let mut leaders = 0.0;
     for r in &all {
-        let url = format!("{}/metrics", r.proc.url);
-        let reply = send(&c, Method::GET, &url, None, &[], Duration::from_secs(5))
-            .await
-            .expect("/metrics answers");
-        let text = reply.body.as_str().expect("metrics text").to_string();
+        let text = crate::router::get_text(&format!("{}/metrics", r.proc.url)).await;
         leaders += gauge(&text, "warmpath_raft_is_leader");
         assert_eq!(
             gauge(&text, "warmpath_raft_quorum_lost"),

@@ -508,6 +508,16 @@ async fn wait_for_metrics(c: &HttpClient, url: &str, pred: impl Fn(&str) -> bool
     }
 }
 
+/// The body of a GET of `url` as text (a `/metrics` page).
+pub(crate) async fn get_text(url: &str) -> String {
+    let resp = client()
+        .get(url.parse().expect("a URL"))
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    let body = resp.into_body().collect().await.expect("a body").to_bytes();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
 pub(crate) fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))
