@@ -38,6 +38,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::fmt::Write as _;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -584,7 +585,7 @@ impl EngineLoop {
 // ---------------------------------------------------------------------------------------
 // Metrics
 
-/// A TTFT histogram over [`TTFT_BUCKETS`].
+/// A Prometheus histogram over fixed bounds ([`TTFT_BUCKETS`], [`ITL_BUCKETS`]).
 #[derive(Clone, Debug)]
 struct Histogram {
     /// Upper bounds of the buckets.
@@ -615,7 +616,6 @@ impl Histogram {
 
     /// Its Prometheus text: cumulative `_bucket` lines, `_sum` and `_count`.
     fn render(&self, out: &mut String, name: &str, help: &str, label: &str) {
-        use std::fmt::Write as _;
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} histogram");
         let mut cumulative = 0;
@@ -646,7 +646,6 @@ struct Snapshot {
 
 /// Prometheus text exposition of `s` with vLLM's metric names.
 fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> String {
-    use std::fmt::Write as _;
     let label = format!("model_name=\"{}\"", escape_label(model));
     let mut out = String::with_capacity(4096);
     let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, String)]| {
