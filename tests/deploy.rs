@@ -20,31 +20,28 @@ fn deploy_dir() -> PathBuf {
         .join("deploy")
 }
 
-/// Runs a tool of the Prometheus package; a missing one fails with how to install it.
-fn run(tool: &str, args: &[&str]) -> std::process::Output {
-    Command::new(tool).args(args).output().unwrap_or_else(|e| {
-        panic!("{tool} did not run ({e}): install the distribution's `prometheus` package")
-    })
+/// Runs a tool of a distribution package (`promtool`: prometheus; `systemd-analyze`:
+/// systemd) and asserts that it succeeds, showing what it printed when it does not.
+fn succeeds(tool: &str, args: &[&str]) {
+    let out = Command::new(tool)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{tool} did not run ({e}): install its distribution package"));
+    assert!(
+        out.status.success(),
+        "{tool} {}: {}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
 fn prometheus_rules_are_valid_and_their_unit_tests_pass() {
     let rules = deploy_dir().join("prometheus/rules.yml");
-    let out = run("promtool", &["check", "rules", rules.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "promtool check rules: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeds("promtool", &["check", "rules", rules.to_str().unwrap()]);
     let tests = deploy_dir().join("prometheus/rules_test.yml");
-    let out = run("promtool", &["test", "rules", tests.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "promtool test rules: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeds("promtool", &["test", "rules", tests.to_str().unwrap()]);
 }
 
 /// A child process stopped with SIGTERM (so that it stops its own children) and reaped.
@@ -374,20 +371,11 @@ fn systemd_units_verify_are_hardened_and_pass_real_flags() {
         let path = dir.join(unit);
         std::fs::write(&path, here).expect("write the unit");
         let path = path.to_str().unwrap();
-        let out = run("systemd-analyze", &["verify", "--man=no", path]);
-        assert!(
-            out.status.success(),
-            "{unit}: systemd-analyze verify: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let out = run(
+        succeeds("systemd-analyze", &["verify", "--man=no", path]);
+        // An exposure of at most 2.0 of 10.
+        succeeds(
             "systemd-analyze",
             &["security", "--offline=true", "--threshold=20", path],
-        );
-        assert!(
-            out.status.success(),
-            "{unit}: exposure above 2.0: {}",
-            String::from_utf8_lossy(&out.stdout)
         );
         // Every flag of the ExecStart line (with its continuations) is one the command
         // takes.
