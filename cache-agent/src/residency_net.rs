@@ -184,19 +184,24 @@ pub struct AgentTarget {
 }
 
 impl AgentTarget {
-    /// `HOST:PORT` (`[IPV6]:PORT` for an address); the name checked in the agent's
-    /// certificate is HOST.
-    pub fn parse(address: &str) -> Result<AgentTarget, String> {
-        let (host, port) = address
-            .rsplit_once(':')
-            .ok_or_else(|| format!("agent {address:?}: give HOST:PORT"))?;
+    /// `[NAME@]HOST:PORT` (`[IPV6]:PORT` for an address): the name checked in the agent's
+    /// certificate is NAME, or HOST when none is given. A NAME lets agents that share one
+    /// certificate be reached by address (a DaemonSet's pods at their nodes' IPs).
+    pub fn parse(target: &str) -> Result<AgentTarget, String> {
+        let usage = || format!("agent {target:?}: give [NAME@]HOST:PORT");
+        let (name, address) = match target.split_once('@') {
+            Some((name, address)) if !name.is_empty() => (Some(name), address),
+            Some(_) => return Err(usage()),
+            None => (None, target),
+        };
+        let (host, port) = address.rsplit_once(':').ok_or_else(usage)?;
         let host = host.trim_start_matches('[').trim_end_matches(']');
         if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
-            return Err(format!("agent {address:?}: give HOST:PORT"));
+            return Err(usage());
         }
         Ok(AgentTarget {
             address: address.to_string(),
-            server_name: host.to_string(),
+            server_name: name.unwrap_or(host).to_string(),
         })
     }
 }
@@ -393,4 +398,37 @@ pub fn endpoint(
         e.set_default_client_config(c);
     }
     Ok(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AgentTarget;
+
+    #[test]
+    fn an_agent_target_names_its_certificate_by_host_or_by_a_given_name() {
+        let by_host = AgentTarget::parse("gpu-7.example:7700").unwrap();
+        assert_eq!(by_host.address, "gpu-7.example:7700");
+        assert_eq!(by_host.server_name, "gpu-7.example");
+        let v6 = AgentTarget::parse("[::1]:7700").unwrap();
+        assert_eq!(
+            (v6.address.as_str(), v6.server_name.as_str()),
+            ("[::1]:7700", "::1")
+        );
+        let named = AgentTarget::parse("agent@10.0.3.17:7700").unwrap();
+        assert_eq!(named.address, "10.0.3.17:7700");
+        assert_eq!(named.server_name, "agent");
+        for bad in [
+            "10.0.3.17",
+            "@10.0.3.17:7700",
+            "agent@:7700",
+            "agent@h:0",
+            "h:x",
+        ] {
+            let e = AgentTarget::parse(bad).unwrap_err();
+            assert!(
+                e.contains("[NAME@]HOST:PORT") && e.contains(bad),
+                "{bad}: {e}"
+            );
+        }
+    }
 }

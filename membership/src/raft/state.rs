@@ -202,17 +202,24 @@ pub fn check_plain_key(key: &str) -> Result<(), &'static str> {
     }
 }
 
-/// A cache-agent's residency address: `HOST:PORT` (`[IPV6]:PORT`), no scheme.
+/// A cache-agent's residency address: `[NAME@]HOST:PORT` (`[IPV6]:PORT`), no scheme;
+/// NAME, the name in the agent's certificate, defaults to HOST (how a router dials it:
+/// `warmpath_cache_agent::residency_net::AgentTarget`).
 pub fn check_agent_address(a: &str) -> Result<(), &'static str> {
-    let Some((host, port)) = a.rsplit_once(':') else {
-        return Err("give HOST:PORT");
+    let address = match a.split_once('@') {
+        Some(("", _)) => return Err("the NAME before @ is empty"),
+        Some((_, address)) => address,
+        None => a,
+    };
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return Err("give [NAME@]HOST:PORT");
     };
     let host = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host);
     if host.is_empty() || host.contains("://") || host.contains('/') {
-        Err("give HOST:PORT, no scheme or path")
+        Err("give [NAME@]HOST:PORT, no scheme or path")
     } else if a.len() > MAX_VALUE_BYTES {
         Err("longer than 512 bytes")
     } else if a.chars().any(|c| c.is_whitespace() || c.is_control()) {
@@ -232,9 +239,10 @@ pub struct PoolSpec {
     /// Base URLs, `http://host:port`, no path, no duplicates.
     #[schema(example = json!(["http://10.0.0.1:8000"]))]
     pub instances: Vec<String>,
-    /// The cache-agents of the pool's hosts, `HOST:PORT` of their residency (QUIC)
-    /// listeners, no duplicates: every router follows them (mutual TLS; HOST is the name
-    /// checked in the agent's certificate). Empty: routers use predictions only.
+    /// The cache-agents of the pool's hosts, `[NAME@]HOST:PORT` of their residency (QUIC)
+    /// listeners, no duplicates: every router follows them (mutual TLS; NAME, or HOST when
+    /// none is given, is the name checked in the agent's certificate). Empty: routers use
+    /// predictions only.
     #[serde(default)]
     #[schema(example = json!(["gpu-host-1:7700"]))]
     pub agents: Vec<String>,
@@ -755,6 +763,27 @@ pub fn check_instance_url(url: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agent_addresses_may_name_the_certificate() {
+        for ok in [
+            "gpu-1:7700",
+            "[::1]:7700",
+            "agent@10.0.3.17:7700",
+            "agent@[::1]:7700",
+        ] {
+            assert_eq!(check_agent_address(ok), Ok(()), "{ok}");
+        }
+        for (bad, why) in [
+            ("@10.0.3.17:7700", "NAME before @ is empty"),
+            ("agent@10.0.3.17", "[NAME@]HOST:PORT"),
+            ("agent@http://h:1", "no scheme"),
+            ("agent@h:0", "1 to 65535"),
+        ] {
+            let e = check_agent_address(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
 
     const H1: &str = "1111111111111111111111111111111111111111111111111111111111111111";
     const H2: &str = "2222222222222222222222222222222222222222222222222222222222222222";

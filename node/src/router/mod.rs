@@ -41,8 +41,8 @@ pub struct RouterArgs {
     /// instead of the client port.
     #[arg(long)]
     pub metrics_listen: Option<String>,
-    /// A cache-agent to learn residency from, over QUIC (HOST:PORT, repeatable); needs
-    /// --tls-dir and --tls-name.
+    /// A cache-agent to learn residency from, over QUIC ([NAME@]HOST:PORT, NAME being the
+    /// one in its certificate, HOST by default; repeatable); needs --tls-dir and --tls-name.
     #[arg(long = "residency-agent")]
     pub residency_agents: Vec<String>,
     /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.

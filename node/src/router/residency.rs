@@ -80,7 +80,7 @@ impl Residency {
                 continue;
             }
             let Ok(target) = AgentTarget::parse(a) else {
-                tracing::warn!(agent = %a, "not a HOST:PORT agent address; not followed");
+                tracing::warn!(agent = %a, "not a [NAME@]HOST:PORT agent address; not followed");
                 continue;
             };
             let (stop, stopped) = oneshot::channel();
