@@ -2,33 +2,12 @@
 //! engine-sims (`tests/clients/openai_compat.py` holds the checks).
 
 use crate::{scratch_dir, Proc};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-
-/// The venv with the pinned client: `WARMPATH_TEST_VENV`, or `target/test-venv` of the
-/// workspace, created by `tests/clients/setup-venv.sh` when missing (as `.ci/run` does).
-fn client_venv() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let venv = std::env::var_os("WARMPATH_TEST_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/test-venv"));
-    let status = Command::new("sh")
-        .arg(root.join("tests/clients/setup-venv.sh"))
-        .arg(&venv)
-        .status()
-        .expect("sh runs");
-    assert!(
-        status.success(),
-        "could not set up {} with the openai client (python3 with venv and pip, and PyPI, \
-         are needed): run tests/clients/setup-venv.sh {0}",
-        venv.display()
-    );
-    venv
-}
 
 #[test]
 fn the_official_openai_client_works_through_the_router() {
-    let venv = client_venv();
+    let venv = crate::test_venv();
     let engine = crate::engine_sim("1000", &[]);
     // The README's "Run a gateway": instances by flag, no keys, nothing else.
     let open = Proc::start(&[

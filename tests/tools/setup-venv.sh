@@ -1,7 +1,8 @@
 #!/bin/sh
-# Creates (or brings up to date) the Python environment of the client compatibility test:
-# a venv at $1 with tests/clients/requirements.txt installed. Used by .ci/run and, when the
-# venv is missing, by the test itself.
+# Creates (or brings up to date) the Python environment of the integration tests' tools
+# (the openai client, helm, kubernetes-validate): a venv at $1 with tests/tools/
+# requirements.txt installed. Used by .ci/run and, when the venv is missing or stale, by
+# the tests themselves (`test_venv` in tests/main.rs).
 set -eu
 venv=$1
 here=$(cd "$(dirname "$0")" && pwd)
