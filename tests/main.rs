@@ -8,6 +8,7 @@ mod agent;
 mod clients;
 mod cluster;
 mod deploy;
+mod helm;
 mod raft;
 mod router;
 mod simulate;
