@@ -2,7 +2,9 @@
 //! Prometheus (the distribution's package, installed by `.ci/run`) scrapes every process
 //! of a running `warmpath demo --keep-running` cluster and evaluates the rules on what they
 //! export; every metric the Grafana dashboard and the rules name is exported by a live
-//! process; and the systemd units verify, are hardened and pass real flags.
+//! process; the systemd units verify, are hardened and pass real flags; and the compose
+//! file is valid, passes real flags and provisions Prometheus and Grafana with deploy/'s
+//! rules and dashboard. (The Helm chart's tests are in `helm.rs`.)
 
 use crate::router::{client, completion, get_text, post};
 use crate::{free_addr, scratch_dir, warmpath_bin};
@@ -390,19 +392,104 @@ fn systemd_units_verify_are_hardened_and_pass_real_flags() {
                 keep.then_some(line)
             })
             .collect();
-        let help = crate::warmpath(&[command, "--help"]);
-        let help = String::from_utf8_lossy(&help.stdout);
-        let flags: Vec<&str> = exec
-            .split_whitespace()
-            .filter(|w| w.starts_with("--"))
+        assert_real_flags(unit, command, &exec);
+    }
+}
+
+/// Every `--flag` in `words` (a command line of `warmpath COMMAND`; `--flag=value` too) is
+/// one `warmpath COMMAND --help` lists; `what` names where the line comes from.
+pub(crate) fn assert_real_flags(what: &str, command: &str, words: &str) {
+    let help = crate::warmpath(&[command, "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    let flags: Vec<&str> = words
+        .split_whitespace()
+        .map(|w| w.trim_matches('"'))
+        .filter(|w| w.starts_with("--"))
+        .map(|w| w.split('=').next().unwrap_or(w))
+        .collect();
+    assert!(flags.len() >= 3, "{what}: {words}");
+    for flag in flags {
+        assert!(
+            help.split_whitespace()
+                .any(|w| w.trim_end_matches(',') == flag),
+            "{what} passes {flag}, which `warmpath {command}` does not take"
+        );
+    }
+}
+
+/// deploy/compose: the distribution's docker-compose accepts the file; every warmpath
+/// command in it passes only flags the binary takes; Prometheus's config passes
+/// `promtool check config` with the rules it loads; Grafana is provisioned with the
+/// dashboard of deploy/grafana.
+#[test]
+fn the_compose_file_is_valid_and_passes_real_flags() {
+    let compose = deploy_dir().join("compose/compose.yaml");
+    let out = Command::new("docker-compose")
+        .arg("-f")
+        .arg(&compose)
+        .arg("config")
+        .output()
+        .expect("docker-compose runs (the distribution's package; .ci/run installs it)");
+    assert!(
+        out.status.success(),
+        "docker-compose config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let config = &crate::helm::documents(&String::from_utf8_lossy(&out.stdout))[0];
+    let services = config["services"].as_object().expect("services");
+    let mut commands = 0;
+    for (name, service) in services {
+        if !service["image"]
+            .as_str()
+            .is_some_and(|i| i.contains("warmpath"))
+        {
+            continue;
+        }
+        let words: Vec<&str> = service["command"]
+            .as_array()
+            .expect("a command")
+            .iter()
+            .filter_map(Value::as_str)
             .collect();
-        assert!(flags.len() >= 3, "{unit}: {exec}");
-        for flag in flags {
-            assert!(
-                help.split_whitespace()
-                    .any(|w| w.trim_end_matches(',') == flag),
-                "{unit} passes {flag}, which `warmpath {command}` does not take"
-            );
+        // A start script (`sh -ec "... exec warmpath SUBCOMMAND ..."`) or the arguments.
+        let line = if service["entrypoint"][0] == "/bin/sh" {
+            words[0].to_string()
+        } else {
+            format!("warmpath {}", words.join(" "))
+        };
+        for run in line.split("warmpath ").skip(1) {
+            let command = run.split_whitespace().next().expect("a subcommand");
+            if run.contains("--") {
+                assert_real_flags(&format!("compose service {name}"), command, run);
+                commands += 1;
+            }
         }
     }
+    // init, 3 engines, 2 agents, 3 routers.
+    assert_eq!(commands, 9, "{services:?}");
+    let dir = scratch_dir("deploy-compose");
+    let prometheus = std::fs::read_to_string(deploy_dir().join("compose/prometheus.yml"))
+        .expect("prometheus.yml");
+    let mounted = "/etc/prometheus/rules.yml";
+    assert!(prometheus.contains(mounted));
+    let rules = deploy_dir().join("prometheus/rules.yml");
+    let here = dir.join("prometheus.yml");
+    std::fs::write(&here, prometheus.replace(mounted, rules.to_str().unwrap())).unwrap();
+    succeeds("promtool", &["check", "config", here.to_str().unwrap()]);
+    let provider = std::fs::read_to_string(
+        deploy_dir().join("compose/grafana/provisioning/dashboards/warmpath.yml"),
+    )
+    .expect("the dashboard provider");
+    // docker-compose 1.x writes a volume as SOURCE:TARGET[:MODE].
+    let grafana = services["grafana"]["volumes"].as_array().expect("volumes");
+    let target = grafana
+        .iter()
+        .filter_map(Value::as_str)
+        .find_map(|v| {
+            let mut parts = v.split(':');
+            let source = parts.next()?;
+            source.ends_with("deploy/grafana").then(|| parts.next())?
+        })
+        .expect("deploy/grafana mounted into Grafana");
+    assert!(provider.contains(&format!("path: {target}")), "{provider}");
 }

@@ -28,7 +28,7 @@ fn chart() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/helm/warmpath")
 }
 
-fn tool(name: &str) -> PathBuf {
+pub(crate) fn tool(name: &str) -> PathBuf {
     crate::test_venv().join("bin").join(name)
 }
 
@@ -51,12 +51,13 @@ fn render(values: &Value) -> Result<String, String> {
     }
 }
 
-/// The manifests as JSON (the venv's PyYAML reads them), each Secret's data decoded.
-fn documents(manifests: &str) -> Vec<Value> {
+/// A YAML stream's documents as JSON (the venv's PyYAML reads them), the data of each
+/// Kubernetes Secret decoded.
+pub(crate) fn documents(manifests: &str) -> Vec<Value> {
     let script = "import base64, json, sys, yaml\n\
         docs = [d for d in yaml.safe_load_all(sys.stdin) if d]\n\
         for d in docs:\n\
-        \x20   if d['kind'] == 'Secret':\n\
+        \x20   if isinstance(d, dict) and d.get('kind') == 'Secret':\n\
         \x20       d['data'] = {k: base64.b64decode(v).decode() for k, v in d['data'].items()}\n\
         json.dump(docs, sys.stdout)\n";
     let mut child = Command::new(tool("python"))
@@ -73,7 +74,7 @@ fn documents(manifests: &str) -> Vec<Value> {
         .write_all(manifests.as_bytes())
         .expect("write the manifests");
     let out = child.wait_with_output().expect("python's output");
-    assert!(out.status.success(), "the manifests are not YAML");
+    assert!(out.status.success(), "not YAML: {manifests}");
     serde_json::from_slice(&out.stdout).expect("JSON from python")
 }
 
@@ -196,6 +197,13 @@ fn the_chart_lints_and_every_rendering_passes_the_kubernetes_schemas() {
                 }
                 assert_eq!(monitor["spec"]["endpoints"][0]["port"], "metrics");
                 let args = daemonset_args(&docs);
+                crate::deploy::assert_real_flags("the agent DaemonSet", "agent", &args.join(" "));
+                let script = find(&docs, "StatefulSet", "wp-warmpath-router")["spec"]["template"]
+                    ["spec"]["containers"][0]["args"][0]
+                    .as_str()
+                    .expect("the router script")
+                    .to_string();
+                crate::deploy::assert_real_flags("the router StatefulSet", "router", &script);
                 assert!(args.contains(&"--l2=redis://redis.llm:6379/2".to_string()));
                 assert!(args.contains(&"--l1-bytes=64GiB".to_string()));
                 let config = router_config(&docs);
