@@ -10,6 +10,7 @@ mod cluster;
 mod deploy;
 mod helm;
 mod raft;
+mod report;
 mod router;
 mod simulate;
 

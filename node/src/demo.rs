@@ -14,6 +14,7 @@
 use crate::loadgen::execute;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -83,6 +84,10 @@ pub struct DemoArgs {
     /// agents' keys are the routers'; give 16 without it to compare like with like.
     #[arg(long, default_value_t = 0)]
     pub router_block_tokens: u32,
+    /// Also write an HTML report with plots (hit rate per policy and tier, TTFT CDFs, each
+    /// engine's requests over time, sampled from its /metrics) to DIR/report.html.
+    #[arg(long, value_name = "DIR")]
+    pub report: Option<PathBuf>,
 }
 
 /// The engines' block size in the demo (vLLM's default); routers cut blocks the same way
@@ -509,6 +514,37 @@ struct Row {
     overhead_us: (f64, f64),
     /// Engine-side hit rate per tier: GPU, L1, L2.
     tiers: [f64; 3],
+    /// With `--report`: each engine's requests (running and waiting) at seconds of wall
+    /// time since the load began.
+    load: Vec<(f64, Vec<f64>)>,
+}
+
+/// How often `--report` samples the engines' queues.
+const LOAD_SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+/// Samples each engine's requests (vLLM's running + waiting gauges) every
+/// [`LOAD_SAMPLE_EVERY`] until `stop` fires; an engine that does not answer counts 0.
+async fn sample_load(
+    engines: Vec<String>,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> Vec<(f64, Vec<f64>)> {
+    let started = Instant::now();
+    let mut samples = Vec::new();
+    let mut tick = tokio::time::interval(LOAD_SAMPLE_EVERY);
+    loop {
+        tokio::select! {
+            _ = &mut stop => return samples,
+            _ = tick.tick() => {}
+        }
+        let at = started.elapsed().as_secs_f64();
+        let mut loads = Vec::with_capacity(engines.len());
+        for url in &engines {
+            let text = metrics_text(url).await.unwrap_or_default();
+            let value = |prefix: &str| metric_value(&text, prefix).unwrap_or(0.0);
+            loads.push(value("vllm:num_requests_running{") + value("vllm:num_requests_waiting{"));
+        }
+        samples.push((at, loads));
+    }
 }
 
 pub fn run(args: DemoArgs) -> Result<()> {
@@ -587,7 +623,17 @@ pub fn run(args: DemoArgs) -> Result<()> {
             config.mode = Mode::OpenLoop { time_scale: args.speedup };
             config.timeout = Duration::from_secs(60);
             config.max_duration = Some(Duration::from_secs(60));
+            let (stop, stopped) = tokio::sync::oneshot::channel();
+            let sampler = args.report.as_ref().map(|_| {
+                let urls = cluster.engines.iter().map(|e| e.url.clone()).collect();
+                tokio::spawn(sample_load(urls, stopped))
+            });
             let report = execute(&config, &requests, false).await?;
+            let _ = stop.send(());
+            let load = match sampler {
+                Some(task) => task.await?,
+                None => Vec::new(),
+            };
             let overhead_us = router_overhead_us(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
             let tiers = tier_hit_rates(&cluster.engines).await.unwrap_or([f64::NAN; 3]);
             println!("  {:<13} done at {:5.1} s: {} ok, {} errors", strategy.name(), started.elapsed().as_secs_f64(), report.ok, report.error_count());
@@ -597,11 +643,15 @@ pub fn run(args: DemoArgs) -> Result<()> {
             }
             use std::io::Write;
             let _ = std::io::stdout().flush();
-            rows.push(Row { strategy, report, overhead_us, tiers });
+            rows.push(Row { strategy, report, overhead_us, tiers, load });
             drop(cluster);
         }
         print!("{}", render(&rows, args.speedup));
         println!("\ntotal {:.1} s of wall time", started.elapsed().as_secs_f64());
+        if let Some(dir) = &args.report {
+            let path = write_report(dir, &args, &rows, &stats)?;
+            println!("report: {}", path.display());
+        }
         if args.keep_running {
             let cluster = start_cluster(&args, Strategy::PrefixAware).await?;
             println!("\ncluster running (prefix-aware); Ctrl-C stops it");
@@ -675,4 +725,99 @@ fn render(rows: &[Row], speedup: f64) -> String {
     s += "ttft in ms of model time (wall × speed-up); req/s in model time; ovh = router overhead per request\n";
     s += "(arrival to upstream send: parse, tokenize, hash, route), µs of wall time\n";
     s
+}
+
+/// Writes `demo --report DIR`: what the live run measured, as plots (times in model time:
+/// wall × speed-up).
+fn write_report(
+    dir: &std::path::Path,
+    args: &DemoArgs,
+    rows: &[Row],
+    stats: &warmpath_sim::workload::WorkloadStats,
+) -> Result<PathBuf> {
+    use crate::report;
+    let conditions = vec![
+        (
+            "cluster".to_string(),
+            format!(
+                "{} engine-sims × {} GPU KV tokens, {}× speed-up, {} router(s){}{}; real processes on loopback",
+                args.instances,
+                args.gpu_kv_tokens,
+                args.speedup,
+                args.routers.max(1),
+                if args.residency { ", routers following residency over QUIC" } else { "" },
+                if args.l1_kv_tokens > 0 {
+                    format!(", a cache-agent per engine (L1 {} KV tokens, L2 {})", args.l1_kv_tokens, args.l2)
+                } else {
+                    String::new()
+                }
+            ),
+        ),
+        (
+            "workload".to_string(),
+            format!(
+                "{}: {} requests at {} req/s of model time, mean prompt {:.0} tokens, ideal hit rate {:.1}%, seed {}",
+                args.workload,
+                stats.requests,
+                args.rate,
+                stats.mean_prompt_tokens,
+                stats.ideal_hit_ratio * 100.0,
+                args.seed
+            ),
+        ),
+        (
+            "made by".to_string(),
+            format!(
+                "warmpath {} demo: measured live on this machine (wall-clock, so not \
+                 repeatable to the digit)",
+                env!("CARGO_PKG_VERSION")
+            ),
+        ),
+    ];
+    let mut figures =
+        vec![
+        report::hit_rates(
+            "Hit rate per policy and tier",
+            "Share of prompt tokens the engines found cached, by where: their GPU memory, \
+             their host's cache-agent (L1) or the shared L2, from the engines' /metrics.",
+            &rows
+                .iter()
+                .map(|r| (r.strategy.name().to_string(), r.tiers))
+                .collect::<Vec<_>>(),
+        )?,
+        report::cdfs(
+            "Time to first token",
+            "Cumulative distribution of TTFT per policy as the clients measured it (ms of model \
+             time): further left is faster; the top of each curve is the tail.",
+            "TTFT (ms, model time)",
+            &rows
+                .iter()
+                .map(|r| {
+                    let cdf = r.report.ttft_cdf_ms.iter().map(|ms| ms * args.speedup).collect();
+                    (r.strategy.name().to_string(), cdf)
+                })
+                .collect::<Vec<_>>(),
+        )?,
+    ];
+    for r in rows {
+        let load: Vec<(f64, Vec<f64>)> = r
+            .load
+            .iter()
+            .map(|(t, v)| (t * args.speedup, v.clone()))
+            .collect();
+        figures.push(report::load_over_time(
+            &format!("Load per instance: {}", r.strategy.name()),
+            "Requests on each engine (running and waiting, sampled from its /metrics every \
+             100 ms of wall time), over seconds of model time.",
+            "requests on the engine",
+            &load,
+        )?);
+    }
+    report::write(
+        dir,
+        &format!("warmpath demo: {}", args.workload),
+        &conditions,
+        &render(rows, args.speedup),
+        &figures,
+    )
 }

@@ -10,6 +10,7 @@ pub mod fuzzing;
 pub mod loadgen;
 pub mod pretokenize;
 pub mod prompt;
+pub mod report;
 pub mod router;
 pub mod simulate;
 

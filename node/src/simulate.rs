@@ -106,6 +106,10 @@ pub struct SimulateArgs {
     /// Skip malformed trace lines (and count them) instead of failing.
     #[arg(long)]
     pub skip_bad_lines: bool,
+    /// Also write an HTML report with plots (hit rate per policy and tier, TTFT CDFs,
+    /// each instance's load over time) to DIR/report.html.
+    #[arg(long, value_name = "DIR")]
+    pub report: Option<PathBuf>,
 }
 
 /// Everything `simulate --json` prints.
@@ -454,5 +458,106 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     } else {
         print!("{}", render_table(&out));
     }
+    if let Some(dir) = &args.report {
+        let path = write_report(dir, &out)?;
+        eprintln!("report: {}", path.display());
+    }
     Ok(())
+}
+
+/// Writes `simulate --report DIR`: the runs' hit rates per tier, TTFT CDFs and each
+/// instance's requests in flight over simulated time.
+pub fn write_report(dir: &std::path::Path, out: &SimulationOutput) -> Result<PathBuf> {
+    use crate::report;
+    let w = &out.workload;
+    let c = &out.cluster;
+    let conditions = vec![
+        (
+            "workload".to_string(),
+            format!(
+                "{}: {} requests over {:.0} s, mean prompt {:.0} tokens, {}-token blocks",
+                w.name,
+                w.stats.requests,
+                w.stats.duration_us as f64 / 1e6,
+                w.stats.mean_prompt_tokens,
+                w.block_tokens
+            ),
+        ),
+        (
+            "cluster".to_string(),
+            format!(
+                "{} instances × {} GPU KV tokens ({:.0}% of the working set), L1 {} tokens/host, \
+                 L2 {} tokens, {} router(s)",
+                c.instances,
+                c.gpu_kv_tokens_per_instance,
+                c.gpu_capacity_over_working_set * 100.0,
+                c.l1_kv_tokens_per_host,
+                c.l2_kv_tokens,
+                c.routers
+            ),
+        ),
+        (
+            "bounds".to_string(),
+            format!(
+                "ideal hit rate {:.1}% (infinite cache), pooled {:.1}% (one LRU of the fleet's GPU memory)",
+                out.bounds.ideal_hit_rate * 100.0,
+                out.bounds.pooled_hit_rate * 100.0
+            ),
+        ),
+        ("seed".to_string(), c.seed.to_string()),
+        (
+            "made by".to_string(),
+            format!("warmpath {} simulate (a discrete-event simulation: same seed, same report)", env!("CARGO_PKG_VERSION")),
+        ),
+    ];
+    let tiers: Vec<(String, [f64; 3])> = out
+        .runs
+        .iter()
+        .map(|r| {
+            (
+                r.policy.clone(),
+                [r.hit_rate_gpu, r.hit_rate_l1, r.hit_rate_l2],
+            )
+        })
+        .collect();
+    let mut figures = vec![
+        report::hit_rates(
+            "Hit rate per policy and tier",
+            "Share of prompt tokens the engines found cached, by where they found them: their \
+             own GPU memory, the host's L1 or the shared L2. Token-weighted over the run.",
+            &tiers,
+        )?,
+        report::cdfs(
+            "Time to first token",
+            "Cumulative distribution of TTFT per policy (simulated ms): further left is faster; \
+             the top of each curve is the tail.",
+            "TTFT (ms)",
+            &out.runs
+                .iter()
+                .map(|r| (r.policy.clone(), r.curves.ttft_cdf_ms.clone()))
+                .collect::<Vec<_>>(),
+        )?,
+    ];
+    for r in &out.runs {
+        let samples: Vec<(f64, Vec<f64>)> = r
+            .curves
+            .load
+            .iter()
+            .map(|(t, v)| (*t, v.iter().map(|n| f64::from(*n)).collect()))
+            .collect();
+        figures.push(report::load_over_time(
+            &format!("Load per instance: {}", r.policy),
+            "Requests in flight on each instance over simulated time (routed and not yet \
+             finished): lines apart mean some instances queue while others idle.",
+            "requests in flight",
+            &samples,
+        )?);
+    }
+    report::write(
+        dir,
+        &format!("warmpath simulate: {}", w.name),
+        &conditions,
+        &render_table(out),
+        &figures,
+    )
 }

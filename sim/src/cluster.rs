@@ -112,7 +112,24 @@ pub struct RunReport {
     pub preemptions: u64,
     /// Simulated seconds from the first arrival to the last completion.
     pub makespan_s: f64,
+    /// What reports plot (long arrays, left out of `--json`).
+    #[serde(skip)]
+    pub curves: Curves,
 }
+
+/// A run's curves: the TTFT distribution and each instance's load over time.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Curves {
+    /// TTFT (ms) at the quantiles 0, 0.01, …, 1: its CDF. Empty when nothing completed.
+    pub ttft_cdf_ms: Vec<f64>,
+    /// Requests in flight on each instance (index = instance), sampled at seconds since
+    /// the first arrival: about [`LOAD_SAMPLES`] evenly spaced over the arrivals, and on
+    /// at the same pace while the queues drain, up to 4× as many.
+    pub load: Vec<(f64, Vec<u32>)>,
+}
+
+/// Load samples over a run's arrivals (see [`Curves::load`]).
+pub const LOAD_SAMPLES: u64 = 200;
 
 /// Progress of a run, for a progress bar.
 #[derive(Clone, Copy, Debug)]
@@ -274,9 +291,23 @@ pub fn simulate(
     let total = workload.requests.len() as u64;
     let mut last_us = 0u64;
     let mut handled = 0u64;
+    let first_us = workload.requests.first().map_or(0, |r| r.arrival_us);
+    let arrivals_us = workload
+        .requests
+        .last()
+        .map_or(0, |r| r.arrival_us.saturating_sub(first_us));
+    let sample_every_us = (arrivals_us / LOAD_SAMPLES).max(1);
+    let mut next_sample_us = first_us;
+    let mut in_flight = vec![0u32; engines.len()];
+    let mut load = Vec::new();
 
     while let Some(Reverse((now, _, slot))) = queue.pop() {
         last_us = last_us.max(now);
+        while now >= next_sample_us && load.len() < 4 * LOAD_SAMPLES as usize {
+            let at_s = (next_sample_us - first_us) as f64 / 1e6;
+            load.push((at_s, in_flight.clone()));
+            next_sample_us += sample_every_us;
+        }
         let Some(event) = events[slot].take() else {
             continue;
         };
@@ -365,6 +396,7 @@ pub fn simulate(
                     decided_at,
                 };
                 stepped = inst.0;
+                in_flight[inst.0 as usize] += 1;
                 let engine = &mut engines[inst.0 as usize];
                 engine.submit(
                     now,
@@ -459,6 +491,7 @@ pub fn simulate(
                     let i = id as usize;
                     let t = &tracks[i];
                     completed += 1;
+                    in_flight[t.instance as usize] -= 1;
                     e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
                     replicas[t.router as usize].finish(
                         InstanceId(t.instance),
@@ -471,6 +504,7 @@ pub fn simulate(
                     let i = id as usize;
                     let t = &tracks[i];
                     rejected += 1;
+                    in_flight[t.instance as usize] -= 1;
                     replicas[t.router as usize].finish(
                         InstanceId(t.instance),
                         t.pending,
@@ -529,7 +563,6 @@ pub fn simulate(
     }
     let mean_busy = busy.iter().sum::<f64>() / busy.len() as f64;
     let max_busy = busy.iter().copied().fold(0.0, f64::max);
-    let first_us = workload.requests.first().map_or(0, |r| r.arrival_us);
     let makespan_s = (last_us.saturating_sub(first_us)) as f64 / 1e6;
     let frac = |x: u64| {
         if prompt_tokens == 0 {
@@ -569,6 +602,16 @@ pub fn simulate(
         },
         preemptions,
         makespan_s,
+        curves: Curves {
+            ttft_cdf_ms: if ttft.is_empty() {
+                Vec::new()
+            } else {
+                (0..=100)
+                    .map(|q| ttft.quantile(f64::from(q) / 100.0))
+                    .collect()
+            },
+            load,
+        },
     })
 }
 
@@ -657,6 +700,27 @@ mod tests {
         let w = azure_workload("azure", &rows, 64, 1);
         let r = run(&config(Strategy::RoundRobin, 4, 1, 100_000), &w);
         assert_eq!((r.completed, r.hit_rate), (200, 0.0));
+    }
+
+    #[test]
+    fn curves_hold_the_ttft_cdf_and_each_instances_load() {
+        let w = small(SyntheticKind::Chat, 300);
+        let r = run(&config(Strategy::LeastLoaded, 4, 1, 100_000), &w);
+        let cdf = &r.curves.ttft_cdf_ms;
+        assert_eq!(cdf.len(), 101);
+        assert!(cdf.windows(2).all(|p| p[0] <= p[1]), "{cdf:?}");
+        assert_eq!((cdf[50], cdf[99]), (r.ttft_ms_p50, r.ttft_ms_p99));
+        let load = &r.curves.load;
+        // One sample per 1/LOAD_SAMPLES of the arrivals, more while the queues drain.
+        assert!(load.len() as u64 >= LOAD_SAMPLES && load.len() as u64 <= 4 * LOAD_SAMPLES);
+        assert!(load.windows(2).all(|p| p[0].0 < p[1].0));
+        assert!(load.iter().all(|(_, v)| v.len() == 4));
+        let most = load
+            .iter()
+            .map(|(_, v)| v.iter().sum::<u32>())
+            .max()
+            .unwrap();
+        assert!(most > 0 && most <= 300, "{most}");
     }
 
     #[test]

@@ -1081,6 +1081,10 @@ pub struct LoadReport {
     pub without_usage: u64,
     /// From the start of the run to the end of its last request, in seconds.
     pub wall_s: f64,
+    /// TTFT (ms) at the quantiles 0, 0.01, …, 1, for plots (left out of `--json`); empty
+    /// when nothing was measured.
+    #[serde(skip)]
+    pub ttft_cdf_ms: Vec<f64>,
 }
 
 impl LoadReport {
@@ -1192,6 +1196,13 @@ impl Collector {
             },
             without_usage: self.without_usage,
             wall_s,
+            ttft_cdf_ms: if self.ttft.is_empty() {
+                Vec::new()
+            } else {
+                (0..=100)
+                    .map(|q| self.ttft.value_at_quantile(f64::from(q) / 100.0) as f64 / 1000.0)
+                    .collect()
+            },
         }
     }
 }

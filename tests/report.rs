@@ -1,0 +1,142 @@
+//! `simulate --report DIR` and `demo --report DIR` end to end: the page is written, and
+//! the distribution's Chromium, headless, renders its plots: its screenshot holds the
+//! bars' and the curves' colours.
+
+use crate::{scratch_dir, warmpath};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The GPU tier's bar colour (`report::TIER_COLOURS[0]`) and the first two series'
+/// line colours (plotters' Palette99: 0 and 1).
+const GPU_GREEN: [u8; 3] = [46, 125, 50];
+const SERIES: [[u8; 3]; 2] = [[230, 25, 75], [60, 180, 75]];
+
+/// Chromium, headless and shut off from the network, screenshots `page` at 900 px wide
+/// into `png`; the browser's flags are those this machine's notes give for Debian's
+/// package as root.
+pub fn screenshot(page: &Path, png: &Path, height: u32) {
+    let profile = scratch_dir("chromium-profile");
+    let out = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg(format!("--window-size=900,{height}"))
+        .arg(format!("--screenshot={}", png.display()))
+        .arg(format!("file://{}", page.display()))
+        .output()
+        .expect("chromium runs (the distribution's package; .ci/run installs it)");
+    assert!(
+        out.status.success() && png.exists(),
+        "chromium: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// How many pixels of the screenshot `png` have each colour of `colours`.
+fn pixels_of(png: &Path, colours: &[[u8; 3]]) -> Vec<usize> {
+    let decoder = png::Decoder::new(std::io::BufReader::new(
+        std::fs::File::open(png).expect("the screenshot"),
+    ));
+    let mut reader = decoder.read_info().expect("a PNG");
+    let mut buf = vec![0; reader.output_buffer_size().expect("a size")];
+    let info = reader.next_frame(&mut buf).expect("a frame");
+    let channels = info.color_type.samples();
+    assert!(channels >= 3, "{:?}", info.color_type);
+    let mut counts = vec![0; colours.len()];
+    for px in buf[..info.buffer_size()].chunks_exact(channels) {
+        for (i, c) in colours.iter().enumerate() {
+            if px[..3] == c[..] {
+                counts[i] += 1;
+            }
+        }
+    }
+    counts
+}
+
+/// Runs `warmpath args…` (with `--report DIR`) and returns the page it wrote.
+fn report_of(args: &[&str], dir: &Path) -> (PathBuf, String) {
+    let mut all = args.to_vec();
+    all.extend(["--report", dir.to_str().unwrap()]);
+    let out = warmpath(&all);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = dir.join("report.html");
+    let html = std::fs::read_to_string(&page).expect("the report");
+    (page, html)
+}
+
+#[test]
+fn the_simulate_report_renders_its_plots_in_chromium() {
+    let dir = scratch_dir("report-simulate");
+    let (page, html) = report_of(
+        &[
+            "simulate",
+            "--workload",
+            "bots",
+            "--requests",
+            "400",
+            "--instances",
+            "4",
+            "--policy",
+            "round-robin",
+            "prefix-aware",
+        ],
+        &dir,
+    );
+    // Hit rates, TTFT CDFs, and the load of each policy's run.
+    assert_eq!(html.matches("<svg").count(), 4, "{html}");
+    assert!(html.contains("Load per instance: prefix-aware"));
+    let png = dir.join("shot.png");
+    screenshot(&page, &png, 2200);
+    let [green, first, second] = pixels_of(&png, &[GPU_GREEN, SERIES[0], SERIES[1]])[..] else {
+        unreachable!()
+    };
+    // Two bars of 60+ px wide and up to 300 px tall; curves a few hundred px long.
+    assert!(green > 5_000, "GPU bars: {green} px");
+    assert!(
+        first > 300 && second > 300,
+        "curves: {first} and {second} px"
+    );
+}
+
+#[test]
+fn the_demo_report_renders_its_plots_in_chromium() {
+    let dir = scratch_dir("report-demo");
+    let (page, html) = report_of(
+        &[
+            "demo",
+            "--requests",
+            "60",
+            "--instances",
+            "2",
+            "--policy",
+            "round-robin",
+            "prefix-aware",
+        ],
+        &dir,
+    );
+    assert_eq!(html.matches("<svg").count(), 4, "{html}");
+    assert!(html.contains("real processes on loopback"));
+    let png = dir.join("shot.png");
+    screenshot(&page, &png, 2200);
+    let [green, first, second] = pixels_of(&png, &[GPU_GREEN, SERIES[0], SERIES[1]])[..] else {
+        unreachable!()
+    };
+    assert!(green > 5_000, "GPU bars: {green} px");
+    assert!(
+        first > 300 && second > 300,
+        "curves: {first} and {second} px"
+    );
+}
