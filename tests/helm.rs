@@ -34,8 +34,10 @@ pub(crate) fn tool(name: &str) -> PathBuf {
 
 /// `helm template` of the chart with `values`: the manifests, or what Helm said.
 fn render(values: &Value) -> Result<String, String> {
-    let dir = scratch_dir("helm-render");
-    let file = dir.join("values.json");
+    // Tests render in parallel: each rendering its own values file.
+    static RENDERINGS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = RENDERINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let file = scratch_dir("helm-render").join(format!("values-{n}.json"));
     std::fs::write(&file, values.to_string()).expect("write values");
     let out = Command::new(tool("helm"))
         .args(["template", RELEASE])
@@ -307,6 +309,14 @@ fn the_values_schema_refuses_bad_input_with_a_clear_message() {
             json!({"router": {"ports": {"http": 70000}}}),
             "router.ports.http",
         ),
+        (
+            json!({"router": {"settings": {"listen": "0.0.0.0:1"}}}),
+            "Additional property listen is not allowed",
+        ),
+        (
+            json!({"router": {"settings": {"retries": -1}}}),
+            "router.settings.retries",
+        ),
     ];
     for (values, message) in cases {
         match render(&values) {
@@ -314,6 +324,40 @@ fn the_values_schema_refuses_bad_input_with_a_clear_message() {
             Err(e) => assert!(e.contains(message), "{values}: {e}"),
         }
     }
+}
+
+/// The schema's `router.settings` are the router's `[router]` table (as
+/// `node/src/router/config.rs` declares it), less the addresses the chart sets itself.
+#[test]
+fn the_schemas_router_settings_are_the_routers_own() {
+    let schema: Value = serde_json::from_str(
+        &std::fs::read_to_string(chart().join("values.schema.json")).expect("the schema"),
+    )
+    .expect("JSON");
+    let settings = &schema["properties"]["router"]["properties"]["settings"]["properties"];
+    let mut ours: Vec<String> = settings
+        .as_object()
+        .expect("settings")
+        .keys()
+        .cloned()
+        .collect();
+    ours.sort();
+    let source =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/router/config.rs"))
+            .expect("config.rs");
+    let section = source
+        .split("pub struct RouterSection {")
+        .nth(1)
+        .and_then(|s| s.split("\n}").next())
+        .expect("RouterSection");
+    let mut fields: Vec<String> = section
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub ")?.split(':').next())
+        .map(str::to_string)
+        .filter(|f| f != "listen" && f != "metrics_listen")
+        .collect();
+    fields.sort();
+    assert_eq!(ours, fields);
 }
 
 /// What a pod's container runs: its command line with the pod's environment, and its

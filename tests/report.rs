@@ -3,7 +3,7 @@
 //! bars' and the curves' colours.
 
 use crate::{scratch_dir, warmpath};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 /// The GPU tier's bar colour (`report::TIER_COLOURS[0]`) and the first two series'
@@ -15,7 +15,8 @@ const SERIES: [[u8; 3]; 2] = [[230, 25, 75], [60, 180, 75]];
 /// into `png`; the browser's flags are those this machine's notes give for Debian's
 /// package as root.
 pub fn screenshot(page: &Path, png: &Path, height: u32) {
-    let profile = scratch_dir("chromium-profile");
+    // A profile of its own: two browsers on one profile would meet.
+    let profile = png.with_extension("profile");
     let out = Command::new("chromium")
         .args([
             "--headless",
@@ -62,81 +63,55 @@ fn pixels_of(png: &Path, colours: &[[u8; 3]]) -> Vec<usize> {
     counts
 }
 
-/// Runs `warmpath args…` (with `--report DIR`) and returns the page it wrote.
-fn report_of(args: &[&str], dir: &Path) -> (PathBuf, String) {
+/// Runs `warmpath args…` with `--report DIR` (a scratch `name`) for two policies,
+/// round-robin and prefix-aware, and checks the page it wrote: a plot each for hit rates
+/// and TTFT CDFs and one of load per policy, holding `says`; and Chromium renders them:
+/// the GPU bars (two, 60+ px wide and up to 300 px tall) and the two policies' curves (a
+/// few hundred px long each) are in its screenshot.
+fn assert_report_renders(name: &str, args: &[&str], says: &str) {
+    let dir = scratch_dir(name);
     let mut all = args.to_vec();
+    all.extend(["--policy", "round-robin", "prefix-aware"]);
     all.extend(["--report", dir.to_str().unwrap()]);
     let out = warmpath(&all);
     assert!(
         out.status.success(),
-        "{args:?}: {}",
+        "{all:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let page = dir.join("report.html");
     let html = std::fs::read_to_string(&page).expect("the report");
-    (page, html)
-}
-
-#[test]
-fn the_simulate_report_renders_its_plots_in_chromium() {
-    let dir = scratch_dir("report-simulate");
-    let (page, html) = report_of(
-        &[
-            "simulate",
-            "--workload",
-            "bots",
-            "--requests",
-            "400",
-            "--instances",
-            "4",
-            "--policy",
-            "round-robin",
-            "prefix-aware",
-        ],
-        &dir,
-    );
-    // Hit rates, TTFT CDFs, and the load of each policy's run.
     assert_eq!(html.matches("<svg").count(), 4, "{html}");
-    assert!(html.contains("Load per instance: prefix-aware"));
+    assert!(html.contains("Load per instance: prefix-aware"), "{html}");
+    assert!(html.contains(says), "{html}");
     let png = dir.join("shot.png");
     screenshot(&page, &png, 2200);
     let [green, first, second] = pixels_of(&png, &[GPU_GREEN, SERIES[0], SERIES[1]])[..] else {
         unreachable!()
     };
-    // Two bars of 60+ px wide and up to 300 px tall; curves a few hundred px long.
     assert!(green > 5_000, "GPU bars: {green} px");
     assert!(
         first > 300 && second > 300,
         "curves: {first} and {second} px"
     );
+}
+
+#[test]
+fn the_simulate_report_renders_its_plots_in_chromium() {
+    let args = [
+        "simulate",
+        "--workload",
+        "bots",
+        "--requests",
+        "400",
+        "--instances",
+        "4",
+    ];
+    assert_report_renders("report-simulate", &args, "a discrete-event simulation");
 }
 
 #[test]
 fn the_demo_report_renders_its_plots_in_chromium() {
-    let dir = scratch_dir("report-demo");
-    let (page, html) = report_of(
-        &[
-            "demo",
-            "--requests",
-            "60",
-            "--instances",
-            "2",
-            "--policy",
-            "round-robin",
-            "prefix-aware",
-        ],
-        &dir,
-    );
-    assert_eq!(html.matches("<svg").count(), 4, "{html}");
-    assert!(html.contains("real processes on loopback"));
-    let png = dir.join("shot.png");
-    screenshot(&page, &png, 2200);
-    let [green, first, second] = pixels_of(&png, &[GPU_GREEN, SERIES[0], SERIES[1]])[..] else {
-        unreachable!()
-    };
-    assert!(green > 5_000, "GPU bars: {green} px");
-    assert!(
-        first > 300 && second > 300,
-        "curves: {first} and {second} px"
-    );
+    let args = ["demo", "--requests", "60", "--instances", "2"];
+    assert_report_renders("report-demo", &args, "real processes on loopback");
 }

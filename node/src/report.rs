@@ -37,6 +37,20 @@ fn tick(v: &f64) -> String {
     }
 }
 
+/// The chart's legend, boxed, at `position`.
+fn legend<'a, 'b: 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'b>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.85))
+        .draw()?;
+    Ok(())
+}
+
 fn draw(
     title: &str,
     caption: &str,
@@ -107,12 +121,7 @@ pub fn hit_rates(title: &str, caption: &str, rows: &[(String, [f64; 3])]) -> Res
                 Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour.filled())
             });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.85))
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         Ok(())
     })
 }
@@ -171,12 +180,7 @@ pub fn cdfs(
                             PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2))
                         });
                 }
-                chart
-                    .configure_series_labels()
-                    .position(SeriesLabelPosition::LowerRight)
-                    .border_style(BLACK)
-                    .background_style(WHITE.mix(0.85))
-                    .draw()?;
+                legend(&mut chart, SeriesLabelPosition::LowerRight)?;
             }};
         }
         if high / low > 100.0 {
@@ -228,12 +232,7 @@ pub fn load_over_time(
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], colour));
         }
         if instances <= 12 {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .border_style(BLACK)
-                .background_style(WHITE.mix(0.85))
-                .draw()?;
+            legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         }
         Ok(())
     })
