@@ -342,6 +342,13 @@ pub enum CommandV1 {
         key_hash: String,
         expected_version: Option<u64>,
     },
+    /// Seed an empty configuration (version 0) with these pools and tenants, all or
+    /// nothing: a router never sees a seeded cluster with its pools but not yet its
+    /// tenants. Refused with [`CommandResult::Conflict`] once anything is configured.
+    Seed {
+        pools: Vec<(String, PoolSpec)>,
+        tenants: Vec<(String, TenantSpec)>,
+    },
 }
 
 impl CommandV1 {
@@ -371,6 +378,7 @@ impl CommandV1 {
             | CommandV1::RemoveApiKey {
                 expected_version, ..
             } => *expected_version,
+            CommandV1::Seed { .. } => Some(0),
         }
     }
 }
@@ -441,6 +449,27 @@ impl ConfigState {
                 None => Err(not_found(format!("tenant {id:?}"))),
             },
             CommandV1::PutPool { model, spec, .. } => self.put_pool(model, spec),
+            CommandV1::Seed { pools, tenants } => {
+                // All or nothing: put everything into a copy, keep it if all went in.
+                let mut next = self.clone();
+                let mut problems = Vec::new();
+                let mut note = |what: String, outcome: Result<(), CommandResult>| match outcome {
+                    Ok(()) => {}
+                    Err(CommandResult::Invalid { problems: p }) => {
+                        problems.extend(p.into_iter().map(|p| format!("{what}: {p}")))
+                    }
+                    Err(other) => problems.push(format!("{what}: {other:?}")),
+                };
+                for (model, spec) in pools {
+                    let outcome = next.put_pool(model, spec);
+                    note(format!("pool {model:?}"), outcome);
+                }
+                for (id, spec) in tenants {
+                    let outcome = next.put_tenant(id, spec);
+                    note(format!("tenant {id:?}"), outcome);
+                }
+                invalid_unless_empty(problems).map(|()| *self = next)
+            }
             CommandV1::DeletePool { model, .. } => self.delete_pool(model),
             CommandV1::AddInstance { model, url, .. } => self.add_instance(model, url),
             CommandV1::RemoveInstance { model, url, .. } => {
@@ -763,6 +792,44 @@ pub fn check_instance_url(url: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_seed_applies_all_or_nothing_and_only_to_an_empty_state() {
+        let pool = PoolSpec {
+            instances: vec!["http://10.0.0.1:8000".into()],
+            ..PoolSpec::default()
+        };
+        let seed = |tenant: TenantSpec| {
+            Command::V1(CommandV1::Seed {
+                pools: vec![("m".into(), pool.clone())],
+                tenants: vec![("acme".into(), tenant)],
+            })
+        };
+        // A bad tenant: nothing applies, not even the pool.
+        let mut state = ConfigState::default();
+        let bad = tenant(|t| t.strategy = "fastest".into());
+        match state.apply(1, &seed(bad)) {
+            CommandResult::Invalid { problems } => {
+                assert!(
+                    problems.iter().any(|p| p.starts_with("tenant \"acme\"")),
+                    "{problems:?}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!((state.version, state.pools.len()), (0, 0));
+        // A good one: both, in one version.
+        assert_eq!(
+            state.apply(2, &seed(tenant(|_| {}))),
+            CommandResult::Applied { version: 2 }
+        );
+        assert_eq!((state.pools.len(), state.tenants.len()), (1, 1));
+        // Once seeded, a second seed conflicts and changes nothing.
+        assert_eq!(
+            state.apply(3, &seed(tenant(|_| {}))),
+            CommandResult::Conflict { current_version: 2 }
+        );
+    }
 
     #[test]
     fn agent_addresses_may_name_the_certificate() {

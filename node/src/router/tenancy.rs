@@ -93,118 +93,117 @@ pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<S
 }
 
 /// Seeds an empty cluster with the config file's pools and tenants (validated and complete:
-/// a tenant that named no pool serves the first). Every voter may try: the first write is
-/// a compare-and-set on version 0, so only one seeding wins and the others stop at their
-/// first conflict.
+/// a tenant that named no pool serves the first), in one command that applies all or
+/// nothing and only to an empty state (`CommandV1::Seed`), so that no router ever serves a
+/// half-seeded table. Every voter may try; only one seeding wins. A voter that finds the
+/// cluster already configured puts only what is missing from it, so a seeding never
+/// overwrites what an operator changed since.
 pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<(String, TenantSpec)>, pools: Vec<Pool>) {
     if tenants.is_empty() && pools.is_empty() {
         return;
     }
-    let mut commands = Vec::new();
-    for p in &pools {
-        commands.push(CommandV1::PutPool {
-            model: p.model.clone(),
-            spec: PoolSpec {
+    let pools: Vec<(String, PoolSpec)> = pools
+        .iter()
+        .map(|p| {
+            let spec = PoolSpec {
                 instances: p.instances.clone(),
                 agents: p.agents.clone(),
                 tokenizer: p.tokenizer.clone(),
                 chat_template: p.chat_template.clone(),
                 block_tokens: p.block_tokens,
-            },
-            expected_version: None,
-        });
-    }
-    for (id, spec) in tenants {
-        commands.push(CommandV1::PutTenant {
-            id,
-            spec,
-            expected_version: None,
-        });
-    }
-    if let Some(
-        CommandV1::PutPool {
-            expected_version, ..
-        }
-        | CommandV1::PutTenant {
-            expected_version, ..
-        },
-    ) = commands.first_mut()
-    {
-        *expected_version = Some(0);
-    }
+            };
+            (p.model.clone(), spec)
+        })
+        .collect();
     // Wait for a leader and an empty state (or someone else's seeding).
     for _ in 0..600 {
         if raft.local_state().version > 0 {
-            return;
+            break;
         }
         if raft.status().leader.is_some() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The first command is a compare-and-set on version 0: if it conflicts, the cluster
-    // already holds a configuration (another voter's seeding, or our own earlier try whose
-    // answer was lost), and only items still missing from it are put, so a seeding never
-    // overwrites what an operator changed since. Errors are retried: puts are idempotent.
-    let mut seeded_here = true;
-    for (n, cmd) in commands.into_iter().enumerate() {
-        let mut cmd = cmd;
-        let mut tried = 0;
-        loop {
-            tried += 1;
-            if !seeded_here {
-                let state = raft.local_state();
-                let present = match &cmd {
-                    CommandV1::PutPool { model, .. } => state.pools.contains_key(model),
-                    CommandV1::PutTenant { id, .. } => state.tenants.contains_key(id),
-                    _ => true,
-                };
-                if present {
-                    break;
+    if raft.local_state().version == 0 {
+        let seed = CommandV1::Seed {
+            pools: pools.clone(),
+            tenants: tenants.clone(),
+        };
+        match write_retrying(&raft, seed).await {
+            Some(CommandResult::Applied { .. }) => {
+                tracing::info!("seeded the tenant configuration from the config file");
+                return;
+            }
+            Some(CommandResult::Conflict { current_version }) => {
+                // Let this node apply what the conflict reported, then fill in.
+                for _ in 0..100 {
+                    if raft.local_state().version >= current_version {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
-            match raft.write(Command::V1(cmd.clone())).await {
-                Ok(CommandResult::Applied { .. }) => break,
-                Ok(CommandResult::Conflict { current_version }) if n == 0 => {
-                    seeded_here = false;
-                    // Let this node apply what the conflict reported, then re-check.
-                    for _ in 0..100 {
-                        if raft.local_state().version >= current_version {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    if let CommandV1::PutPool {
-                        expected_version, ..
-                    }
-                    | CommandV1::PutTenant {
-                        expected_version, ..
-                    } = &mut cmd
-                    {
-                        *expected_version = None;
-                    }
-                }
-                Ok(other) => {
-                    tracing::warn!(
-                        ?other,
-                        "seeding from the config file: a command was refused"
-                    );
-                    break;
-                }
-                Err(error) if tried < 50 => {
-                    tracing::warn!(%error, "seeding from the config file: retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "seeding from the config file failed; the cluster stays as it is");
-                    return;
-                }
+            Some(other) => {
+                tracing::warn!(?other, "seeding from the config file: refused");
+                return;
+            }
+            None => return,
+        }
+    }
+    // Already configured: put only what is missing (puts are idempotent).
+    let missing = pools
+        .into_iter()
+        .map(|(model, spec)| CommandV1::PutPool {
+            model,
+            spec,
+            expected_version: None,
+        })
+        .chain(tenants.into_iter().map(|(id, spec)| CommandV1::PutTenant {
+            id,
+            spec,
+            expected_version: None,
+        }));
+    for cmd in missing {
+        let state = raft.local_state();
+        let present = match &cmd {
+            CommandV1::PutPool { model, .. } => state.pools.contains_key(model),
+            CommandV1::PutTenant { id, .. } => state.tenants.contains_key(id),
+            _ => true,
+        };
+        if present {
+            continue;
+        }
+        match write_retrying(&raft, cmd).await {
+            Some(CommandResult::Applied { .. }) => {}
+            Some(other) => {
+                tracing::warn!(
+                    ?other,
+                    "seeding from the config file: a command was refused"
+                )
+            }
+            None => return,
+        }
+    }
+}
+
+/// Writes `cmd`, retrying errors (leader changes, timeouts) for about 10 s; `None` when
+/// it never got an answer (logged).
+async fn write_retrying(raft: &RaftNode, cmd: CommandV1) -> Option<CommandResult> {
+    for tried in 1.. {
+        match raft.write(Command::V1(cmd.clone())).await {
+            Ok(result) => return Some(result),
+            Err(error) if tried < 50 => {
+                tracing::warn!(%error, "seeding from the config file: retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "seeding from the config file failed; the cluster stays as it is");
+                return None;
             }
         }
     }
-    if seeded_here {
-        tracing::info!("seeded the tenant configuration from the config file");
-    }
+    None
 }
 
 /// The router facts the admin API serves.
