@@ -2,9 +2,8 @@
 //! Prometheus (the distribution's package, installed by `.ci/run`) scrapes every process
 //! of a running `warmpath demo --keep-running` cluster and evaluates the rules on what they
 //! export; every metric the Grafana dashboard and the rules name is exported by a live
-//! process; the systemd units verify, are hardened and pass real flags; and the compose
-//! file is valid, passes real flags and provisions Prometheus and Grafana with deploy/'s
-//! rules and dashboard. (The Helm chart's tests are in `helm.rs`.)
+//! process; and the systemd units verify, are hardened and pass real flags. (The Helm
+//! chart's tests are in `helm.rs`, the compose file's in `compose.rs`.)
 
 use crate::router::{client, completion, get_text, post};
 use crate::{free_addr, scratch_dir, warmpath_bin};
@@ -16,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn deploy_dir() -> PathBuf {
+pub(crate) fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .join("deploy")
@@ -24,7 +23,7 @@ fn deploy_dir() -> PathBuf {
 
 /// Runs a tool of a distribution package (`promtool`: prometheus; `systemd-analyze`:
 /// systemd) and asserts that it succeeds, showing what it printed when it does not.
-fn succeeds(tool: &str, args: &[&str]) {
+pub(crate) fn succeeds(tool: &str, args: &[&str]) {
     let out = Command::new(tool)
         .args(args)
         .output()
@@ -47,7 +46,7 @@ fn prometheus_rules_are_valid_and_their_unit_tests_pass() {
 }
 
 /// A child process stopped with SIGTERM (so that it stops its own children) and reaped.
-struct Stopped(Child);
+pub(crate) struct Stopped(pub(crate) Child);
 
 impl Drop for Stopped {
     fn drop(&mut self) {
@@ -128,8 +127,30 @@ fn demo_cluster(extra: &[&str]) -> Demo {
     }
 }
 
+/// A real Prometheus (the distribution's package) with `config` as its configuration
+/// file, its data and log in `dir`, on a free loopback port: the process and its base URL.
+pub(crate) fn start_prometheus(dir: &Path, config: &str) -> (Stopped, String) {
+    std::fs::write(dir.join("prometheus.yml"), config).expect("write the config");
+    let listen = free_addr();
+    let prometheus = Command::new("prometheus")
+        .arg(format!(
+            "--config.file={}",
+            dir.join("prometheus.yml").display()
+        ))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("data").display()
+        ))
+        .arg(format!("--web.listen-address={listen}"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("prometheus.log")).expect("log file"))
+        .spawn()
+        .expect("prometheus runs: install the distribution's `prometheus` package");
+    (Stopped(prometheus), format!("http://{listen}"))
+}
+
 /// One Prometheus instant query's result vector.
-async fn query(prometheus: &str, promql: &str) -> Vec<Value> {
+pub(crate) async fn query(prometheus: &str, promql: &str) -> Vec<Value> {
     let url = format!(
         "{prometheus}/api/v1/query?query={}",
         promql
@@ -150,7 +171,7 @@ async fn query(prometheus: &str, promql: &str) -> Vec<Value> {
     v["data"]["result"].as_array().cloned().unwrap_or_default()
 }
 
-fn value(sample: &Value) -> f64 {
+pub(crate) fn value(sample: &Value) -> f64 {
     sample["value"][1]
         .as_str()
         .and_then(|s| s.parse().ok())
@@ -179,24 +200,7 @@ async fn a_real_prometheus_scrapes_the_demo_cluster_and_records() {
         rules.canonicalize().expect("rules.yml").display(),
         targets.join(", ")
     );
-    std::fs::write(dir.join("prometheus.yml"), config).expect("write the config");
-    let listen = free_addr();
-    let prometheus = Command::new("prometheus")
-        .arg(format!(
-            "--config.file={}",
-            dir.join("prometheus.yml").display()
-        ))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            dir.join("data").display()
-        ))
-        .arg(format!("--web.listen-address={listen}"))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("prometheus.log")).expect("log file"))
-        .spawn()
-        .expect("prometheus runs: install the distribution's `prometheus` package");
-    let _prometheus = Stopped(prometheus);
-    let prom = format!("http://{listen}");
+    let (_prometheus, prom) = start_prometheus(&dir, &config);
     let http = client();
     let deadline = Instant::now() + Duration::from_secs(90);
     let mut n = 0;
@@ -415,81 +419,4 @@ pub(crate) fn assert_real_flags(what: &str, command: &str, words: &str) {
             "{what} passes {flag}, which `warmpath {command}` does not take"
         );
     }
-}
-
-/// deploy/compose: the distribution's docker-compose accepts the file; every warmpath
-/// command in it passes only flags the binary takes; Prometheus's config passes
-/// `promtool check config` with the rules it loads; Grafana is provisioned with the
-/// dashboard of deploy/grafana.
-#[test]
-fn the_compose_file_is_valid_and_passes_real_flags() {
-    let compose = deploy_dir().join("compose/compose.yaml");
-    let out = Command::new("docker-compose")
-        .arg("-f")
-        .arg(&compose)
-        .arg("config")
-        .output()
-        .expect("docker-compose runs (the distribution's package; .ci/run installs it)");
-    assert!(
-        out.status.success(),
-        "docker-compose config: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let config = &crate::helm::documents(&String::from_utf8_lossy(&out.stdout))[0];
-    let services = config["services"].as_object().expect("services");
-    let mut commands = 0;
-    for (name, service) in services {
-        if !service["image"]
-            .as_str()
-            .is_some_and(|i| i.contains("warmpath"))
-        {
-            continue;
-        }
-        let words: Vec<&str> = service["command"]
-            .as_array()
-            .expect("a command")
-            .iter()
-            .filter_map(Value::as_str)
-            .collect();
-        // A start script (`sh -ec "... exec warmpath SUBCOMMAND ..."`) or the arguments.
-        let line = if service["entrypoint"][0] == "/bin/sh" {
-            words[0].to_string()
-        } else {
-            format!("warmpath {}", words.join(" "))
-        };
-        for run in line.split("warmpath ").skip(1) {
-            let command = run.split_whitespace().next().expect("a subcommand");
-            if run.contains("--") {
-                assert_real_flags(&format!("compose service {name}"), command, run);
-                commands += 1;
-            }
-        }
-    }
-    // init, 3 engines, 2 agents, 3 routers.
-    assert_eq!(commands, 9, "{services:?}");
-    let dir = scratch_dir("deploy-compose");
-    let prometheus = std::fs::read_to_string(deploy_dir().join("compose/prometheus.yml"))
-        .expect("prometheus.yml");
-    let mounted = "/etc/prometheus/rules.yml";
-    assert!(prometheus.contains(mounted));
-    let rules = deploy_dir().join("prometheus/rules.yml");
-    let here = dir.join("prometheus.yml");
-    std::fs::write(&here, prometheus.replace(mounted, rules.to_str().unwrap())).unwrap();
-    succeeds("promtool", &["check", "config", here.to_str().unwrap()]);
-    let provider = std::fs::read_to_string(
-        deploy_dir().join("compose/grafana/provisioning/dashboards/warmpath.yml"),
-    )
-    .expect("the dashboard provider");
-    // docker-compose 1.x writes a volume as SOURCE:TARGET[:MODE].
-    let grafana = services["grafana"]["volumes"].as_array().expect("volumes");
-    let target = grafana
-        .iter()
-        .filter_map(Value::as_str)
-        .find_map(|v| {
-            let mut parts = v.split(':');
-            let source = parts.next()?;
-            source.ends_with("deploy/grafana").then(|| parts.next())?
-        })
-        .expect("deploy/grafana mounted into Grafana");
-    assert!(provider.contains(&format!("path: {target}")), "{provider}");
 }

@@ -471,8 +471,8 @@ impl Pod {
 /// `text` with every path under a mount point moved under its local directory, in one
 /// pass (a local directory may itself lie under another mount point, such as `/tmp`).
 /// `mounts` come longest first; a mount point counts where a path starts (after a space,
-/// `=` or a quote) and ends (at `/`, a space, a quote or the end).
-fn rebase(text: &str, mounts: &[(String, PathBuf)]) -> String {
+/// `=` or a quote) and ends (at `/`, a space, a quote, `;`, `,` or the end).
+pub(crate) fn rebase(text: &str, mounts: &[(String, PathBuf)]) -> String {
     let mut out = String::new();
     let mut rest = text;
     'scan: while let Some(c) = rest.chars().next() {
@@ -480,7 +480,8 @@ fn rebase(text: &str, mounts: &[(String, PathBuf)]) -> String {
         if starts {
             for (path, local) in mounts {
                 if let Some(after) = rest.strip_prefix(path.as_str()) {
-                    if after.is_empty() || after.starts_with(['/', ' ', '"', '\'', '\n']) {
+                    if after.is_empty() || after.starts_with(['/', ' ', '"', '\'', '\n', ';', ','])
+                    {
                         out.push_str(local.to_str().expect("a utf-8 path"));
                         rest = after;
                         continue 'scan;
@@ -515,7 +516,7 @@ fn entries(data: &Value, items: &Value, edit: &dyn Fn(&str) -> String) -> Vec<(S
 }
 
 /// Polls `check` every 200 ms for up to `limit`; the last value, whichever it is.
-fn poll<T>(limit: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
+pub(crate) fn poll<T>(limit: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
     let until = Instant::now() + limit;
     loop {
         if let Some(v) = check() {

@@ -7,6 +7,7 @@
 mod agent;
 mod clients;
 mod cluster;
+mod compose;
 mod deploy;
 mod helm;
 mod raft;
