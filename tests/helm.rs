@@ -535,27 +535,36 @@ fn the_charts_pods_run_as_rendered_and_form_a_cluster() {
     let port = || free_addr().port();
     let (http, metrics, admin, gossip) = (port(), port(), port(), port());
     let (blocks, agent_metrics, residency) = (port(), port(), port());
-    let agent_ip = "127.0.0.20";
-    // Four routers: the first three vote, the fourth joins as a learner.
+    // The agent's headless Service stands for "localhost": the routers resolve it, as
+    // they do in a cluster, and follow the agent at the address found.
+    let agent_ip = "127.0.0.1";
+    // Four routers: the first three vote, the fourth joins as a learner. The pool names no
+    // agents: it gets the chart's default, every agent of the DaemonSet.
     let values = json!({
         "router": {
             "replicas": 4,
             "ports": {"http": http, "metrics": metrics, "admin": admin, "gossip": gossip},
-            "pools": [{"model": "sim-llama", "instances": [engine.url],
-                       "agents": [format!("agent@{agent_ip}:{residency}")]}],
+            "pools": [{"model": "sim-llama", "instances": [engine.url]}],
         },
         "agent": {"ports": {"blocks": blocks, "metrics": agent_metrics, "residency": residency}},
     });
     let docs = documents(&render(&values).expect("the chart renders"));
     let dir = scratch_dir("helm-pods");
     let router_ip = |i: usize| format!("127.0.0.{}", 10 + i);
-    let hosts: Vec<(String, String)> = (0..4)
+    let mut hosts: Vec<(String, String)> = (0..4)
         .map(|i| {
             let host =
                 format!("wp-warmpath-router-{i}.wp-warmpath-peers.{NAMESPACE}.svc.cluster.local");
             (host, router_ip(i))
         })
         .collect();
+    let agents = format!("wp-warmpath-agents.{NAMESPACE}.svc.cluster.local");
+    assert!(
+        router_config(&docs).contains(&format!("dns:agent@{agents}:{residency}")),
+        "{}",
+        router_config(&docs)
+    );
+    hosts.push((agents, "localhost".to_string()));
     let agent = Pod::new(
         &docs,
         find(&docs, "DaemonSet", "wp-warmpath-agent"),

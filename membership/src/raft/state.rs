@@ -202,24 +202,26 @@ pub fn check_plain_key(key: &str) -> Result<(), &'static str> {
     }
 }
 
-/// A cache-agent's residency address: `[NAME@]HOST:PORT` (`[IPV6]:PORT`), no scheme;
-/// NAME, the name in the agent's certificate, defaults to HOST (how a router dials it:
-/// `warmpath_cache_agent::residency_net::AgentTarget`).
+/// A cache-agent's residency address: `[dns:][NAME@]HOST:PORT` (`[IPV6]:PORT`), no
+/// scheme; NAME, the name in the agent's certificate, defaults to HOST (how a router dials
+/// it: `warmpath_cache_agent::residency_net::AgentTarget`); `dns:` stands for every
+/// address HOST resolves to, each its own agent.
 pub fn check_agent_address(a: &str) -> Result<(), &'static str> {
+    let a = a.strip_prefix("dns:").unwrap_or(a);
     let address = match a.split_once('@') {
         Some(("", _)) => return Err("the NAME before @ is empty"),
         Some((_, address)) => address,
         None => a,
     };
     let Some((host, port)) = address.rsplit_once(':') else {
-        return Err("give [NAME@]HOST:PORT");
+        return Err("give [dns:][NAME@]HOST:PORT");
     };
     let host = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host);
     if host.is_empty() || host.contains("://") || host.contains('/') {
-        Err("give [NAME@]HOST:PORT, no scheme or path")
+        Err("give [dns:][NAME@]HOST:PORT, no scheme or path")
     } else if a.len() > MAX_VALUE_BYTES {
         Err("longer than 512 bytes")
     } else if a.chars().any(|c| c.is_whitespace() || c.is_control()) {
@@ -241,8 +243,9 @@ pub struct PoolSpec {
     pub instances: Vec<String>,
     /// The cache-agents of the pool's hosts, `[NAME@]HOST:PORT` of their residency (QUIC)
     /// listeners, no duplicates: every router follows them (mutual TLS; NAME, or HOST when
-    /// none is given, is the name checked in the agent's certificate). Empty: routers use
-    /// predictions only.
+    /// none is given, is the name checked in the agent's certificate). `dns:` before an
+    /// entry makes it every address HOST resolves to (a headless Service of agents).
+    /// Empty: routers use predictions only.
     #[serde(default)]
     #[schema(example = json!(["gpu-host-1:7700"]))]
     pub agents: Vec<String>,
@@ -837,6 +840,8 @@ mod tests {
             "gpu-1:7700",
             "[::1]:7700",
             "agent@10.0.3.17:7700",
+            "dns:agent@agents.llm.svc:7700",
+            "dns:agents.llm.svc:7700",
             "agent@[::1]:7700",
         ] {
             assert_eq!(check_agent_address(ok), Ok(()), "{ok}");
@@ -846,6 +851,7 @@ mod tests {
             ("agent@10.0.3.17", "[NAME@]HOST:PORT"),
             ("agent@http://h:1", "no scheme"),
             ("agent@h:0", "1 to 65535"),
+            ("dns:@h:7700", "NAME before @ is empty"),
         ] {
             let e = check_agent_address(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");

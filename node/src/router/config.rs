@@ -207,7 +207,8 @@ pub struct PoolSection {
     /// Base URLs of the instances serving it (`http://host:port`).
     pub instances: Vec<String>,
     /// The cache-agents of its hosts (`[NAME@]HOST:PORT` of their residency listeners;
-    /// NAME, the one in the agent's certificate, defaults to HOST).
+    /// NAME, the one in the agent's certificate, defaults to HOST; `dns:` before an entry:
+    /// every address HOST resolves to, each its own agent).
     #[serde(default)]
     pub agents: Vec<String>,
     /// The engines' tokenizer: builtin, tiktoken:o200k_base, tiktoken:cl100k_base or
@@ -302,7 +303,7 @@ impl Tenant {
 pub struct Pool {
     pub model: String,
     pub instances: Vec<String>,
-    /// Cache-agents whose residency every router follows (`[NAME@]HOST:PORT`).
+    /// Cache-agents whose residency every router follows (`[dns:][NAME@]HOST:PORT`).
     pub agents: Vec<String>,
     /// The engines' tokenizer and chat template (see `crate::prompt`).
     pub tokenizer: String,

@@ -42,7 +42,8 @@ pub struct RouterArgs {
     #[arg(long)]
     pub metrics_listen: Option<String>,
     /// A cache-agent to learn residency from, over QUIC ([NAME@]HOST:PORT, NAME being the
-    /// one in its certificate, HOST by default; repeatable); needs --tls-dir and --tls-name.
+    /// one in its certificate, HOST by default; `dns:` before it: every address HOST
+    /// resolves to, each its own agent; repeatable); needs --tls-dir and --tls-name.
     #[arg(long = "residency-agent")]
     pub residency_agents: Vec<String>,
     /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.
@@ -371,7 +372,7 @@ fn describe_metrics() {
     );
     describe_gauge!(
         "warmpath_router_residency_agents",
-        "Cache-agents this router follows (flags and the pools' agents)."
+        "Agent entries this router follows (flags and the pools' agents; a dns: entry counts once, however many agents it resolves to)."
     );
     describe_gauge!("warmpath_index_holders", "(instance, block) pairs in the index, by source: predicted (routing decisions, own and peers') or observed (agents).");
     describe_gauge!(

@@ -6,9 +6,13 @@
 //!
 //! Which agents: those given with `--residency-agent` and those the pools of the current
 //! configuration name (`agents`, so that a Raft change adds and removes them on every
-//! router at once). An agent that leaves the configuration is no longer followed and what
-//! it reported is withdrawn. Each link also sends the agent the configuration's tenant
-//! salts, which it needs to key its engines' chains.
+//! router at once). An entry `dns:[NAME@]HOST:PORT` stands for every address HOST
+//! resolves to, each followed as its own agent and checked by NAME (a Kubernetes headless
+//! Service in front of a DaemonSet of agents), and is resolved again every
+//! [`RESOLVE_EVERY`]: agents that appear are followed, those that leave are dropped; a
+//! failed lookup keeps what was followed. An agent that leaves the configuration is no
+//! longer followed and what it reported is withdrawn. Each link also sends the agent the
+//! configuration's tenant salts, which it needs to key its engines' chains.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -25,6 +29,17 @@ use super::proxy::App;
 
 /// Residency changes applied under one hold of the routing core's lock.
 const APPLY_CHUNK: usize = 256;
+
+/// How often a `dns:` agent entry is resolved again.
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// An agent entry: one agent, or (`dns:`) every address its host resolves to.
+fn parse_entry(entry: &str) -> Result<(bool, AgentTarget), String> {
+    match entry.strip_prefix("dns:") {
+        Some(rest) => AgentTarget::parse(rest).map(|t| (true, t)),
+        None => AgentTarget::parse(entry).map(|t| (false, t)),
+    }
+}
 
 /// The agents this router follows.
 #[derive(Debug)]
@@ -49,7 +64,7 @@ impl Residency {
         expiry: Duration,
     ) -> Result<Arc<Residency>> {
         for a in fixed {
-            AgentTarget::parse(a).map_err(|e| anyhow::anyhow!("--residency-agent: {e}"))?;
+            parse_entry(a).map_err(|e| anyhow::anyhow!("--residency-agent: {e}"))?;
         }
         let client = tls.client_config().map_err(anyhow::Error::msg)?;
         let bind: SocketAddr = "0.0.0.0:0".parse()?;
@@ -79,19 +94,28 @@ impl Residency {
             if following.contains_key(a) {
                 continue;
             }
-            let Ok(target) = AgentTarget::parse(a) else {
-                tracing::warn!(agent = %a, "not a [NAME@]HOST:PORT agent address; not followed");
+            let Ok((every_address, target)) = parse_entry(a) else {
+                tracing::warn!(agent = %a, "not a [dns:][NAME@]HOST:PORT agent address; not followed");
                 continue;
             };
             let (stop, stopped) = oneshot::channel();
-            tokio::spawn(follow(
+            let (quic, out, tenants) = (
                 self.quic.clone(),
-                target,
-                self.expiry,
                 self.out.clone(),
-                stopped,
                 self.tenants.subscribe(),
-            ));
+            );
+            if every_address {
+                tokio::spawn(follow_each(
+                    quic,
+                    target,
+                    self.expiry,
+                    out,
+                    stopped,
+                    tenants,
+                ));
+            } else {
+                tokio::spawn(follow(quic, target, self.expiry, out, stopped, tenants));
+            }
             following.insert(a.clone(), stop);
         }
         metrics::gauge!("warmpath_router_residency_agents").set(following.len() as f64);
@@ -107,6 +131,63 @@ impl Residency {
             }
             changed
         });
+    }
+}
+
+/// Follows every address `target`'s host resolves to, each as its own agent checked by
+/// `target`'s name, resolving again every [`RESOLVE_EVERY`] until `stop` fires (then
+/// every follower stops and what its agent reported is withdrawn).
+async fn follow_each(
+    quic: warmpath_cache_agent::residency_net::quinn::Endpoint,
+    target: AgentTarget,
+    expiry: Duration,
+    out: mpsc::Sender<Outcome>,
+    mut stop: oneshot::Receiver<()>,
+    tenants: watch::Receiver<Arc<Vec<(String, String)>>>,
+) {
+    let mut following: HashMap<SocketAddr, oneshot::Sender<()>> = HashMap::new();
+    let mut tick = tokio::time::interval(RESOLVE_EVERY);
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tick.tick() => {}
+        }
+        let addresses: BTreeSet<SocketAddr> = match tokio::net::lookup_host(&target.address).await {
+            Ok(found) => found.collect(),
+            Err(error) => {
+                tracing::warn!(agents = %target.address, %error, "cannot resolve the agents; following those found before");
+                continue;
+            }
+        };
+        reconcile(&mut following, &addresses, |address| {
+            let one = AgentTarget {
+                address: address.to_string(),
+                server_name: target.server_name.clone(),
+            };
+            let (stop_one, stopped) = oneshot::channel();
+            tokio::spawn(follow(
+                quic.clone(),
+                one,
+                expiry,
+                out.clone(),
+                stopped,
+                tenants.clone(),
+            ));
+            stop_one
+        });
+    }
+}
+
+/// Makes `following` hold exactly `found`: drops the others (a follower stops when its
+/// handle is dropped) and starts the new ones.
+fn reconcile<T>(
+    following: &mut HashMap<SocketAddr, T>,
+    found: &BTreeSet<SocketAddr>,
+    mut start: impl FnMut(SocketAddr) -> T,
+) {
+    following.retain(|a, _| found.contains(a));
+    for &address in found {
+        following.entry(address).or_insert_with(|| start(address));
     }
 }
 
@@ -150,5 +231,49 @@ async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
         }
         metrics::counter!("warmpath_router_residency_changes_total", "kind" => kind)
             .increment(applied as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dns_entry_follows_exactly_the_addresses_found() {
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let set = |v: &[&str]| v.iter().map(|s| addr(s)).collect::<BTreeSet<_>>();
+        let mut following = HashMap::new();
+        let mut started = Vec::new();
+        let mut round = |found: &[&str], following: &mut HashMap<SocketAddr, u32>| {
+            reconcile(following, &set(found), |a| {
+                started.push(a);
+                started.len() as u32
+            });
+            let mut now: Vec<SocketAddr> = following.keys().copied().collect();
+            now.sort();
+            now
+        };
+        let two = round(&["10.0.0.1:7700", "10.0.0.2:7700"], &mut following);
+        assert_eq!(two, vec![addr("10.0.0.1:7700"), addr("10.0.0.2:7700")]);
+        // One leaves, one arrives: the one that stayed is not restarted.
+        let next = round(&["10.0.0.2:7700", "10.0.0.3:7700"], &mut following);
+        assert_eq!(next, vec![addr("10.0.0.2:7700"), addr("10.0.0.3:7700")]);
+        assert_eq!(following[&addr("10.0.0.2:7700")], 2);
+        assert!(round(&[], &mut following).is_empty());
+        assert_eq!(started.len(), 3);
+    }
+
+    #[test]
+    fn agent_entries_parse_with_and_without_dns() {
+        let (every, t) = parse_entry("dns:agent@agents.llm.svc:7700").unwrap();
+        assert!(every);
+        assert_eq!(
+            (t.address.as_str(), t.server_name.as_str()),
+            ("agents.llm.svc:7700", "agent")
+        );
+        let (every, t) = parse_entry("gpu-1:7700").unwrap();
+        assert!(!every);
+        assert_eq!(t.server_name, "gpu-1");
+        assert!(parse_entry("dns:agents.llm.svc").is_err());
     }
 }

@@ -10,6 +10,15 @@
 {{- define "warmpath.router" -}}{{ include "warmpath.fullname" . | trunc 56 | trimSuffix "-" }}-router{{- end -}}
 {{- define "warmpath.peers" -}}{{ include "warmpath.fullname" . | trunc 56 | trimSuffix "-" }}-peers{{- end -}}
 {{- define "warmpath.agent" -}}{{ include "warmpath.fullname" . | trunc 57 | trimSuffix "-" }}-agent{{- end -}}
+{{- define "warmpath.agents" -}}{{ include "warmpath.fullname" . | trunc 56 | trimSuffix "-" }}-agents{{- end -}}
+
+{{/* What routers follow by default: every agent of the DaemonSet, by its headless
+     Service (each address its own agent, checked by the name in the chart's certificate). */}}
+{{- define "warmpath.defaultAgents" -}}
+{{- if include "warmpath.agentEnabled" . -}}
+{{- printf "dns:agent@%s.%s.svc.%s:%d" (include "warmpath.agents" .) .Release.Namespace .Values.clusterDomain (int .Values.agent.ports.residency) -}}
+{{- end -}}
+{{- end -}}
 
 {{- define "warmpath.labels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
