@@ -328,25 +328,27 @@ async fn the_compose_services_run_as_written_and_prometheus_scrapes_them() {
     let prometheus =
         rehost(&prometheus, &hosts).replace("/etc/prometheus/rules.yml", rules.to_str().unwrap());
     let (_prometheus, prom) = start_prometheus(&dir, &prometheus);
-    let mut last = (Vec::new(), Vec::new(), Vec::new());
+    let mut last = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..90 {
         // Counters must move while Prometheus watches for a rate to be above 0.
         traffic().await;
         let up = query(&prom, "up").await;
         let requests = query(&prom, "warmpath:router_requests:rate1m").await;
         let subscribers = query(&prom, "warmpath_agent_residency_subscribers").await;
+        let observed = query(&prom, "warmpath_index_holders{source=\"observed\"}").await;
         let done = up.len() == 8
             && up.iter().all(|s| value(s) == 1.0)
             && requests.iter().any(|s| value(s) > 0.0)
             && subscribers.len() == 2
-            && subscribers.iter().all(|s| value(s) == 3.0);
-        last = (up, requests, subscribers);
+            && subscribers.iter().all(|s| value(s) == 3.0)
+            && observed.iter().any(|s| value(s) > 0.0);
+        last = (up, requests, subscribers, observed);
         if done {
             break;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let (up, requests, subscribers) = last;
+    let (up, requests, subscribers, observed) = last;
     assert_eq!(
         up.len(),
         8,
@@ -361,6 +363,12 @@ async fn the_compose_services_run_as_written_and_prometheus_scrapes_them() {
     assert!(
         subscribers.len() == 2 && subscribers.iter().all(|s| value(s) == 3.0),
         "{subscribers:?}"
+    );
+    // ... and learns from them what the engines' caches hold: each engine publishes its
+    // KV events to its host's agent, which reports them to every router.
+    assert!(
+        observed.iter().any(|s| value(s) > 0.0),
+        "observed index holders: {observed:?}"
     );
     drop(running);
 }
