@@ -115,3 +115,27 @@ fn the_demo_report_renders_its_plots_in_chromium() {
     let args = ["demo", "--requests", "60", "--instances", "2"];
     assert_report_renders("report-demo", &args, "real processes on loopback");
 }
+
+/// A report directory that cannot be written is refused before the run, with the path.
+#[test]
+fn an_unwritable_report_directory_fails_at_once() {
+    let blocker = scratch_dir("report-blocked").join("a-file");
+    std::fs::write(&blocker, b"").unwrap();
+    let dir = blocker.join("report");
+    for command in [
+        &["simulate", "--workload", "bots", "--requests", "50"][..],
+        &["demo", "--requests", "10"],
+    ] {
+        let mut args = command.to_vec();
+        args.extend(["--report", dir.to_str().unwrap()]);
+        let out = warmpath(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            stderr.contains("--report") && stderr.contains("cannot make the directory"),
+            "{stderr}"
+        );
+        // Nothing ran: no engine started, no simulation printed.
+        assert!(String::from_utf8_lossy(&out.stdout).is_empty(), "{args:?}");
+    }
+}

@@ -563,6 +563,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
     if args.residency && ![0, ENGINE_BLOCK_TOKENS].contains(&args.router_block_tokens) {
         bail!("--residency cuts blocks as the engines do ({ENGINE_BLOCK_TOKENS} tokens): drop --router-block-tokens");
     }
+    if let Some(dir) = &args.report {
+        crate::report::prepare(dir)?;
+    }
     let kind: SyntheticKind = args.workload.parse()?;
     let params = SyntheticParams {
         rate_per_s: args.rate,

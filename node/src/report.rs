@@ -238,6 +238,18 @@ pub fn load_over_time(
     })
 }
 
+/// Makes the report's directory before a run, so that one that cannot be written fails
+/// at once, not after the run.
+pub fn prepare(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--report {}: cannot make the directory", dir.display()))?;
+    let probe = dir.join(".warmpath-report-probe");
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("--report {}: cannot write there", dir.display()))?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
 fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")

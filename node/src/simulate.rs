@@ -452,6 +452,9 @@ pub fn render_table(out: &SimulationOutput) -> String {
 }
 
 pub fn run(args: SimulateArgs) -> Result<()> {
+    if let Some(dir) = &args.report {
+        crate::report::prepare(dir)?;
+    }
     let out = execute(&args, std::io::stderr().is_terminal())?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
