@@ -447,9 +447,10 @@ impl Pod {
             .chain(container["args"].as_array())
             .flatten()
             .map(|word| {
-                let mut word = on_pod(word.as_str().expect("a string"));
+                // Paths onto the volumes first: this build's own path may lie under a
+                // mount point (a checkout in /tmp).
+                let mut word = rebase(&on_pod(word.as_str().expect("a string")), &mounts);
                 word = word.replace("/usr/local/bin/warmpath", warmpath_bin().to_str().unwrap());
-                word = rebase(&word, &mounts);
                 // Kubernetes expands $(VAR) in a container's command and args.
                 for (k, v) in &env {
                     word = word.replace(&format!("$({k})"), v);
