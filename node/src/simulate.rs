@@ -550,8 +550,8 @@ pub fn write_report(dir: &std::path::Path, out: &SimulationOutput) -> Result<Pat
             .collect();
         figures.push(report::load_over_time(
             &format!("Load per instance: {}", r.policy),
-            "Requests in flight on each instance over simulated time (routed and not yet \
-             finished): lines apart mean some instances queue while others idle.",
+            "Requests on each instance over simulated time (waiting or running): lines \
+             apart mean some instances queue while others idle.",
             "requests in flight",
             &samples,
         )?);

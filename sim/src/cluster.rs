@@ -122,9 +122,10 @@ pub struct RunReport {
 pub struct Curves {
     /// TTFT (ms) at the quantiles 0, 0.01, …, 1: its CDF. Empty when nothing completed.
     pub ttft_cdf_ms: Vec<f64>,
-    /// Requests in flight on each instance (index = instance), sampled at seconds since
-    /// the first arrival: about [`LOAD_SAMPLES`] evenly spaced over the arrivals, and on
-    /// at the same pace while the queues drain, up to 4× as many.
+    /// Requests on each instance (index = instance: waiting or running, as
+    /// [`Engine::in_flight`] counts them), sampled at seconds since the first arrival:
+    /// about [`LOAD_SAMPLES`] evenly spaced over the arrivals, and on at the same pace
+    /// while the queues drain, up to 4× as many.
     pub load: Vec<(f64, Vec<u32>)>,
 }
 
@@ -298,14 +299,13 @@ pub fn simulate(
         .map_or(0, |r| r.arrival_us.saturating_sub(first_us));
     let sample_every_us = (arrivals_us / LOAD_SAMPLES).max(1);
     let mut next_sample_us = first_us;
-    let mut in_flight = vec![0u32; engines.len()];
     let mut load = Vec::new();
 
     while let Some(Reverse((now, _, slot))) = queue.pop() {
         last_us = last_us.max(now);
         while now >= next_sample_us && load.len() < 4 * LOAD_SAMPLES as usize {
             let at_s = (next_sample_us - first_us) as f64 / 1e6;
-            load.push((at_s, in_flight.clone()));
+            load.push((at_s, engines.iter().map(Engine::in_flight).collect()));
             next_sample_us += sample_every_us;
         }
         let Some(event) = events[slot].take() else {
@@ -396,7 +396,6 @@ pub fn simulate(
                     decided_at,
                 };
                 stepped = inst.0;
-                in_flight[inst.0 as usize] += 1;
                 let engine = &mut engines[inst.0 as usize];
                 engine.submit(
                     now,
@@ -491,7 +490,6 @@ pub fn simulate(
                     let i = id as usize;
                     let t = &tracks[i];
                     completed += 1;
-                    in_flight[t.instance as usize] -= 1;
                     e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
                     replicas[t.router as usize].finish(
                         InstanceId(t.instance),
@@ -504,7 +502,6 @@ pub fn simulate(
                     let i = id as usize;
                     let t = &tracks[i];
                     rejected += 1;
-                    in_flight[t.instance as usize] -= 1;
                     replicas[t.router as usize].finish(
                         InstanceId(t.instance),
                         t.pending,
@@ -606,9 +603,7 @@ pub fn simulate(
             ttft_cdf_ms: if ttft.is_empty() {
                 Vec::new()
             } else {
-                (0..=100)
-                    .map(|q| ttft.quantile(f64::from(q) / 100.0))
-                    .collect()
+                crate::stats::cdf(|q| ttft.quantile(q))
             },
             load,
         },

@@ -46,6 +46,12 @@ impl Samples {
     }
 }
 
+/// A distribution's CDF as reports plot it: its values at the quantiles 0, 0.01, …, 1,
+/// read from `quantile` (a function of q in `[0, 1]`).
+pub fn cdf(mut quantile: impl FnMut(f64) -> f64) -> Vec<f64> {
+    (0..=100).map(|q| quantile(f64::from(q) / 100.0)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

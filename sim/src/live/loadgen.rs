@@ -1199,9 +1199,7 @@ impl Collector {
             ttft_cdf_ms: if self.ttft.is_empty() {
                 Vec::new()
             } else {
-                (0..=100)
-                    .map(|q| self.ttft.value_at_quantile(f64::from(q) / 100.0) as f64 / 1000.0)
-                    .collect()
+                crate::stats::cdf(|q| self.ttft.value_at_quantile(q) as f64 / 1000.0)
             },
         }
     }
