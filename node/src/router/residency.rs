@@ -87,16 +87,12 @@ impl Residency {
     /// departed ones dropped with what they reported. Addresses that do not parse were
     /// refused when the configuration was written.
     pub fn set_agents(&self, configured: &[String]) {
-        let wanted: BTreeSet<&String> = self.fixed.iter().chain(configured).collect();
+        let wanted: BTreeSet<String> = self.fixed.iter().chain(configured).cloned().collect();
         let mut following = self.following.lock().unwrap_or_else(|e| e.into_inner());
-        following.retain(|a, _| wanted.contains(a));
-        for a in wanted {
-            if following.contains_key(a) {
-                continue;
-            }
+        reconcile(&mut following, &wanted, |a| {
             let Ok((every_address, target)) = parse_entry(a) else {
                 tracing::warn!(agent = %a, "not a [dns:][NAME@]HOST:PORT agent address; not followed");
-                continue;
+                return None;
             };
             let (stop, stopped) = oneshot::channel();
             let (quic, out, tenants) = (
@@ -116,8 +112,8 @@ impl Residency {
             } else {
                 tokio::spawn(follow(quic, target, self.expiry, out, stopped, tenants));
             }
-            following.insert(a.clone(), stop);
-        }
+            Some(stop)
+        });
         metrics::gauge!("warmpath_router_residency_agents").set(following.len() as f64);
     }
 
@@ -159,7 +155,7 @@ async fn follow_each(
                 continue;
             }
         };
-        reconcile(&mut following, &addresses, |address| {
+        reconcile(&mut following, &addresses, |&address| {
             let one = AgentTarget {
                 address: address.to_string(),
                 server_name: target.server_name.clone(),
@@ -173,21 +169,26 @@ async fn follow_each(
                 stopped,
                 tenants.clone(),
             ));
-            stop_one
+            Some(stop_one)
         });
     }
 }
 
-/// Makes `following` hold exactly `found`: drops the others (a follower stops when its
-/// handle is dropped) and starts the new ones.
-fn reconcile<T>(
-    following: &mut HashMap<SocketAddr, T>,
-    found: &BTreeSet<SocketAddr>,
-    mut start: impl FnMut(SocketAddr) -> T,
+/// Makes `following` hold exactly `wanted`: drops the others (a follower stops when its
+/// handle is dropped) and starts the new ones (`start` may refuse one: `None`). For the
+/// configured agents and for the addresses of each `dns:` entry alike.
+fn reconcile<K: Clone + Ord + std::hash::Hash, T>(
+    following: &mut HashMap<K, T>,
+    wanted: &BTreeSet<K>,
+    mut start: impl FnMut(&K) -> Option<T>,
 ) {
-    following.retain(|a, _| found.contains(a));
-    for &address in found {
-        following.entry(address).or_insert_with(|| start(address));
+    following.retain(|k, _| wanted.contains(k));
+    for k in wanted {
+        if !following.contains_key(k) {
+            if let Some(handle) = start(k) {
+                following.insert(k.clone(), handle);
+            }
+        }
     }
 }
 
@@ -245,9 +246,9 @@ mod tests {
         let mut following = HashMap::new();
         let mut started = Vec::new();
         let mut round = |found: &[&str], following: &mut HashMap<SocketAddr, u32>| {
-            reconcile(following, &set(found), |a| {
+            reconcile(following, &set(found), |&a| {
                 started.push(a);
-                started.len() as u32
+                Some(started.len() as u32)
             });
             let mut now: Vec<SocketAddr> = following.keys().copied().collect();
             now.sort();
