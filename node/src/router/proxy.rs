@@ -72,12 +72,11 @@ pub struct TenantEntry {
     /// The configuration version of the table holding this entry (responses carry it).
     config_version: u64,
     /// Its counters, resolved once per table: no label lookup or copy of the id per
-    /// request.
-    counters: TenantCounters,
+    /// request, and one reference count for each attempt that holds them.
+    counters: Arc<TenantCounters>,
 }
 
 /// A tenant's labelled counters.
-#[derive(Clone)]
 struct TenantCounters {
     /// Prompt tokens of its answered requests as the engines counted them (by strategy).
     prompt_tokens: metrics::Counter,
@@ -270,7 +269,7 @@ impl TenantTable {
                     tenant: t.clone(),
                     limiter,
                     config_version: version,
-                    counters: TenantCounters::new(t),
+                    counters: Arc::new(TenantCounters::new(t)),
                 }),
             );
         }
@@ -878,7 +877,7 @@ async fn attempt_once(
     app: &Arc<App>,
     endpoint: Endpoint,
     chosen: &Chosen,
-    counters: &TenantCounters,
+    counters: &Arc<TenantCounters>,
     body: Bytes,
     stream: bool,
     deadline: Instant,
@@ -979,7 +978,7 @@ struct LoadGuard {
     chosen: Option<Chosen>,
     decided_at: u64,
     /// The tenant's counters, for the engine's account of prompt and cached tokens.
-    counters: TenantCounters,
+    counters: Arc<TenantCounters>,
 }
 
 impl LoadGuard {
