@@ -777,45 +777,36 @@ fn write_report(
             ),
         ),
     ];
-    let mut figures =
-        vec![
-        report::hit_rates(
-            "Hit rate per policy and tier",
-            "Share of prompt tokens the engines found cached, by where: their GPU memory, \
-             their host's cache-agent (L1) or the shared L2, from the engines' /metrics.",
-            &rows
+    let runs: Vec<report::Run> = rows
+        .iter()
+        .map(|r| report::Run {
+            policy: r.strategy.name().to_string(),
+            tiers: r.tiers,
+            ttft_cdf_ms: r
+                .report
+                .ttft_cdf_ms
                 .iter()
-                .map(|r| (r.strategy.name().to_string(), r.tiers))
-                .collect::<Vec<_>>(),
-        )?,
-        report::cdfs(
-            "Time to first token",
-            "Cumulative distribution of TTFT per policy as the clients measured it (ms of model \
-             time): further left is faster; the top of each curve is the tail.",
-            "TTFT (ms, model time)",
-            &rows
+                .map(|ms| ms * args.speedup)
+                .collect(),
+            load: r
+                .load
                 .iter()
-                .map(|r| {
-                    let cdf = r.report.ttft_cdf_ms.iter().map(|ms| ms * args.speedup).collect();
-                    (r.strategy.name().to_string(), cdf)
-                })
-                .collect::<Vec<_>>(),
-        )?,
-    ];
-    for r in rows {
-        let load: Vec<(f64, Vec<f64>)> = r
-            .load
-            .iter()
-            .map(|(t, v)| (t * args.speedup, v.clone()))
-            .collect();
-        figures.push(report::load_over_time(
-            &format!("Load per instance: {}", r.strategy.name()),
-            "Requests on each engine (running and waiting, sampled from its /metrics every \
-             100 ms of wall time), over seconds of model time.",
-            "requests on the engine",
-            &load,
-        )?);
-    }
+                .map(|(t, v)| (t * args.speedup, v.clone()))
+                .collect(),
+        })
+        .collect();
+    let figures = report::figures(
+        &runs,
+        &report::Provenance {
+            hit_rates: "from the engines' /metrics".into(),
+            ttft: "ms of model time, as the clients measured it".into(),
+            ttft_axis: "TTFT (ms, model time)".into(),
+            load: format!(
+                "from each engine's /metrics every {} ms of wall time, over model time",
+                LOAD_SAMPLE_EVERY.as_millis()
+            ),
+        },
+    )?;
     report::write(
         dir,
         &format!("warmpath demo: {}", args.workload),

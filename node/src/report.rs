@@ -72,7 +72,7 @@ fn draw(
 
 /// Stacked bars: for each policy, the share of prompt tokens found in GPU memory, L1 and
 /// L2 (`rows`: name and the three shares, 0 to 1).
-pub fn hit_rates(title: &str, caption: &str, rows: &[(String, [f64; 3])]) -> Result<Figure> {
+fn hit_rates(title: &str, caption: &str, rows: &[(String, [f64; 3])]) -> Result<Figure> {
     let top = rows
         .iter()
         .map(|(_, t)| t.iter().filter(|v| v.is_finite()).sum::<f64>())
@@ -129,12 +129,7 @@ pub fn hit_rates(title: &str, caption: &str, rows: &[(String, [f64; 3])]) -> Res
 /// Cumulative distributions: each series is its values at the quantiles 0, 1/n, …, 1
 /// (as `Curves::ttft_cdf_ms` holds them). The x axis is logarithmic when the values span
 /// more than two decades.
-pub fn cdfs(
-    title: &str,
-    caption: &str,
-    x_desc: &str,
-    series: &[(String, Vec<f64>)],
-) -> Result<Figure> {
+fn cdfs(title: &str, caption: &str, x_desc: &str, series: &[(String, Vec<f64>)]) -> Result<Figure> {
     let values = || {
         series
             .iter()
@@ -193,7 +188,7 @@ pub fn cdfs(
 }
 
 /// Each instance's load over time: `samples` are (seconds, one value per instance).
-pub fn load_over_time(
+fn load_over_time(
     title: &str,
     caption: &str,
     y_desc: &str,
@@ -248,6 +243,75 @@ pub fn prepare(dir: &Path) -> Result<()> {
         .with_context(|| format!("--report {}: cannot write there", dir.display()))?;
     let _ = std::fs::remove_file(probe);
     Ok(())
+}
+
+/// One policy's run, as the report plots it.
+#[derive(Debug)]
+pub struct Run {
+    pub policy: String,
+    /// Shares of prompt tokens found cached in GPU memory, L1 and L2 (0 to 1).
+    pub tiers: [f64; 3],
+    /// TTFT (ms) at the quantiles 0, 0.01, …, 1 (`warmpath_sim::stats::cdf`).
+    pub ttft_cdf_ms: Vec<f64>,
+    /// Each instance's requests waiting or running, at seconds since the first request.
+    pub load: Vec<(f64, Vec<f64>)>,
+}
+
+/// Where a report's figures come from, for their captions.
+#[derive(Debug)]
+pub struct Provenance {
+    /// Whose count the hit rates are ("token-weighted over the run").
+    pub hit_rates: String,
+    /// TTFT's unit and who measured it ("simulated ms").
+    pub ttft: String,
+    /// The TTFT axis ("TTFT (ms)").
+    pub ttft_axis: String,
+    /// How the load was taken, and the time it is plotted over ("over simulated time").
+    pub load: String,
+}
+
+/// The figures of a comparison of policies: hit rate per policy and tier, TTFT CDFs, and
+/// each policy's load per instance.
+pub fn figures(runs: &[Run], from: &Provenance) -> Result<Vec<Figure>> {
+    let tiers: Vec<(String, [f64; 3])> = runs.iter().map(|r| (r.policy.clone(), r.tiers)).collect();
+    let cdfs_of: Vec<(String, Vec<f64>)> = runs
+        .iter()
+        .map(|r| (r.policy.clone(), r.ttft_cdf_ms.clone()))
+        .collect();
+    let mut figures = vec![
+        hit_rates(
+            "Hit rate per policy and tier",
+            &format!(
+                "Share of prompt tokens the engines found cached, by where they found them: \
+                 their own GPU memory, their host's L1 (the cache-agent) or the shared L2; {}.",
+                from.hit_rates
+            ),
+            &tiers,
+        )?,
+        cdfs(
+            "Time to first token",
+            &format!(
+                "Cumulative distribution of TTFT per policy ({}): further left is faster; the \
+                 top of each curve is the tail.",
+                from.ttft
+            ),
+            &from.ttft_axis,
+            &cdfs_of,
+        )?,
+    ];
+    for r in runs {
+        figures.push(load_over_time(
+            &format!("Load per instance: {}", r.policy),
+            &format!(
+                "Requests waiting or running on each instance, {}: lines apart mean some \
+                 instances queue while others idle.",
+                from.load
+            ),
+            "requests waiting or running",
+            &r.load,
+        )?);
+    }
+    Ok(figures)
 }
 
 fn escape(s: &str) -> String {

@@ -513,49 +513,30 @@ pub fn write_report(dir: &std::path::Path, out: &SimulationOutput) -> Result<Pat
             format!("warmpath {} simulate (a discrete-event simulation: same seed, same report)", env!("CARGO_PKG_VERSION")),
         ),
     ];
-    let tiers: Vec<(String, [f64; 3])> = out
+    let runs: Vec<report::Run> = out
         .runs
         .iter()
-        .map(|r| {
-            (
-                r.policy.clone(),
-                [r.hit_rate_gpu, r.hit_rate_l1, r.hit_rate_l2],
-            )
+        .map(|r| report::Run {
+            policy: r.policy.clone(),
+            tiers: [r.hit_rate_gpu, r.hit_rate_l1, r.hit_rate_l2],
+            ttft_cdf_ms: r.curves.ttft_cdf_ms.clone(),
+            load: r
+                .curves
+                .load
+                .iter()
+                .map(|(t, v)| (*t, v.iter().map(|n| f64::from(*n)).collect()))
+                .collect(),
         })
         .collect();
-    let mut figures = vec![
-        report::hit_rates(
-            "Hit rate per policy and tier",
-            "Share of prompt tokens the engines found cached, by where they found them: their \
-             own GPU memory, the host's L1 or the shared L2. Token-weighted over the run.",
-            &tiers,
-        )?,
-        report::cdfs(
-            "Time to first token",
-            "Cumulative distribution of TTFT per policy (simulated ms): further left is faster; \
-             the top of each curve is the tail.",
-            "TTFT (ms)",
-            &out.runs
-                .iter()
-                .map(|r| (r.policy.clone(), r.curves.ttft_cdf_ms.clone()))
-                .collect::<Vec<_>>(),
-        )?,
-    ];
-    for r in &out.runs {
-        let samples: Vec<(f64, Vec<f64>)> = r
-            .curves
-            .load
-            .iter()
-            .map(|(t, v)| (*t, v.iter().map(|n| f64::from(*n)).collect()))
-            .collect();
-        figures.push(report::load_over_time(
-            &format!("Load per instance: {}", r.policy),
-            "Requests on each instance over simulated time (waiting or running): lines \
-             apart mean some instances queue while others idle.",
-            "requests in flight",
-            &samples,
-        )?);
-    }
+    let figures = report::figures(
+        &runs,
+        &report::Provenance {
+            hit_rates: "token-weighted over the run".into(),
+            ttft: "simulated ms".into(),
+            ttft_axis: "TTFT (ms)".into(),
+            load: "over simulated time".into(),
+        },
+    )?;
     report::write(
         dir,
         &format!("warmpath simulate: {}", w.name),
