@@ -7,8 +7,8 @@
 use crate::deploy::{
     assert_real_flags, deploy_dir, query, start_prometheus, succeeds, value, Stopped,
 };
-use crate::helm::{documents, poll, rebase};
-use crate::{scratch_dir, warmpath_bin, Proc};
+use crate::helm::{documents, rebase};
+use crate::{scratch_dir, until, warmpath_bin, Proc};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -277,19 +277,16 @@ async fn the_compose_services_run_as_written_and_prometheus_scrapes_them() {
     let token = std::fs::read_to_string(dir.join("secrets/admin.token")).expect("the admin token");
     // Raft: three voters and a leader, seen from router-1.
     let admin = format!("http://{}:7000", ip("router-1"));
-    let cluster = tokio::task::spawn_blocking(move || {
-        poll(Duration::from_secs(60), || {
-            let out = crate::warmpath(&[
-                "admin", "--url", &admin, "--token", &token, "--json", "cluster",
-            ]);
-            let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    until(
+        Duration::from_secs(60),
+        "a Raft leader among the 3 routers",
+        || async {
+            let v = crate::cluster_status(&admin, &token)?;
             (v["raft"]["leader"].is_u64() && v["raft"]["members"].as_object()?.len() == 3)
-                .then_some(v)
-        })
-    })
-    .await
-    .unwrap();
-    assert!(cluster.is_some(), "no Raft leader among the 3 routers");
+                .then_some(())
+        },
+    )
+    .await;
     // Traffic through each router in turn, all answered: 3 requests per call.
     let http = crate::router::client();
     let prefix =

@@ -12,12 +12,12 @@
 //! loopback address of its own (127.0.0.N), standing in for the pod IP, for a wildcard
 //! bind and for the stable DNS name of its StatefulSet pod.
 
-use crate::{free_addr, scratch_dir, warmpath_bin, Proc};
+use crate::{free_addr, scratch_dir, until, warmpath_bin, Proc};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const RELEASE: &str = "wp";
 const NAMESPACE: &str = "llm";
@@ -516,20 +516,6 @@ fn entries(data: &Value, items: &Value, edit: &dyn Fn(&str) -> String) -> Vec<(S
     }
 }
 
-/// Polls `check` every 200 ms for up to `limit`; the last value, whichever it is.
-pub(crate) fn poll<T>(limit: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
-    let until = Instant::now() + limit;
-    loop {
-        if let Some(v) = check() {
-            return Some(v);
-        }
-        if Instant::now() > until {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 #[test]
 fn the_charts_pods_run_as_rendered_and_form_a_cluster() {
     let engine = crate::engine_sim("1000", &[]);
@@ -595,73 +581,63 @@ fn the_charts_pods_run_as_rendered_and_form_a_cluster() {
         .expect("the chart's admin token")
         .to_string();
     assert!(token.len() >= 32, "a random token: {token:?}");
-    let cluster = |i: usize| -> Option<Value> {
-        let url = format!("http://{}:{admin}", router_ip(i));
-        let out = crate::warmpath(&[
-            "admin", "--url", &url, "--token", &token, "--json", "cluster",
-        ]);
-        out.status
-            .success()
-            .then(|| serde_json::from_slice(&out.stdout).ok())
-            .flatten()
-    };
-    // Raft: ids 1-3 vote (ordinal + 1), 4 is a learner; every router names the leader.
-    let status = poll(Duration::from_secs(60), || {
-        let all: Vec<Value> = (0..4).filter_map(cluster).collect();
-        let agreed = all.len() == 4
-            && all.iter().all(|c| {
-                c["raft"]["leader"].is_u64()
-                    && c["raft"]["leader"] == all[0]["raft"]["leader"]
-                    && c["raft"]["members"].as_object().map(|m| m.len()) == Some(3)
-                    && c["raft"]["learners"]
-                        .as_object()
-                        .is_some_and(|l| l.contains_key("4"))
-            });
-        agreed.then(|| all[3].clone())
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "no Raft cluster of 3 voters and a learner: {:?}",
-            cluster(3)
-        )
-    });
-    assert_eq!(status["raft"]["node_id"], 4, "{status}");
-    // A request through the learner, with the config the chart seeded (default tenant,
-    // the pool): gossip and routing work on the pod addresses.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let learner = format!("http://{}:{http}", router_ip(3));
-    let reply = rt.block_on(crate::router::post(
-        &crate::router::client(),
-        &learner,
-        "/v1/completions",
-        crate::router::completion("hello from a pod", 8, false),
-        &[],
-    ));
-    assert_eq!(
-        reply.status,
-        200,
-        "{:?}",
-        String::from_utf8_lossy(&reply.body)
-    );
-    // Every router follows the agent over QUIC with the chart's CA and certificates.
-    let agent_metrics_url = format!("http://{agent_ip}:{agent_metrics}/metrics");
-    let subscribers = poll(Duration::from_secs(30), || {
-        let text = rt.block_on(crate::router::get_text(&agent_metrics_url));
-        let n = text
-            .lines()
-            .find(|l| l.starts_with("warmpath_agent_residency_subscribers "))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<f64>().ok())?;
-        (n == 4.0).then_some(n)
+    rt.block_on(async {
+        // Raft: ids 1-3 vote (ordinal + 1), 4 is a learner; every router names the leader.
+        let admin_url = |i: usize| format!("http://{}:{admin}", router_ip(i));
+        let status = until(
+            Duration::from_secs(60),
+            "a Raft cluster of 3 voters and a learner, every router naming the leader",
+            || async {
+                let all: Vec<Value> = (0..4)
+                    .filter_map(|i| crate::cluster_status(&admin_url(i), &token))
+                    .collect();
+                let agreed = all.len() == 4
+                    && all.iter().all(|c| {
+                        c["raft"]["leader"].is_u64()
+                            && c["raft"]["leader"] == all[0]["raft"]["leader"]
+                            && c["raft"]["members"].as_object().map(|m| m.len()) == Some(3)
+                            && c["raft"]["learners"]
+                                .as_object()
+                                .is_some_and(|l| l.contains_key("4"))
+                    });
+                agreed.then(|| all[3].clone())
+            },
+        )
+        .await;
+        assert_eq!(status["raft"]["node_id"], 4, "{status}");
+        // A request through the learner, with the config the chart seeded (default tenant,
+        // the pool): gossip and routing work on the pod addresses.
+        let learner = format!("http://{}:{http}", router_ip(3));
+        let reply = crate::router::post(
+            &crate::router::client(),
+            &learner,
+            "/v1/completions",
+            crate::router::completion("hello from a pod", 8, false),
+            &[],
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            200,
+            "{:?}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        // Every router follows the agent over QUIC with the chart's CA and certificates.
+        let agent_metrics_url = format!("http://{agent_ip}:{agent_metrics}/metrics");
+        until(
+            Duration::from_secs(30),
+            "4 residency subscribers on the agent",
+            || async {
+                let text = crate::router::get_text(&agent_metrics_url).await;
+                let n = crate::router::metric(&text, "warmpath_agent_residency_subscribers");
+                (n == 4.0).then_some(())
+            },
+        )
+        .await;
     });
-    assert_eq!(
-        subscribers,
-        Some(4.0),
-        "the agent's metrics: {}",
-        rt.block_on(crate::router::get_text(&agent_metrics_url))
-    );
     drop((routers, agent, engine));
 }

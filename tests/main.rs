@@ -42,6 +42,34 @@ pub fn test_venv() -> PathBuf {
     venv
 }
 
+/// Polls `f` until it gives a value; panics, naming `what`, after `within`.
+pub async fn until<T, F, Fut>(within: std::time::Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(start.elapsed() < within, "{what}: not within {within:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// A router's Raft and gossip status as `warmpath admin --json cluster` prints it, through
+/// the admin API at `admin_url` with `token`; `None` while it does not answer.
+pub fn cluster_status(admin_url: &str, token: &str) -> Option<serde_json::Value> {
+    let out = warmpath(&[
+        "admin", "--url", admin_url, "--token", token, "--json", "cluster",
+    ]);
+    if !out.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
 /// An engine-sim on a free loopback port at `speedup`, with `extra` flags.
 pub fn engine_sim(speedup: &str, extra: &[&str]) -> Proc {
     let mut args = vec![

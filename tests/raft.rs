@@ -3,7 +3,7 @@
 //! Voters' admin addresses must be known before they start, so their ports are picked by
 //! binding port 0 and closing it; everything else is polled with deadlines.
 
-use crate::{free_addr, scratch_dir, Proc};
+use crate::{free_addr, scratch_dir, until, Proc};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Method;
@@ -11,7 +11,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -100,22 +99,6 @@ async fn admin(base: &str, method: Method, path: &str, body: Option<&Value>) -> 
         headers: r.headers,
         body: r.body,
     })
-}
-
-/// Polls `f` until it gives a value; panics after `within`.
-async fn until<T, F, Fut>(within: Duration, what: &str, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(start.elapsed() < within, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn tenant_body(strategy: &str) -> Value {
