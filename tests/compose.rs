@@ -7,7 +7,7 @@
 use crate::deploy::{
     assert_real_flags, deploy_dir, query, start_prometheus, succeeds, value, Stopped,
 };
-use crate::helm::{documents, rebase};
+use crate::helm::{documents, rebase, rehost};
 use crate::{scratch_dir, until, warmpath_bin, Proc};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -94,34 +94,6 @@ fn the_compose_file_is_valid_and_passes_real_flags() {
         })
         .expect("deploy/grafana mounted into Grafana");
     assert!(provider.contains(&format!("path: {target}")), "{provider}");
-}
-
-/// `text` with each `name:PORT` of `hosts` (a service name where a host name starts)
-/// replaced by its address.
-fn rehost(text: &str, hosts: &[(String, String)]) -> String {
-    let mut out = text.to_string();
-    for (name, addr) in hosts {
-        let pattern = format!("{name}:");
-        let mut done = String::new();
-        let mut rest = out.as_str();
-        while let Some(i) = rest.find(&pattern) {
-            let before = rest[..i].chars().last().or(done.chars().last());
-            let after = rest[i + pattern.len()..].chars().next();
-            let starts = before.is_none_or(|c| !(c.is_ascii_alphanumeric() || "-._".contains(c)));
-            let port = after.is_some_and(|c| c.is_ascii_digit());
-            done.push_str(&rest[..i]);
-            if starts && port {
-                done.push_str(addr);
-                done.push(':');
-            } else {
-                done.push_str(&pattern);
-            }
-            rest = &rest[i + pattern.len()..];
-        }
-        done.push_str(rest);
-        out = done;
-    }
-    out
 }
 
 /// The command line a service's container runs, as this machine runs it: `$$` unescaped,

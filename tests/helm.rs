@@ -381,13 +381,7 @@ impl Pod {
     ) -> Pod {
         let spec = &workload["spec"]["template"]["spec"];
         let container = &spec["containers"][0];
-        let on_pod = |text: &str| {
-            let mut text = text.replace("0.0.0.0", ip);
-            for (host, addr) in hosts {
-                text = text.replace(host, addr);
-            }
-            text
-        };
+        let on_pod = |text: &str| rehost(&text.replace("0.0.0.0", ip), hosts);
         let mut mounts: Vec<(String, PathBuf)> = Vec::new();
         for mount in container["volumeMounts"].as_array().expect("volume mounts") {
             let vname = mount["name"].as_str().unwrap();
@@ -467,6 +461,34 @@ impl Pod {
         Proc::try_spawn(&mut command, 1, "warn")
             .unwrap_or_else(|e| panic!("{:?}: {e}", self.command))
     }
+}
+
+/// `text` with each `NAME:PORT` of `hosts` (a DNS name or compose service name, where a
+/// host name starts and a port follows) replaced by the address standing in for it.
+pub(crate) fn rehost(text: &str, hosts: &[(String, String)]) -> String {
+    let mut out = text.to_string();
+    for (name, addr) in hosts {
+        let pattern = format!("{name}:");
+        let mut done = String::new();
+        let mut rest = out.as_str();
+        while let Some(i) = rest.find(&pattern) {
+            let before = rest[..i].chars().last().or(done.chars().last());
+            let after = rest[i + pattern.len()..].chars().next();
+            let starts = before.is_none_or(|c| !(c.is_ascii_alphanumeric() || "-._".contains(c)));
+            let port = after.is_some_and(|c| c.is_ascii_digit());
+            done.push_str(&rest[..i]);
+            if starts && port {
+                done.push_str(addr);
+                done.push(':');
+            } else {
+                done.push_str(&pattern);
+            }
+            rest = &rest[i + pattern.len()..];
+        }
+        done.push_str(rest);
+        out = done;
+    }
+    out
 }
 
 /// `text` with every path under a mount point moved under its local directory, in one

@@ -115,12 +115,9 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<(String, TenantSpec)>, pools
             (p.model.clone(), spec)
         })
         .collect();
-    // Wait for a leader and an empty state (or someone else's seeding).
+    // Wait for a leader (or someone else's seeding).
     for _ in 0..600 {
-        if raft.local_state().version > 0 {
-            break;
-        }
-        if raft.status().leader.is_some() {
+        if raft.local_state().version > 0 || raft.status().leader.is_some() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
