@@ -956,7 +956,8 @@ async fn rate_limits_answer_429_with_retry_after() {
     let ok = statuses.iter().filter(|s| **s == 200).count();
     assert!(
         statuses.iter().all(|s| *s == 200 || *s == 429),
-        "{statuses:?}"
+        "{statuses:?} {:?}",
+        completion(c, r, key).await.body
     );
     assert_eq!(statuses[0], 200, "{statuses:?}");
     // A burst of one second's worth (2), plus what refilled meanwhile.
@@ -1400,4 +1401,183 @@ async fn learners_are_removable() {
         .await
         .expect("an answer");
     assert_eq!(unknown.status, 404, "{:?}", unknown.body);
+}
+
+impl Setup {
+    /// Starts voter `id` with its Raft data directory on a tmpfs of `bytes` in a mount
+    /// namespace of its own (see [`Proc::start_with_small_disk`]); the test reaches the
+    /// directory through `/proc/PID/root`.
+    fn start_on_small_disk(&self, id: u64, bytes: u64) -> Router {
+        let admin_listen = self
+            .voters
+            .iter()
+            .find(|(vid, _)| *vid == id)
+            .map(|(_, a)| a.to_string())
+            .expect("a voter");
+        let dir = self.raft_dir(id);
+        std::fs::create_dir_all(&dir).expect("the mount point");
+        let args = self.args(id, &admin_listen);
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut proc = Proc::start_with_small_disk(&dir, bytes, &argv);
+        let line = proc.read_line();
+        assert!(line.contains("admin on "), "router {id}: {line:?}");
+        Router {
+            admin: format!("http://{admin_listen}"),
+            proc,
+            id,
+        }
+    }
+}
+
+/// `/readyz` of `r`: its status and body.
+async fn readyz(c: &HttpClient, r: &Router) -> Option<(u16, String)> {
+    let reply = send(
+        c,
+        Method::GET,
+        &format!("{}/readyz", r.proc.url),
+        None,
+        &[],
+        Duration::from_secs(2),
+    )
+    .await?;
+    Some((reply.status, reply.body.as_str().unwrap_or("").to_string()))
+}
+
+/// Fills the filesystem at `dir` with `dir/filler` until it is full.
+fn fill(dir: &std::path::Path) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(dir.join("filler")).expect("the filler file");
+    let chunk = vec![0u8; 64 << 10];
+    while f.write_all(&chunk).is_ok() {}
+    let _ = f.sync_all();
+    // The last partial chunk: byte by byte.
+    while f.write_all(&[0]).is_ok() {}
+}
+
+/// Issue 22, 1 and 2: a router whose Raft disk fills stops following the cluster. It
+/// must leave service at once (readyz 503 naming the cause, completions 503, so an API
+/// key it has not seen is never served), answer writes sent to it with what happened
+/// (forwarded to the healthy leader, or 503 with the cause, never "outcome unknown"),
+/// and come back by itself once space returns: Raft started again from its store,
+/// caught up, ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_whose_raft_disk_fills_leaves_service_and_comes_back_by_itself() {
+    let s = Setup::new("raft-disk-full", 3);
+    let r1 = s.start(1, &s.voters[0].1.to_string());
+    let r2 = s.start(2, &s.voters[1].1.to_string());
+    let r3 = s.start_on_small_disk(3, 16 << 20);
+    wait_seeded(&[&r1, &r2, &r3]).await;
+    let c = &client();
+    until(Duration::from_secs(10), "router 3 ready", || async {
+        (readyz(c, &r3).await?.0 == 200).then_some(())
+    })
+    .await;
+    // No tenant has keys yet: any key is the default tenant's, on every router.
+    assert_eq!(completion(c, &r3, "not-a-key").await.status, 200);
+
+    let disk = PathBuf::from(format!("/proc/{}/root", r3.proc.pid()))
+        .join(s.raft_dir(3).strip_prefix("/").expect("an absolute path"));
+    fill(&disk);
+    let filled = Instant::now();
+    // Writes through the healthy routers until router 3's Raft fails to store one.
+    let mut n = 0;
+    let (status, why) = until(Duration::from_secs(60), "router 3 leaving service", || {
+        n += 1;
+        let id = format!("filler-{n}");
+        let (r1, r3) = (&r1, &r3);
+        async move {
+            let _ = admin(
+                &r1.admin,
+                Method::PUT,
+                &format!("/tenants/{id}"),
+                Some(&tenant_body("round-robin")),
+            )
+            .await;
+            let (status, body) = readyz(c, r3).await?;
+            (status != 200).then_some((status, body))
+        }
+    })
+    .await;
+    let to_unready = filled.elapsed();
+    assert_eq!(status, 503, "{why}");
+    assert!(
+        why.contains("raft stopped"),
+        "readyz names the cause: {why}"
+    );
+
+    // A keyed tenant created through the healthy routers: they refuse unknown keys.
+    let reply = admin(
+        &r1.admin,
+        Method::PUT,
+        "/tenants/acme",
+        Some(&json!({"pool": POOL, "api_keys": ["acme-key"]})),
+    )
+    .await
+    .expect("an answer");
+    assert_eq!(reply.status, 201, "{:?}", reply.body);
+    wait_routable(&r2, "acme").await;
+    until(
+        Duration::from_secs(5),
+        "router 2 refusing unknown keys",
+        || async { (completion(c, &r2, "not-a-key").await.status == 401).then_some(()) },
+    )
+    .await;
+    // The stopped router serves no tenant at all, with the cause and a retry hint.
+    let refused = completion(c, &r3, "not-a-key").await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert!(
+        refused.message().contains("raft stopped"),
+        "{:?}",
+        refused.body
+    );
+    assert_eq!(refused.retry_after(), Some(1));
+    assert_eq!(completion(c, &r3, "acme-key").await.status, 503);
+
+    // A write sent to it is forwarded to the leader it knows, or refused with the cause:
+    // never "outcome unknown" for a write that was not submitted.
+    let reply = admin(
+        &r3.admin,
+        Method::PUT,
+        "/tenants/via-stopped",
+        Some(&tenant_body("round-robin")),
+    )
+    .await
+    .expect("an answer");
+    assert!(
+        reply.status == 201 || (reply.status == 503 && reply.message().contains("stopped")),
+        "{} {:?}",
+        reply.status,
+        reply.body
+    );
+    let forwarded = reply.status == 201;
+    let status = admin(&r3.admin, Method::GET, "/cluster", None)
+        .await
+        .expect("an answer");
+    assert_eq!(status.status, 200, "{:?}", status.body);
+
+    // Space returns: Raft starts again from its store, catches up and the router is ready.
+    std::fs::remove_file(disk.join("filler")).expect("the filler removed");
+    let freed = Instant::now();
+    until(Duration::from_secs(30), "router 3 ready again", || async {
+        (readyz(c, &r3).await?.0 == 200).then_some(())
+    })
+    .await;
+    let to_ready = freed.elapsed();
+    wait_routable(&r3, "acme").await;
+    assert_eq!(completion(c, &r3, "not-a-key").await.status, 401);
+    assert_eq!(completion(c, &r3, "acme-key").await.status, 200);
+    if forwarded {
+        wait_routable(&r3, "via-stopped").await;
+    }
+    eprintln!(
+        "raft disk full: {n} writes after the disk filled; disk full -> readyz 503 in {:.2} s; \
+         space back -> ready and following in {:.2} s; write through the stopped router: {}",
+        to_unready.as_secs_f64(),
+        to_ready.as_secs_f64(),
+        if forwarded {
+            "forwarded to the leader"
+        } else {
+            "503"
+        },
+    );
 }

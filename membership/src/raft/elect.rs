@@ -61,24 +61,48 @@ pub enum PreVoteAnswer {
 
 /// When this node last heard from a leader: a successful AppendEntries or snapshot.
 #[derive(Debug, Clone)]
-pub(crate) struct Contact(Arc<Mutex<Instant>>);
+pub(crate) struct Contact(Arc<Mutex<Heard>>);
+
+/// What [`Contact`] holds.
+#[derive(Debug, Clone, Copy)]
+struct Heard {
+    /// The last time a leader was heard, or the start.
+    at: Instant,
+    /// Whether a leader was heard at all since the start.
+    ever: bool,
+}
 
 impl Contact {
     /// Counts from now: a starting node waits a whole standing time before it stands.
     pub(crate) fn new() -> Contact {
-        Contact(Arc::new(Mutex::new(Instant::now())))
+        Contact(Arc::new(Mutex::new(Heard {
+            at: Instant::now(),
+            ever: false,
+        })))
     }
 
     /// A leader was heard.
     pub(crate) fn touch(&self) {
         if let Ok(mut t) = self.0.lock() {
-            *t = Instant::now();
+            *t = Heard {
+                at: Instant::now(),
+                ever: true,
+            };
         }
     }
 
-    /// How long since a leader was last heard.
+    /// How long since a leader was last heard (or since the start, when none was).
     pub(crate) fn silence(&self) -> Duration {
-        self.0.lock().map_or(Duration::ZERO, |t| t.elapsed())
+        self.0.lock().map_or(Duration::ZERO, |t| t.at.elapsed())
+    }
+
+    /// How long since a leader was last heard; `None` when none was since the start.
+    pub(crate) fn last_heard(&self) -> Option<Duration> {
+        self.0
+            .lock()
+            .ok()
+            .filter(|t| t.ever)
+            .map(|t| t.at.elapsed())
     }
 }
 
@@ -268,6 +292,27 @@ impl Elections {
         metrics::counter!("warmpath_raft_pre_votes_total", "outcome" => "lost").increment(1);
         false
     }
+}
+
+/// Stands for election once no leader has been heard for `lease` (and a little more, for
+/// the voters' clocks), at most two leases from now: the hand-off a stopping leader asks
+/// for (see `RaftNode::hand_off`). A leader heard meanwhile from a newer term ends it.
+pub(crate) async fn stand_after_lease(raft: Raft<TypeConfig>, contact: Contact, lease: Duration) {
+    let margin = Duration::from_millis(20);
+    let give_up = Instant::now() + lease * 2;
+    let term = raft.metrics().borrow().current_term;
+    loop {
+        let silence = contact.silence();
+        if silence >= lease + margin {
+            break;
+        }
+        if Instant::now() >= give_up || raft.metrics().borrow().current_term > term {
+            return;
+        }
+        tokio::time::sleep(lease + margin - silence).await;
+    }
+    tracing::info!("the leader handed its leadership off to this node: standing for election");
+    let _ = raft.trigger().elect().await;
 }
 
 #[cfg(test)]

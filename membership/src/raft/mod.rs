@@ -75,9 +75,11 @@ pub fn enter_simulation() {
 /// A leader that has heard from no quorum for this long refuses writes at once (twice the
 /// longest election timeout: by then the others have elected a new leader).
 const STALE_QUORUM_MS: u64 = 2_000;
-/// How long a write whose connection to the leader broke waits for a new leader before it
-/// is sent again to the same one.
+/// How long a write whose connection to the leader broke, or that found the leader
+/// unreachable, waits for a new leader before it is sent again to the same one.
 const RETRY_PAUSE: Duration = Duration::from_millis(300);
+/// Attempts of one write at most (its deadline ends it first: 5 s of 300 ms pauses).
+const MAX_WRITE_ATTEMPTS: usize = 32;
 
 /// Whether a leader that a quorum last acknowledged `millis_since_quorum_ack` ago is cut
 /// off (see [`RaftStatus::quorum_lost`]).
@@ -263,6 +265,16 @@ pub enum WriteError {
     /// Anything else: the node is shut down, storage failed, the peer answered garbage.
     #[error("write failed: {0}")]
     Failed(String),
+    /// This node's Raft is stopped (see [`RaftNode::following`]) and it knew no other
+    /// leader to forward the write to, or that leader said it no longer leads: the write
+    /// was not submitted.
+    #[error(
+        "this node's raft is stopped ({cause}) and no leader took the write; it was not submitted"
+    )]
+    Stopped {
+        /// Why Raft stopped.
+        cause: String,
+    },
     /// The forwarded write reached the leader after its deadline; it was not submitted.
     #[error(
         "the write reached the raft leader {late_ms} ms after its deadline; it was not submitted"
@@ -341,27 +353,104 @@ pub struct RaftStatus {
 }
 
 /// A running member (voter or learner) of the tenant-config cluster.
+///
+/// Its Raft may stop underneath it: openraft's core quits on a storage error (a full
+/// disk) and takes no further part in the cluster. The node's keeper then says so
+/// ([`RaftNode::following`] fails, naming the cause), and starts Raft again from its store
+/// once the data directory takes writes again; the new Raft catches up from the leader.
+/// Subscribers ([`RaftNode::subscribe`]) and the `/raft/` routes carry over.
 pub struct RaftNode {
     /// This node's id.
     node_id: NodeId,
-    /// The openraft handle.
-    raft: Raft<TypeConfig>,
     /// Client for forwarding writes, reads and joins.
     client: HttpClient,
-    /// The applied configuration.
+    /// The applied configuration (one channel across restarts of Raft).
     state_rx: watch::Receiver<ConfigState>,
-    /// The database, flushed at shutdown.
-    db: Arc<redb::Database>,
-    /// State of the `/raft/` handlers.
-    server: ServerState,
+    /// The running Raft and what the `/raft/` handlers need of it; swapped on a restart.
+    server: network::ServerCell,
+    /// The tasks of the running Raft, and its database.
+    running: Arc<Mutex<Running>>,
+    /// Why Raft is stopped, while it is.
+    stopped: Arc<Mutex<Option<Stopped>>>,
     /// Deadline of writes and reads.
     write_timeout: Duration,
-    /// A learner's background join, stopped at shutdown.
-    join_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// The election timer ([`elect::Elections`]), stopped at shutdown.
-    elections: tokio::task::JoinHandle<()>,
-    /// [`publish_metrics`], stopped at shutdown.
-    gauges: tokio::task::JoinHandle<()>,
+    /// [`keep`]: watches for a stop and starts Raft again; stopped at shutdown.
+    keeper: tokio::task::JoinHandle<()>,
+}
+
+/// The tasks that live as long as one start of Raft.
+struct Running {
+    /// The database, flushed at shutdown; the `/raft/` handlers hold it weakly, so that
+    /// it closes when this start's Raft is done with it.
+    db: Option<Arc<redb::Database>>,
+    /// A learner's background join.
+    join_task: Option<tokio::task::JoinHandle<()>>,
+    /// The election timer ([`elect::Elections`]).
+    elections: Option<tokio::task::JoinHandle<()>>,
+    /// [`publish_metrics`].
+    gauges: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops the tasks and lets go of the database.
+    async fn stop(&mut self) {
+        for task in [
+            self.join_task.take(),
+            self.elections.take(),
+            self.gauges.take(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+/// Why a node's Raft stopped, and since when.
+#[derive(Debug, Clone)]
+struct Stopped {
+    /// openraft's fatal error, as it said it.
+    cause: String,
+    /// When the keeper saw it.
+    since: Instant,
+}
+
+/// Why a node does not follow the committed configuration ([`RaftNode::following`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum NotFollowing {
+    /// Its Raft stopped (a storage error); it is started again when the data directory
+    /// takes writes.
+    #[error("raft stopped {since_ms} ms ago ({cause}); it starts again from its store once the data directory takes writes")]
+    Stopped {
+        /// openraft's error.
+        cause: String,
+        /// Milliseconds since.
+        since_ms: u64,
+    },
+    /// It has heard no leader since its Raft started.
+    #[error("no raft leader heard since raft started")]
+    NoLeaderYet,
+    /// It has heard no leader for longer than the bound.
+    #[error("no raft leader heard for {silent_ms} ms (the bound is {bound_ms} ms)")]
+    LeaderSilent {
+        /// Milliseconds since a leader was last heard.
+        silent_ms: u64,
+        /// The bound it was held to.
+        bound_ms: u64,
+    },
+    /// It leads, but no quorum has acknowledged it for longer than the bound: another
+    /// leader may serve the majority.
+    #[error(
+        "this leader has not heard from a quorum for {since_ms} ms (the bound is {bound_ms} ms)"
+    )]
+    QuorumSilent {
+        /// Milliseconds since a quorum last acknowledged it.
+        since_ms: u64,
+        /// The bound it was held to.
+        bound_ms: u64,
+    },
 }
 
 impl std::fmt::Debug for RaftNode {
@@ -413,6 +502,240 @@ fn check_config(c: &NodeConfig) -> Vec<String> {
     problems
 }
 
+/// How long the keeper waits between attempts to start a stopped Raft again.
+const RESTART_PAUSE: Duration = Duration::from_secs(1);
+/// Bytes the keeper writes (and removes) in the data directory before it starts a
+/// stopped Raft again: room for a few log batches, so that a disk with a few bytes free
+/// does not stop the new start at once.
+const RESTART_PROBE_BYTES: usize = 1 << 20;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Opens the store (publishing into `state_tx`), starts Raft, joins the cluster (a voter
+/// initializes an empty one; a learner asks the voters in the background) and starts the
+/// election timer and the gauges.
+async fn launch(
+    config: &NodeConfig,
+    client: &HttpClient,
+    state_tx: &watch::Sender<ConfigState>,
+) -> Result<(ServerState, Running), StartError> {
+    let me = normalise_base(&config.http_addr);
+    let voters: BTreeMap<NodeId, BasicNode> = config
+        .voters
+        .iter()
+        .map(|(id, u)| (*id, BasicNode::new(normalise_base(u))))
+        .collect();
+    let dir = config.data_dir.clone();
+    let tx = state_tx.clone();
+    let store = store::blocking(move || Ok(Store::open_publishing(&dir, Some(tx))))
+        .await
+        .map_err(|e| StartError::Raft(format!("store open task: {e}")))??;
+    let db = store.database();
+    let (log_store, state_machine) = store.into_parts();
+    let raft_config = openraft::Config {
+        cluster_name: config.cluster_name.clone(),
+        heartbeat_interval: config.heartbeat_interval.as_millis() as u64,
+        election_timeout_min: config.election_timeout.0.as_millis() as u64,
+        election_timeout_max: config.election_timeout.1.as_millis() as u64,
+        install_snapshot_timeout: 5_000,
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every.max(1)),
+        snapshot_max_chunk_size: 512 * 1024,
+        max_in_snapshot_log_to_keep: config.logs_kept_after_snapshot,
+        // [`elect::Elections`] stands for election, after a pre-vote.
+        enable_elect: false,
+        ..Default::default()
+    }
+    .validate()
+    .map_err(|e| StartError::Raft(e.to_string()))?;
+    let factory = NetworkFactory {
+        node_id: config.node_id,
+        client: client.clone(),
+    };
+    let raft = Raft::new(
+        config.node_id,
+        Arc::new(raft_config),
+        factory,
+        log_store,
+        state_machine,
+    )
+    .await
+    .map_err(|e| StartError::Raft(e.to_string()))?;
+    let initialized = raft
+        .is_initialized()
+        .await
+        .map_err(|e| StartError::Raft(e.to_string()))?;
+    let mut join_task = None;
+    if !initialized {
+        if voters.contains_key(&config.node_id) {
+            match raft.initialize(voters.clone()).await {
+                Ok(()) => tracing::info!(node_id = config.node_id, "raft cluster initialized"),
+                Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
+                Err(e) => return Err(StartError::Raft(e.to_string())),
+            }
+        } else {
+            let req = JoinRequest {
+                node_id: config.node_id,
+                url: me.clone(),
+            };
+            let urls: Vec<String> = voters.values().map(|n| n.addr.clone()).collect();
+            join_task = Some(tokio::spawn(join_loop(
+                client.clone(),
+                urls,
+                req,
+                config.write_timeout,
+            )));
+        }
+    }
+    let gauges = tokio::spawn(publish_metrics(raft.clone()));
+    let contact = elect::Contact::new();
+    let elections = tokio::spawn(
+        elect::Elections {
+            raft: raft.clone(),
+            client: client.clone(),
+            contact: contact.clone(),
+            db: db.clone(),
+            node_id: config.node_id,
+            tick: config.heartbeat_interval / 2,
+            timeout: config.election_timeout,
+            rng: rand::SeedableRng::seed_from_u64(
+                config.election_seed.unwrap_or_else(rand::random),
+            ),
+        }
+        .run(),
+    );
+    let server = ServerState {
+        raft,
+        auth_hash: config
+            .auth_token
+            .as_deref()
+            .map(|t| blake3::hash(t.as_bytes())),
+        write_timeout: config.write_timeout,
+        contact,
+        lease: config.election_timeout.1,
+        handing_off: Default::default(),
+        db: Arc::downgrade(&db),
+    };
+    let running = Running {
+        db: Some(db),
+        join_task,
+        elections: Some(elections),
+        gauges: Some(gauges),
+    };
+    Ok((server, running))
+}
+
+/// Watches a node's Raft; when it stops (openraft's core quits on a storage error), says
+/// so and starts it again from its store once the data directory takes writes.
+struct Keeper {
+    config: NodeConfig,
+    client: HttpClient,
+    state_tx: watch::Sender<ConfigState>,
+    server: network::ServerCell,
+    running: Arc<Mutex<Running>>,
+    stopped: Arc<Mutex<Option<Stopped>>>,
+}
+
+impl Keeper {
+    async fn run(self) {
+        let node_id = self.config.node_id;
+        metrics::describe_counter!(
+            "warmpath_raft_stops_total",
+            "Times this node's Raft stopped on an error (a storage error: a full disk) and left the cluster until started again."
+        );
+        metrics::describe_gauge!(
+            "warmpath_raft_running",
+            "1 while this node's Raft runs; 0 from a stop until its restart from the store."
+        );
+        metrics::counter!("warmpath_raft_stops_total").increment(0);
+        loop {
+            metrics::gauge!("warmpath_raft_running").set(1.0);
+            let raft = network::current(&self.server).raft;
+            let cause = stopped_cause(&raft).await;
+            metrics::counter!("warmpath_raft_stops_total").increment(1);
+            metrics::gauge!("warmpath_raft_running").set(0.0);
+            tracing::error!(node_id, %cause, "raft stopped: this node no longer follows the cluster's configuration; it starts raft again from its store once the data directory takes writes");
+            *lock(&self.stopped) = Some(Stopped {
+                cause,
+                since: Instant::now(),
+            });
+            // Tasks first, then Raft: the database closes once nothing holds it.
+            let mut running = std::mem::replace(
+                &mut *lock(&self.running),
+                Running {
+                    db: None,
+                    join_task: None,
+                    elections: None,
+                    gauges: None,
+                },
+            );
+            running.stop().await;
+            let _ = raft.shutdown().await;
+            drop(raft);
+            drop(running);
+            let mut failures = 0u32;
+            loop {
+                tokio::time::sleep(RESTART_PAUSE).await;
+                let restarted = match probe_writable(&self.config.data_dir).await {
+                    Err(e) => Err(format!("the data directory takes no writes yet: {e}")),
+                    Ok(()) => launch(&self.config, &self.client, &self.state_tx)
+                        .await
+                        .map_err(|e| e.to_string()),
+                };
+                match restarted {
+                    Ok((server, running)) => {
+                        *self.server.write().unwrap_or_else(|e| e.into_inner()) = server;
+                        *lock(&self.running) = running;
+                        *lock(&self.stopped) = None;
+                        tracing::warn!(node_id, "raft started again from its store; it follows the cluster once it hears the leader");
+                        break;
+                    }
+                    Err(why) => {
+                        // Once a minute while it lasts, not every second.
+                        if failures.is_multiple_of(60) {
+                            tracing::warn!(node_id, %why, "raft stays stopped");
+                        }
+                        failures += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Waits until `raft` stops and returns why.
+async fn stopped_cause(raft: &Raft<TypeConfig>) -> String {
+    let mut rx = raft.metrics();
+    loop {
+        if let Err(fatal) = &rx.borrow_and_update().running_state {
+            return fatal.to_string();
+        }
+        if rx.changed().await.is_err() {
+            return "raft's core ended".to_string();
+        }
+    }
+}
+
+/// Writes [`RESTART_PROBE_BYTES`] to a file in `dir`, syncs it and removes it.
+async fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
+    let path = dir.join(".warmpath-write-probe");
+    let write = {
+        let path = path.clone();
+        move || -> std::io::Result<()> {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&path)?;
+            f.write_all(&vec![0u8; RESTART_PROBE_BYTES])?;
+            f.sync_all()
+        }
+    };
+    let result = tokio::task::spawn_blocking(write)
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
 impl RaftNode {
     /// Opens the store in `data_dir`, starts Raft, and joins the cluster: a voter
     /// initializes an empty cluster with `voters` (every voter does the same, which is safe);
@@ -422,118 +745,99 @@ impl RaftNode {
         if !problems.is_empty() {
             return Err(StartError::Config(problems));
         }
-        let me = normalise_base(&config.http_addr);
-        let voters: BTreeMap<NodeId, BasicNode> = config
-            .voters
-            .iter()
-            .map(|(id, u)| (*id, BasicNode::new(normalise_base(u))))
-            .collect();
-        let dir = config.data_dir.clone();
-        let store = store::blocking(move || Ok(Store::open(&dir)))
-            .await
-            .map_err(|e| StartError::Raft(format!("store open task: {e}")))??;
-        let state_rx = store.subscribe();
-        let db = store.database();
-        let (log_store, state_machine) = store.into_parts();
-        let raft_config = openraft::Config {
-            cluster_name: config.cluster_name.clone(),
-            heartbeat_interval: config.heartbeat_interval.as_millis() as u64,
-            election_timeout_min: config.election_timeout.0.as_millis() as u64,
-            election_timeout_max: config.election_timeout.1.as_millis() as u64,
-            install_snapshot_timeout: 5_000,
-            snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every.max(1)),
-            snapshot_max_chunk_size: 512 * 1024,
-            max_in_snapshot_log_to_keep: config.logs_kept_after_snapshot,
-            // [`elect::Elections`] stands for election, after a pre-vote.
-            enable_elect: false,
-            ..Default::default()
-        }
-        .validate()
-        .map_err(|e| StartError::Raft(e.to_string()))?;
         let client = match &config.transport {
             Some(t) => HttpClient::over(t.clone(), config.auth_token.clone()),
             None => HttpClient::new(config.connect_timeout, config.auth_token.clone()),
         };
-        let factory = NetworkFactory {
-            node_id: config.node_id,
-            client: client.clone(),
-        };
-        let raft = Raft::new(
-            config.node_id,
-            Arc::new(raft_config),
-            factory,
-            log_store,
-            state_machine,
-        )
-        .await
-        .map_err(|e| StartError::Raft(e.to_string()))?;
-        let initialized = raft
-            .is_initialized()
-            .await
-            .map_err(|e| StartError::Raft(e.to_string()))?;
-        let mut join_task = None;
-        if !initialized {
-            if voters.contains_key(&config.node_id) {
-                match raft.initialize(voters.clone()).await {
-                    Ok(()) => tracing::info!(node_id = config.node_id, "raft cluster initialized"),
-                    Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
-                    Err(e) => return Err(StartError::Raft(e.to_string())),
-                }
-            } else {
-                let req = JoinRequest {
-                    node_id: config.node_id,
-                    url: me.clone(),
-                };
-                let urls: Vec<String> = voters.values().map(|n| n.addr.clone()).collect();
-                join_task = Some(tokio::spawn(join_loop(
-                    client.clone(),
-                    urls,
-                    req,
-                    config.write_timeout,
-                )));
-            }
-        }
+        let (state_tx, state_rx) = watch::channel(ConfigState::default());
         describe_metrics();
-        let gauges = tokio::spawn(publish_metrics(raft.clone()));
-        let contact = elect::Contact::new();
-        let elections = tokio::spawn(
-            elect::Elections {
-                raft: raft.clone(),
+        let (server, running) = launch(&config, &client, &state_tx).await?;
+        let server = Arc::new(std::sync::RwLock::new(server));
+        let running = Arc::new(Mutex::new(running));
+        let stopped = Arc::new(Mutex::new(None));
+        let keeper = tokio::spawn(
+            Keeper {
+                config: config.clone(),
                 client: client.clone(),
-                contact: contact.clone(),
-                db: db.clone(),
-                node_id: config.node_id,
-                tick: config.heartbeat_interval / 2,
-                timeout: config.election_timeout,
-                rng: rand::SeedableRng::seed_from_u64(
-                    config.election_seed.unwrap_or_else(rand::random),
-                ),
+                state_tx,
+                server: server.clone(),
+                running: running.clone(),
+                stopped: stopped.clone(),
             }
             .run(),
         );
-        let server = ServerState {
-            raft: raft.clone(),
-            auth_hash: config
-                .auth_token
-                .as_deref()
-                .map(|t| blake3::hash(t.as_bytes())),
-            write_timeout: config.write_timeout,
-            contact,
-            lease: config.election_timeout.1,
-            db: db.clone(),
-        };
         Ok(RaftNode {
             node_id: config.node_id,
-            raft,
             client,
             state_rx,
-            db,
             server,
+            running,
+            stopped,
             write_timeout: config.write_timeout,
-            join_task: Mutex::new(join_task),
-            elections,
-            gauges,
+            keeper,
         })
+    }
+
+    /// The running Raft (the one started last, which may have stopped).
+    fn raft(&self) -> Raft<TypeConfig> {
+        network::current(&self.server).raft
+    }
+
+    /// Why this node's Raft is stopped, while it is.
+    fn stop_cause(&self) -> Option<String> {
+        if let Some(s) = lock(&self.stopped).as_ref() {
+            return Some(s.cause.clone());
+        }
+        match &self.raft().metrics().borrow().running_state {
+            Err(fatal) => Some(fatal.to_string()),
+            Ok(()) => None,
+        }
+    }
+
+    /// Whether this node follows the committed configuration: its Raft runs, and it has
+    /// heard a leader (or, leading, a quorum) within `bound`. A node whose Raft started
+    /// again after a stop follows only once it has heard a leader since.
+    pub fn following(&self, bound: Duration) -> Result<(), NotFollowing> {
+        let bound_ms = bound.as_millis() as u64;
+        if let Some(s) = lock(&self.stopped).clone() {
+            return Err(NotFollowing::Stopped {
+                cause: s.cause,
+                since_ms: s.since.elapsed().as_millis() as u64,
+            });
+        }
+        let server = network::current(&self.server);
+        let m = server.raft.metrics().borrow().clone();
+        if let Err(fatal) = &m.running_state {
+            return Err(NotFollowing::Stopped {
+                cause: fatal.to_string(),
+                since_ms: 0,
+            });
+        }
+        if m.state == openraft::ServerState::Leader {
+            // A lone voter is its own quorum (openraft then counts no acknowledgements).
+            let alone = m
+                .membership_config
+                .membership()
+                .voter_ids()
+                .all(|id| id == self.node_id);
+            if alone {
+                return Ok(());
+            }
+            return match m.millis_since_quorum_ack {
+                Some(since_ms) if since_ms > bound_ms => {
+                    Err(NotFollowing::QuorumSilent { since_ms, bound_ms })
+                }
+                _ => Ok(()),
+            };
+        }
+        match server.contact.last_heard() {
+            None => Err(NotFollowing::NoLeaderYet),
+            Some(silent) if silent > bound => Err(NotFollowing::LeaderSilent {
+                silent_ms: silent.as_millis() as u64,
+                bound_ms,
+            }),
+            Some(_) => Ok(()),
+        }
     }
 
     /// The `/raft/…` routes peers call; serve them at this node's `http_addr`.
@@ -596,7 +900,8 @@ impl RaftNode {
         let deadline = start + self.write_timeout;
         let mut hint: Option<String> = None;
         let mut last_err = None;
-        for _ in 0..4 {
+        // Bounded by the deadline; the count only stops a loop that would spin.
+        for _ in 0..MAX_WRITE_ATTEMPTS {
             // Out of time after an attempt that surely failed (the leader unreachable, no
             // leader change before the deadline): say so, rather than send the write again
             // with no time left and report a timeout, whose outcome would read "unknown".
@@ -610,22 +915,42 @@ impl RaftNode {
                 None => match self.wait_leader(deadline).await {
                     Some(t) => t,
                     None => {
+                        if let Some(cause) = self.stop_cause() {
+                            return Err(WriteError::Stopped { cause });
+                        }
                         return Err(last_err.unwrap_or(WriteError::NoLeader {
                             waited: start.elapsed(),
-                        }))
+                        }));
                     }
                 },
             };
+            // A stopped Raft's metrics stay as they were: it may still name itself leader,
+            // but it takes no write. (It forwards to another leader it names.)
+            if matches!(target, Target::Local) {
+                if let Some(cause) = self.stop_cause() {
+                    return Err(WriteError::Stopped { cause });
+                }
+                if network::current(&self.server)
+                    .handing_off
+                    .load(std::sync::atomic::Ordering::Acquire)
+                {
+                    // Handing off before it stops: the write waits for the next leader.
+                    let me = self.leader_url();
+                    last_err = Some(WriteError::NotLeader { leader_url: None });
+                    self.wait_next_leader(me.as_deref(), deadline).await;
+                    continue;
+                }
+            }
             let remaining = deadline.saturating_duration_since(Instant::now());
             let reply = match &target {
                 Target::Local => {
                     // openraft 0.9 keeps a cut-off leader leading: refuse at once rather
                     // than let the write wait out its timeout with an unknown outcome.
-                    let since = self.raft.metrics().borrow().millis_since_quorum_ack;
+                    let since = self.raft().metrics().borrow().millis_since_quorum_ack;
                     if let Some(since_ms) = since.filter(|&ms| ms > STALE_QUORUM_MS) {
                         return Err(WriteError::NoQuorum { since_ms });
                     }
-                    leader_write(&self.raft, cmd.clone(), remaining).await
+                    leader_write(&self.raft(), cmd.clone(), remaining).await
                 }
                 Target::Remote(url) => {
                     // The leader must not submit it once this node has answered.
@@ -655,11 +980,15 @@ impl RaftNode {
                         }
                         Err(e) if e.is_unreachable() => {
                             // Not submitted: wait for the next leader and try again.
+                            // A leader restarting (a rolling restart) is back in a
+                            // fraction of a second, in the same term: try it again after
+                            // a pause unless another leader is known first.
                             last_err = Some(WriteError::LeaderUnreachable {
                                 leader_url: url.clone(),
                                 message: e.to_string(),
                             });
-                            self.wait_leader_change(url, deadline).await;
+                            let soon = (Instant::now() + RETRY_PAUSE).min(deadline);
+                            self.wait_leader_change(url, soon).await;
                             continue;
                         }
                         Err(e @ HttpError::Transport { .. }) => {
@@ -732,7 +1061,7 @@ impl RaftNode {
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
         let reply = match &target {
-            Target::Local => leader_read_index(&self.raft, remaining).await,
+            Target::Local => leader_read_index(&self.raft(), remaining).await,
             Target::Remote(url) => match self
                 .client
                 .post_json::<(), LeaderReply<u64>>(url, network::PATH_READ_INDEX, &(), remaining)
@@ -764,7 +1093,7 @@ impl RaftNode {
             }
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
-        self.raft
+        self.raft()
             .wait(Some(remaining))
             .applied_index_at_least(Some(index), "linearizable read")
             .await
@@ -784,7 +1113,7 @@ impl RaftNode {
 
     /// This node's view of the cluster.
     pub fn status(&self) -> RaftStatus {
-        let m = self.raft.metrics().borrow().clone();
+        let m = self.raft().metrics().borrow().clone();
         let membership = m.membership_config.membership();
         let voter_ids: BTreeSet<NodeId> = membership.voter_ids().collect();
         let mut members = BTreeMap::new();
@@ -832,7 +1161,7 @@ impl RaftNode {
     pub async fn change_voters(&self, voters: BTreeSet<NodeId>) -> Result<(), WriteError> {
         match tokio::time::timeout(
             self.write_timeout,
-            self.raft
+            self.raft()
                 .change_membership(ChangeMembers::ReplaceAllVoters(voters), true),
         )
         .await
@@ -853,7 +1182,7 @@ impl RaftNode {
     /// first).
     pub async fn remove_learner(&self, id: NodeId) -> Result<bool, WriteError> {
         {
-            let m = self.raft.metrics().borrow().clone();
+            let m = self.raft().metrics().borrow().clone();
             let membership = m.membership_config.membership();
             if membership.voter_ids().any(|v| v == id) {
                 return Err(WriteError::Failed(format!(
@@ -866,7 +1195,7 @@ impl RaftNode {
         }
         match tokio::time::timeout(
             self.write_timeout,
-            self.raft
+            self.raft()
                 .change_membership(ChangeMembers::RemoveNodes(BTreeSet::from([id])), false),
         )
         .await
@@ -885,19 +1214,92 @@ impl RaftNode {
         }
     }
 
-    /// Stops Raft (peers then see this node as unreachable) and makes the store durable.
-    pub async fn shutdown(&self) {
-        if let Ok(mut g) = self.join_task.lock() {
-            if let Some(t) = g.take() {
-                t.abort();
+    /// A leader about to stop hands its leadership to the most up-to-date other voter,
+    /// as etcd does: it takes no more writes (they wait for the next leader), stops its
+    /// heartbeats and asks that voter to stand as soon as its lease runs out, then waits
+    /// (at most `within`) until a newer leader is known. Returns whether one is. A node
+    /// that does not lead, or leads alone, does nothing.
+    pub async fn hand_off(&self, within: Duration) -> bool {
+        let server = network::current(&self.server);
+        let m = server.raft.metrics().borrow().clone();
+        if m.state != openraft::ServerState::Leader || m.running_state.is_err() {
+            return false;
+        }
+        let membership = m.membership_config.membership();
+        let last = m.last_log_index;
+        // Among the other voters, the one that has matched most of this leader's log.
+        let target = membership
+            .voter_ids()
+            .filter(|id| *id != self.node_id)
+            .filter_map(|id| {
+                let matched = m
+                    .replication
+                    .as_ref()?
+                    .get(&id)
+                    .copied()
+                    .flatten()
+                    .map(|l| l.index);
+                Some((matched, id))
+            })
+            .max()
+            .and_then(|(matched, id)| Some((matched, membership.get_node(&id)?.addr.clone())));
+        let Some((matched, url)) = target else {
+            return false;
+        };
+        server
+            .handing_off
+            .store(true, std::sync::atomic::Ordering::Release);
+        server.raft.runtime_config().heartbeat(false);
+        let deadline = Instant::now() + within;
+        // Entries already proposed still replicate; the target must hold them all.
+        if matched < last {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tracing::info!(node_id = self.node_id, to = %url, "stopping: handing the raft leadership off");
+        if let Err(e) = self
+            .client
+            .post_json::<(), LeaderReply<()>>(&url, network::PATH_STAND, &(), within)
+            .await
+        {
+            tracing::warn!(to = %url, error = %e, "the leadership hand-off was not taken; the voters elect a leader themselves");
+        }
+        let term = m.current_term;
+        let mut rx = server.raft.metrics();
+        loop {
+            {
+                let now = rx.borrow_and_update();
+                if now.current_term > term && now.current_leader.is_some_and(|l| l != self.node_id)
+                {
+                    tracing::info!(node_id = self.node_id, leader = ?now.current_leader, "raft leadership handed off");
+                    return true;
+                }
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return false,
             }
         }
-        self.elections.abort();
-        self.gauges.abort();
-        if let Err(e) = self.raft.shutdown().await {
+    }
+
+    /// Stops Raft (peers then see this node as unreachable) and makes the store durable.
+    pub async fn shutdown(&self) {
+        self.keeper.abort();
+        let mut running = std::mem::replace(
+            &mut *lock(&self.running),
+            Running {
+                db: None,
+                join_task: None,
+                elections: None,
+                gauges: None,
+            },
+        );
+        running.stop().await;
+        if let Err(e) = self.raft().shutdown().await {
             tracing::warn!(node_id = self.node_id, error = %e, "raft shutdown failed");
         }
-        let db = self.db.clone();
+        let Some(db) = running.db.take() else {
+            return;
+        };
         match store::blocking(move || Ok(store::flush(&db))).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -911,7 +1313,7 @@ impl RaftNode {
 
     /// Waits until a leader is known; `None` at the deadline.
     async fn wait_leader(&self, deadline: Instant) -> Option<Target> {
-        let mut rx = self.raft.metrics();
+        let mut rx = self.raft().metrics();
         loop {
             {
                 let m = rx.borrow_and_update();
@@ -944,7 +1346,7 @@ impl RaftNode {
 
     /// The base URL of the leader this node knows of.
     fn leader_url(&self) -> Option<String> {
-        leader_url_of(&self.raft.metrics().borrow())
+        leader_url_of(&self.raft().metrics().borrow())
     }
 
     /// Waits until the leader is no longer `url` (or the deadline).
@@ -966,7 +1368,7 @@ impl RaftNode {
     /// Waits until a leader is known that is not `tried` or was elected in a later term
     /// than the current one (or the deadline).
     async fn wait_next_leader(&self, tried: Option<&str>, deadline: Instant) {
-        let term = self.raft.metrics().borrow().current_term;
+        let term = self.raft().metrics().borrow().current_term;
         self.wait_leader_url(
             |current, now| current.is_some() && (current != tried || now > term),
             deadline,
@@ -976,8 +1378,11 @@ impl RaftNode {
 
     /// Waits until `done` holds of the leader's base URL this node knows of and the
     /// current term (or the deadline).
+    ///
+    /// A stopped Raft's metrics no longer change (their channel closes): that is no
+    /// change of leader, so the wait then lasts to the deadline.
     async fn wait_leader_url(&self, done: impl Fn(Option<&str>, u64) -> bool, deadline: Instant) {
-        let mut rx = self.raft.metrics();
+        let mut rx = self.raft().metrics();
         loop {
             {
                 let m = rx.borrow_and_update();
@@ -987,7 +1392,8 @@ impl RaftNode {
             }
             match tokio::time::timeout_at(deadline, rx.changed()).await {
                 Ok(Ok(())) => {}
-                _ => return,
+                Ok(Err(_)) => return tokio::time::sleep_until(deadline).await,
+                Err(_) => return,
             }
         }
     }

@@ -58,6 +58,9 @@ pub const WRITE_DEADLINE_HEADER: &str = "x-warmpath-write-deadline-ms";
 pub const PATH_READ_INDEX: &str = "/raft/read-index";
 /// Path of a learner's request to join.
 pub const PATH_JOIN: &str = "/raft/join";
+/// Path of the leader's hand-off request: "stand for election as soon as my lease has
+/// run out" (Raft's TimeoutNow, thesis section 3.10).
+pub const PATH_STAND: &str = "/raft/stand";
 
 /// Largest request or response body, bytes (snapshot chunks are 512 KiB before JSON).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
@@ -414,8 +417,12 @@ pub(crate) struct ServerState {
     pub(crate) contact: Contact,
     /// The leader lease (the top of the election range), for pre-vote answers.
     pub(crate) lease: Duration,
-    /// The store, for this node's last log id in pre-vote answers.
-    pub(crate) db: Arc<redb::Database>,
+    /// Set while this leader hands its leadership off before it stops: it takes no write
+    /// (a write then waits for the next leader).
+    pub(crate) handing_off: Arc<std::sync::atomic::AtomicBool>,
+    /// The store, for this node's last log id in pre-vote answers; weak, so that a
+    /// stopped Raft's database closes (the node's keeper opens it again).
+    pub(crate) db: std::sync::Weak<redb::Database>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -427,10 +434,19 @@ impl std::fmt::Debug for ServerState {
     }
 }
 
+/// The handlers' [`ServerState`], swapped whole when the node's Raft is started again
+/// (see `RaftNode`'s keeper): every request reads the current one.
+pub(crate) type ServerCell = Arc<std::sync::RwLock<ServerState>>;
+
+/// The current state of `cell`.
+pub(crate) fn current(cell: &ServerCell) -> ServerState {
+    cell.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
 /// The `/raft/…` routes of one node. The peer token is checked by a layer that runs
 /// before any handler, so an unauthenticated request is refused before its body is read
 /// or parsed.
-pub(crate) fn router(state: ServerState) -> Router {
+pub(crate) fn router(state: ServerCell) -> Router {
     Router::new()
         .route(PATH_APPEND, post(append))
         .route(PATH_VOTE, post(vote))
@@ -439,6 +455,7 @@ pub(crate) fn router(state: ServerState) -> Router {
         .route(PATH_WRITE, post(write))
         .route(PATH_READ_INDEX, post(read_index))
         .route(PATH_JOIN, post(join))
+        .route(PATH_STAND, post(stand))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -449,10 +466,11 @@ pub(crate) fn router(state: ServerState) -> Router {
 
 /// Refuses a request without the peer token before anything reads its body.
 async fn require_peer_token(
-    State(s): State<ServerState>,
+    State(cell): State<ServerCell>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    let s = current(&cell);
     if !authorized(&s, request.headers()) {
         metrics::counter!("warmpath_raft_unauthorized_requests_total").increment(1);
         return unauthorized();
@@ -492,9 +510,10 @@ fn rpc_reply<T: Serialize, E: std::error::Error + Serialize>(
 }
 
 async fn append(
-    State(s): State<ServerState>,
+    State(cell): State<ServerCell>,
     Json(rpc): Json<AppendEntriesRequest<TypeConfig>>,
 ) -> Response {
+    let s = current(&cell);
     let r = s.raft.append_entries(rpc).await;
     // Anything but a higher vote means the sender leads this node's term.
     if matches!(&r, Ok(resp) if !matches!(resp, AppendEntriesResponse::HigherVote(_))) {
@@ -503,14 +522,16 @@ async fn append(
     rpc_reply(r)
 }
 
-async fn vote(State(s): State<ServerState>, Json(rpc): Json<VoteRequest<NodeId>>) -> Response {
+async fn vote(State(cell): State<ServerCell>, Json(rpc): Json<VoteRequest<NodeId>>) -> Response {
+    let s = current(&cell);
     rpc_reply(s.raft.vote(rpc).await)
 }
 
 async fn snapshot(
-    State(s): State<ServerState>,
+    State(cell): State<ServerCell>,
     Json(rpc): Json<InstallSnapshotRequest<TypeConfig>>,
 ) -> Response {
+    let s = current(&cell);
     let vote = rpc.vote;
     let r = s.raft.install_snapshot(rpc).await;
     if matches!(&r, Ok(resp) if resp.vote == vote) {
@@ -520,7 +541,8 @@ async fn snapshot(
 }
 
 /// Answers a pre-vote from what this node has heard and stored; changes nothing.
-async fn pre_vote(State(s): State<ServerState>, Json(req): Json<PreVoteRequest>) -> Response {
+async fn pre_vote(State(cell): State<ServerCell>, Json(req): Json<PreVoteRequest>) -> Response {
+    let s = current(&cell);
     if let Some(r) = stopped(&s) {
         return r;
     }
@@ -531,7 +553,10 @@ async fn pre_vote(State(s): State<ServerState>, Json(req): Json<PreVoteRequest>)
             && m.millis_since_quorum_ack
                 .is_none_or(|ms| ms <= s.lease.as_millis() as u64)
     };
-    let mine = match store::last_log_id(&s.db).await {
+    let Some(db) = s.db.upgrade() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "raft stopped").into_response();
+    };
+    let mine = match store::last_log_id(&db).await {
         Ok(last) => last,
         Err(e) => {
             return (
@@ -552,10 +577,11 @@ fn stopped(s: &ServerState) -> Option<Response> {
 }
 
 async fn write(
-    State(s): State<ServerState>,
+    State(cell): State<ServerCell>,
     headers: HeaderMap,
     Json(cmd): Json<Command>,
 ) -> Response {
+    let s = current(&cell);
     if let Some(r) = stopped(&s) {
         return r;
     }
@@ -571,20 +597,45 @@ async fn write(
             return Json(late).into_response();
         }
     }
+    if s.handing_off.load(std::sync::atomic::Ordering::Acquire) {
+        let r: LeaderReply<CommandResult> = LeaderReply::NotLeader {
+            leader_id: None,
+            leader_url: None,
+        };
+        return Json(r).into_response();
+    }
     let r: LeaderReply<CommandResult> = super::leader_write(&s.raft, cmd, s.write_timeout).await;
     Json(r).into_response()
 }
 
-async fn read_index(State(s): State<ServerState>) -> Response {
+async fn read_index(State(cell): State<ServerCell>) -> Response {
+    let s = current(&cell);
     if let Some(r) = stopped(&s) {
         return r;
     }
     Json(super::leader_read_index(&s.raft, s.write_timeout).await).into_response()
 }
 
-async fn join(State(s): State<ServerState>, Json(req): Json<JoinRequest>) -> Response {
+async fn join(State(cell): State<ServerCell>, Json(req): Json<JoinRequest>) -> Response {
+    let s = current(&cell);
     if let Some(r) = stopped(&s) {
         return r;
     }
     Json(super::leader_join(&s.raft, req, s.write_timeout).await).into_response()
+}
+
+/// The leader asks this voter to take over: it stands for election as soon as it has not
+/// heard the leader for the lease (openraft's voters refuse a vote inside it), without a
+/// pre-vote. Answers at once; the election runs in the background.
+async fn stand(State(cell): State<ServerCell>) -> Response {
+    let s = current(&cell);
+    if let Some(r) = stopped(&s) {
+        return r;
+    }
+    tokio::spawn(super::elect::stand_after_lease(
+        s.raft.clone(),
+        s.contact.clone(),
+        s.lease,
+    ));
+    Json(LeaderReply::<()>::Ok(())).into_response()
 }

@@ -415,6 +415,17 @@ impl Store {
     /// Opens (or creates) the store in `data_dir/raft.redb` and restores the state machine
     /// from the stored snapshot; openraft then re-applies the committed log on top.
     pub fn open(data_dir: &Path) -> Result<Store, StoreError> {
+        Store::open_publishing(data_dir, None)
+    }
+
+    /// [`Store::open`], publishing the applied configuration into `state_tx` when given:
+    /// a Raft node started again in the same process keeps its subscribers. A state older
+    /// than the one `state_tx` holds is not published (the restarted node re-applies its
+    /// log from the snapshot up, and no subscriber may see the configuration go back).
+    pub fn open_publishing(
+        data_dir: &Path,
+        state_tx: Option<watch::Sender<ConfigState>>,
+    ) -> Result<Store, StoreError> {
         std::fs::create_dir_all(data_dir).map_err(|source| StoreError::DataDir {
             path: data_dir.to_path_buf(),
             source,
@@ -443,13 +454,15 @@ impl Store {
             sm.last_applied = meta.last_log_id;
             sm.membership = meta.last_membership;
         }
-        let (state_tx, _) = watch::channel(sm.state.clone());
-        Ok(Store {
+        let state_tx = state_tx.unwrap_or_else(|| watch::channel(sm.state.clone()).0);
+        let store = Store {
             db: Arc::new(db),
             sm,
             state_tx,
             snapshot_seq: Arc::new(AtomicU64::new(0)),
-        })
+        };
+        store.publish();
+        Ok(store)
     }
 
     /// A receiver of the applied configuration, updated after every applied batch.
@@ -468,7 +481,14 @@ impl Store {
     }
 
     fn publish(&self) {
-        self.state_tx.send_replace(self.sm.state.clone());
+        let state = &self.sm.state;
+        self.state_tx.send_if_modified(|current| {
+            let newer = state.version >= current.version;
+            if newer {
+                *current = state.clone();
+            }
+            newer
+        });
     }
 }
 

@@ -285,6 +285,7 @@ fn write_error(e: WriteError, key: Option<&str>) -> AdminError {
         | WriteError::NoLeader { .. }
         | WriteError::NoQuorum { .. }
         | WriteError::LeaderUnreachable { .. }
+        | WriteError::Stopped { .. }
         | WriteError::Late { .. } => AdminError::Unavailable(e.to_string()),
         WriteError::Timeout(_) | WriteError::Unknown(_) => {
             let how = match key {

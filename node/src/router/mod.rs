@@ -473,15 +473,24 @@ async fn models(State(app): State<Arc<App>>) -> impl IntoResponse {
 }
 
 async fn readyz(State(app): State<Arc<App>>) -> impl IntoResponse {
+    if let Some(why) = app.following.refusal() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not following the cluster's configuration: {why}"),
+        );
+    }
     if app
         .core
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .any_healthy()
     {
-        (StatusCode::OK, "ready")
+        (StatusCode::OK, "ready".to_string())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "no healthy instance")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy instance".to_string(),
+        )
     }
 }
 
@@ -513,6 +522,12 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
         app.metrics.render(),
     )
 }
+
+/// How long a stopping leader waits for the voter it hands off to to lead.
+const HAND_OFF_WITHIN: Duration = Duration::from_secs(2);
+/// How long a stopping router lets open admin requests (writes waiting on Raft: at most
+/// their 5 s deadline) finish.
+const ADMIN_DRAIN: Duration = Duration::from_secs(6);
 
 /// Checks every instance's `/health` each interval and marks it up or down; reads the
 /// GPU KV capacity from an instance's `/metrics` while it is unknown, and again whenever
@@ -696,6 +711,10 @@ pub fn run(args: RouterArgs) -> Result<()> {
         }
         let mut raft_tasks = Vec::new();
         let mut raft_node = None;
+        // The admin server (and Raft's RPCs) drains after the client port, so that a
+        // stopping leader can hand its leadership off first.
+        let admin_stop = tokio::sync::watch::Sender::new(false);
+        let mut admin_task = None;
         if let Some(settings) = app.config.raft.clone() {
             let admin_listener = tokio::net::TcpListener::bind(settings.admin_listen)
                 .await
@@ -705,6 +724,8 @@ pub fn run(args: RouterArgs) -> Result<()> {
             if settings.peer_token.is_none() {
                 tracing::warn!("Raft RPCs run WITHOUT a peer token (--insecure-raft-without-peer-token): anyone who reaches {admin_url} can rewrite the configuration");
             }
+            // Not following until Raft has heard its leader.
+            app.following.set(Err("raft is starting".into()));
             let raft = tenancy::start(&settings, &admin_url).await?;
             println!(
                 "warmpath router admin on {admin_url} (raft node {})",
@@ -716,14 +737,20 @@ pub fn run(args: RouterArgs) -> Result<()> {
                 router: Arc::new(tenancy::Info { app: app.clone() }),
             });
             let admin_app = crate::admin::routes(deps).merge(raft.router());
-            raft_tasks.push(tokio::spawn(async move {
-                let served =
-                    listener::serve(admin_listener, admin_app, limits, std::future::pending())
-                        .await;
+            let mut stop = admin_stop.subscribe();
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            admin_task = Some(tokio::spawn(async move {
+                let served = listener::serve(admin_listener, admin_app, limits, stopped).await;
                 if let Err(error) = served {
                     tracing::error!(%error, "admin server failed");
                 }
             }));
+            raft_tasks.push(tokio::spawn(tenancy::watch_following(
+                app.clone(),
+                raft.clone(),
+            )));
             raft_tasks.push(tokio::spawn(tenancy::follow(
                 app.clone(),
                 raft.clone(),
@@ -752,6 +779,15 @@ pub fn run(args: RouterArgs) -> Result<()> {
         }
         if let Some(task) = metrics_task {
             task.abort();
+        }
+        if let Some(raft) = &raft_node {
+            raft.hand_off(HAND_OFF_WITHIN).await;
+        }
+        admin_stop.send_replace(true);
+        if let Some(task) = admin_task {
+            if tokio::time::timeout(ADMIN_DRAIN, task).await.is_err() {
+                tracing::warn!("admin requests still open after {ADMIN_DRAIN:?}: closing them");
+            }
         }
         for task in raft_tasks {
             task.abort();

@@ -60,6 +60,9 @@ pub struct App {
     /// Counts instances the health checks found down: requests waiting on an instance
     /// watch it, so a hung engine costs them a failover, not their timeouts.
     pub downs: tokio::sync::watch::Sender<u64>,
+    /// Whether this router follows the cluster's configuration (always without Raft): a
+    /// router that does not serves no tenant and is not ready.
+    pub following: super::tenancy::FollowGate,
 }
 
 pub struct TenantEntry {
@@ -326,6 +329,7 @@ impl App {
             peer_count: Mutex::new(Default::default()),
             peer_list: Mutex::new(Vec::new()),
             downs: tokio::sync::watch::Sender::new(0),
+            following: Default::default(),
         };
         app.set_tokenizers(&app.config.pools);
         app
@@ -358,6 +362,9 @@ impl App {
     ///   tenant without API keys (a keyed tenant is never reachable without its key);
     /// - otherwise the default tenant, if it has no API keys.
     fn identify(&self, headers: &HeaderMap) -> Result<Arc<TenantEntry>, ProxyError> {
+        if let Some(why) = self.following.refusal() {
+            return Err(ProxyError::NotFollowing(why));
+        }
         let table = self.tenants();
         let keyless = |id: &str| {
             table
@@ -461,6 +468,11 @@ pub enum ProxyError {
         "the request body ({0} bytes) is over the serving instance's limit; send a smaller one"
     )]
     UpstreamTooLarge(usize),
+    /// This router cannot confirm it holds the cluster's configuration (its Raft stopped,
+    /// or it has heard no leader within the bound): it serves no tenant, since a key
+    /// revoked meanwhile must not work here.
+    #[error("this router does not follow the cluster's configuration now ({0}); retry: another router serves")]
+    NotFollowing(String),
 }
 
 impl ProxyError {
@@ -473,7 +485,9 @@ impl ProxyError {
                 StatusCode::PAYLOAD_TOO_LARGE
             }
             ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ProxyError::NoHealthyInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::NoHealthyInstance { .. } | ProxyError::NotFollowing(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::SlowClient(_) => StatusCode::REQUEST_TIMEOUT,
@@ -490,6 +504,7 @@ impl ProxyError {
             ProxyError::RateLimited { .. } => "rate_limit_error",
             ProxyError::UnknownModel(_) => "not_found_error",
             ProxyError::NoHealthyInstance { .. }
+            | ProxyError::NotFollowing(_)
             | ProxyError::Upstream { .. }
             | ProxyError::Timeout(_) => "service_unavailable",
         }
@@ -513,6 +528,10 @@ impl IntoResponse for ProxyError {
                 axum::http::header::RETRY_AFTER,
                 HeaderValue::from(retry_after_s),
             );
+        }
+        if let ProxyError::NotFollowing(_) = self {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(1u64));
         }
         metrics::counter!("warmpath_router_errors_total", "status" => status.as_u16().to_string())
             .increment(1);

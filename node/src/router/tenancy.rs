@@ -12,6 +12,102 @@ use warmpath_membership::raft::state::{
 };
 use warmpath_membership::raft::{NodeConfig, RaftNode};
 
+/// How long a router may go without hearing the Raft leader (or, leading, a quorum) and
+/// still serve its copy of the configuration. Past it, and whenever its Raft is stopped,
+/// it serves no tenant (503) and is not ready, so a key revoked through the leader stops
+/// working on every ready router within this bound. Five elections' worth: an election
+/// takes about a second, so a leader change never trips it.
+pub const FOLLOW_BOUND: Duration = Duration::from_secs(5);
+
+/// How often [`watch_following`] looks.
+const FOLLOW_CHECK: Duration = Duration::from_millis(100);
+
+/// Whether the router follows the cluster's configuration: read on every request
+/// (one atomic load while it does), set by [`watch_following`]. While it refuses, each
+/// refusal asks the Raft node again, so a router that has just caught up serves at once
+/// rather than at the watcher's next look.
+#[derive(Default)]
+pub struct FollowGate {
+    /// Set while the router does not follow.
+    refusing: std::sync::atomic::AtomicBool,
+    /// Why, while it does not.
+    cause: std::sync::Mutex<String>,
+    /// Asks the Raft node now (absent without Raft).
+    check: std::sync::OnceLock<Box<dyn Fn() -> Result<(), String> + Send + Sync>>,
+}
+
+impl std::fmt::Debug for FollowGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FollowGate")
+            .field("refusal", &self.refusal())
+            .finish()
+    }
+}
+
+impl FollowGate {
+    /// Why the router does not follow, while it does not.
+    pub fn refusal(&self) -> Option<String> {
+        use std::sync::atomic::Ordering;
+        if !self.refusing.load(Ordering::Acquire) {
+            return None;
+        }
+        if let Some(check) = self.check.get() {
+            let now = check();
+            let why = now.clone().err();
+            if self.set(now) && why.is_none() {
+                tracing::info!("this router follows the cluster's configuration again: ready");
+            }
+            return why;
+        }
+        Some(self.cause.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// Records whether the router follows (`Err`: why not); true when that changed.
+    pub fn set(&self, state: Result<(), String>) -> bool {
+        use std::sync::atomic::Ordering;
+        let refusing = state.is_err();
+        if let Err(cause) = state {
+            *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = cause;
+        }
+        self.refusing.swap(refusing, Ordering::AcqRel) != refusing
+    }
+}
+
+/// Keeps `app.following` up to date with the Raft node (see [`FOLLOW_BOUND`]), logging
+/// and counting each change, until the task is aborted.
+pub async fn watch_following(app: Arc<App>, raft: Arc<RaftNode>) {
+    let checked = raft.clone();
+    let _ = app.following.check.set(Box::new(move || {
+        checked.following(FOLLOW_BOUND).map_err(|e| e.to_string())
+    }));
+    metrics::describe_gauge!(
+        "warmpath_router_config_followed",
+        "1 while this router follows the cluster's configuration (Raft runs, a leader heard within the bound); 0: it serves no tenant and is not ready."
+    );
+    let mut tick = tokio::time::interval(FOLLOW_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let state = raft.following(FOLLOW_BOUND).map_err(|e| e.to_string());
+        metrics::gauge!("warmpath_router_config_followed").set(if state.is_ok() {
+            1.0
+        } else {
+            0.0
+        });
+        let why = state.clone().err();
+        if app.following.set(state) {
+            match why {
+                Some(why) => {
+                    tracing::error!(%why, "this router no longer follows the cluster's configuration: it serves no tenant and is not ready")
+                }
+                None => {
+                    tracing::info!("this router follows the cluster's configuration again: ready")
+                }
+            }
+        }
+    }
+}
+
 /// Starts this router's Raft node.
 pub async fn start(settings: &RaftSettings, admin_url: &str) -> Result<Arc<RaftNode>> {
     let mut config = NodeConfig::new(
