@@ -140,6 +140,9 @@ pub(crate) struct Setup {
     token_file: String,
     peer_token_file: String,
     voters: Vec<(u64, SocketAddr)>,
+    /// The voters' client addresses, fixed so that a restarted voter (and a load
+    /// balancer in front) finds it where it was.
+    clients: Vec<SocketAddr>,
     engine: Proc,
 }
 
@@ -160,6 +163,7 @@ impl Setup {
             token_file: token_file.to_str().expect("utf-8 path").to_string(),
             peer_token_file: peer_token_file.to_str().expect("utf-8 path").to_string(),
             voters: (1..=voters).map(|id| (id, free_addr())).collect(),
+            clients: (1..=voters).map(|_| free_addr()).collect(),
             engine: crate::engine_sim("1000", &[]),
             dir,
         }
@@ -197,10 +201,14 @@ impl Setup {
     /// The command line of router `id` with its admin API on `admin_listen`.
     fn args(&self, id: u64, admin_listen: &str) -> Vec<String> {
         let raft_dir = self.raft_dir(id);
+        let listen = match self.clients.get((id as usize).wrapping_sub(1)) {
+            Some(addr) => addr.to_string(),
+            None => "127.0.0.1:0".to_string(),
+        };
         let mut args: Vec<String> = vec![
             "router".into(),
             "--listen".into(),
-            "127.0.0.1:0".into(),
+            listen,
             "--instance".into(),
             self.engine.url.clone(),
             "--raft-node-id".into(),
@@ -1580,4 +1588,220 @@ async fn a_router_whose_raft_disk_fills_leaves_service_and_comes_back_by_itself(
             "503"
         },
     );
+}
+
+/// nginx in front of the routers' client ports and their admin ports: the plain load
+/// balancer of the README's cluster recipe. A refused connection or a 503 (a router
+/// starting or not following) passes the request to the next router; nothing else does,
+/// so a write whose outcome is unknown is never sent twice by the balancer.
+struct Nginx {
+    child: std::process::Child,
+    /// Base URL of the client side.
+    url: String,
+    /// Base URL of the admin side.
+    admin: String,
+}
+
+impl Nginx {
+    fn start(dir: &std::path::Path, clients: &[SocketAddr], admins: &[SocketAddr]) -> Nginx {
+        let (front, back) = (free_addr(), free_addr());
+        let servers = |addrs: &[SocketAddr]| {
+            addrs
+                .iter()
+                .map(|a| format!("server {a} max_fails=0;"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let d = dir.display();
+        let conf = format!(
+            "master_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\n\
+             events {{ worker_connections 512; }}\n\
+             http {{\n access_log off;\n\
+             client_body_temp_path {d}/nginx-body; proxy_temp_path {d}/nginx-proxy;\n\
+             fastcgi_temp_path {d}/nginx-fcgi; uwsgi_temp_path {d}/nginx-uwsgi; scgi_temp_path {d}/nginx-scgi;\n\
+             upstream routers {{ {} keepalive 16; }}\n\
+             upstream admins {{ {} keepalive 8; }}\n\
+             server {{ listen {front}; location / {{ proxy_pass http://routers; proxy_http_version 1.1; \
+             proxy_set_header Connection \"\"; proxy_buffering off; \
+             proxy_next_upstream error http_503 non_idempotent; proxy_next_upstream_tries 3; }} }}\n\
+             server {{ listen {back}; location / {{ proxy_pass http://admins; proxy_http_version 1.1; \
+             proxy_set_header Connection \"\"; \
+             proxy_next_upstream error http_503; proxy_next_upstream_tries 3; }} }}\n}}\n",
+            servers(clients),
+            servers(admins),
+        );
+        let path = dir.join("nginx.conf");
+        std::fs::write(&path, conf).expect("nginx.conf");
+        let child = std::process::Command::new("nginx")
+            .args(["-e", &format!("{d}/nginx-error.log"), "-p"])
+            .arg(dir)
+            .arg("-c")
+            .arg(&path)
+            .args(["-g", "daemon off;"])
+            .spawn()
+            .expect("nginx starts (the Debian package nginx-light; .ci/run installs it)");
+        Nginx {
+            child,
+            url: format!("http://{front}"),
+            admin: format!("http://{back}"),
+        }
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Issue 22, 3: a rolling restart of every router behind nginx, under completions (half
+/// of them streamed) and an admin writer, fails no client request and no admin write.
+/// Each router is stopped with SIGTERM (a leader hands off first) and started again on
+/// the same ports and data directory, the next one once it is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_behind_nginx_fails_no_request_and_no_admin_write() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let s = Setup::new("raft-rolling", 3);
+    let mut routers = s.start_voters();
+    wait_seeded(&routers.iter().collect::<Vec<_>>()).await;
+    let c = client();
+    for r in &routers {
+        until(Duration::from_secs(10), "router ready", || async {
+            (readyz(&c, r).await?.0 == 200).then_some(())
+        })
+        .await;
+    }
+    let admins: Vec<SocketAddr> = s.voters.iter().map(|(_, a)| *a).collect();
+    let nginx = Nginx::start(&s.dir, &s.clients, &admins);
+    until(Duration::from_secs(10), "nginx up", || async {
+        let url = format!("{}/readyz", nginx.url);
+        let r = send(&c, Method::GET, &url, None, &[], Duration::from_secs(1)).await?;
+        (r.status == 200).then_some(())
+    })
+    .await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut load = Vec::new();
+    for worker in 0..2 {
+        let (stop, failures, url, c) =
+            (stop.clone(), failures.clone(), nginx.url.clone(), c.clone());
+        load.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let stream = (n + worker) % 2 == 0;
+                let body = json!({"model": POOL, "prompt": format!("rolling {worker} {n}"), "max_tokens": 4, "stream": stream});
+                let reply = send(
+                    &c,
+                    Method::POST,
+                    &format!("{url}/v1/completions"),
+                    Some(&body),
+                    &[],
+                    Duration::from_secs(10),
+                )
+                .await;
+                let ok = reply.as_ref().is_some_and(|r| {
+                    r.status == 200
+                        && (!stream || r.body.as_str().is_some_and(|t| t.contains("[DONE]")))
+                });
+                if !ok {
+                    let what = reply.map(|r| format!("{} {}", r.status, r.body));
+                    failures.lock().unwrap().push(format!("completion {worker}/{n}: {what:?}"));
+                }
+            }
+            n
+        }));
+    }
+    let acknowledged = Arc::new(Mutex::new(Vec::<String>::new()));
+    let writer = {
+        let (stop, failures, acknowledged, base) = (
+            stop.clone(),
+            failures.clone(),
+            acknowledged.clone(),
+            nginx.admin.clone(),
+        );
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let id = format!("rolling-{n}");
+                let reply = admin(
+                    &base,
+                    Method::PUT,
+                    &format!("/tenants/{id}"),
+                    Some(&tenant_body("round-robin")),
+                )
+                .await;
+                match reply {
+                    Some(r) if r.status == 201 || r.status == 200 => {
+                        acknowledged.lock().unwrap().push(id)
+                    }
+                    other => failures.lock().unwrap().push(format!(
+                        "admin write {id}: {:?}",
+                        other.map(|r| (r.status, r.body))
+                    )),
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut downtime = Vec::new();
+    for i in 0..routers.len() {
+        let id = routers[i].id;
+        let admin_listen = s.voters[i].1.to_string();
+        let pid = routers[i].proc.pid().to_string();
+        let stopping = Instant::now();
+        let term = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status();
+        assert!(term.is_ok_and(|s| s.success()), "SIGTERM sent");
+        let _ = routers[i].proc.child.wait();
+        let stopped = stopping.elapsed();
+        routers[i] = s.start(id, &admin_listen);
+        let r = &routers[i];
+        until(
+            Duration::from_secs(15),
+            "the restarted router ready",
+            || async { (readyz(&c, r).await?.0 == 200).then_some(()) },
+        )
+        .await;
+        downtime.push((stopped, stopping.elapsed()));
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut completions = 0;
+    for task in load {
+        completions += task.await.expect("the load ran");
+    }
+    writer.await.expect("the writer ran");
+
+    let failures = failures.lock().unwrap().clone();
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    eprintln!(
+        "rolling restart of 3 routers behind nginx: {completions} completions (half streamed), \
+         {} admin writes acknowledged, {} failed; per router (stopped after, ready after): {:?}",
+        acknowledged.len(),
+        failures.len(),
+        downtime
+            .iter()
+            .map(|(a, b)| format!("{:.2} s, {:.2} s", a.as_secs_f64(), b.as_secs_f64()))
+            .collect::<Vec<_>>()
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+    assert!(
+        acknowledged.len() > 10,
+        "the writer wrote: {acknowledged:?}"
+    );
+    let (ids, _) = linearizable_tenants(&routers[0]).await;
+    let lost: Vec<_> = acknowledged
+        .iter()
+        .filter(|id| !ids.contains(*id))
+        .collect();
+    assert!(lost.is_empty(), "acknowledged but lost: {lost:?}");
 }
