@@ -1692,7 +1692,7 @@ async fn a_rolling_restart_behind_nginx_fails_no_request_and_no_admin_write() {
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 n += 1;
-                let stream = (n + worker) % 2 == 0;
+                let stream = (n + worker).is_multiple_of(2);
                 let body = json!({"model": POOL, "prompt": format!("rolling {worker} {n}"), "max_tokens": 4, "stream": stream});
                 let reply = send(
                     &c,
@@ -1751,19 +1751,18 @@ async fn a_rolling_restart_behind_nginx_fails_no_request_and_no_admin_write() {
 
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut downtime = Vec::new();
-    for i in 0..routers.len() {
-        let id = routers[i].id;
-        let admin_listen = s.voters[i].1.to_string();
-        let pid = routers[i].proc.pid().to_string();
+    for (router, (id, admin_listen)) in routers.iter_mut().zip(&s.voters) {
+        let (id, admin_listen) = (*id, admin_listen.to_string());
+        let pid = router.proc.pid().to_string();
         let stopping = Instant::now();
         let term = std::process::Command::new("kill")
             .args(["-TERM", &pid])
             .status();
         assert!(term.is_ok_and(|s| s.success()), "SIGTERM sent");
-        let _ = routers[i].proc.child.wait();
+        let _ = router.proc.child.wait();
         let stopped = stopping.elapsed();
-        routers[i] = s.start(id, &admin_listen);
-        let r = &routers[i];
+        *router = s.start(id, &admin_listen);
+        let r = &*router;
         until(
             Duration::from_secs(15),
             "the restarted router ready",
