@@ -172,9 +172,19 @@ impl Setup {
     /// Starts router `id` with its admin API on `admin_listen`; `Err` with what it printed
     /// when it did not come up with Raft (e.g. the admin port is still taken).
     fn try_start(&self, id: u64, admin_listen: &str) -> Result<Router, String> {
+        self.try_start_with(id, admin_listen, Proc::start)
+    }
+
+    /// [`Setup::try_start`], the process started by `spawn` from the command line.
+    fn try_start_with(
+        &self,
+        id: u64,
+        admin_listen: &str,
+        spawn: impl FnOnce(&[&str]) -> Proc,
+    ) -> Result<Router, String> {
         let args = self.args(id, admin_listen);
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let mut proc = Proc::start(&argv);
+        let mut proc = spawn(&argv);
         let line = proc.read_line();
         match line
             .split("admin on ")
@@ -1424,16 +1434,10 @@ impl Setup {
             .expect("a voter");
         let dir = self.raft_dir(id);
         std::fs::create_dir_all(&dir).expect("the mount point");
-        let args = self.args(id, &admin_listen);
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let mut proc = Proc::start_with_small_disk(&dir, bytes, &argv);
-        let line = proc.read_line();
-        assert!(line.contains("admin on "), "router {id}: {line:?}");
-        Router {
-            admin: format!("http://{admin_listen}"),
-            proc,
-            id,
-        }
+        self.try_start_with(id, &admin_listen, |argv| {
+            Proc::start_with_small_disk(&dir, bytes, argv)
+        })
+        .unwrap_or_else(|line| panic!("router {id}: {line:?}"))
     }
 }
 

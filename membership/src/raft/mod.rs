@@ -370,8 +370,6 @@ pub struct RaftNode {
     server: network::ServerCell,
     /// The tasks of the running Raft, and its database.
     running: Arc<Mutex<Running>>,
-    /// Why Raft is stopped, while it is.
-    stopped: Arc<Mutex<Option<Stopped>>>,
     /// Deadline of writes and reads.
     write_timeout: Duration,
     /// [`keep`]: watches for a stop and starts Raft again; stopped at shutdown.
@@ -379,6 +377,7 @@ pub struct RaftNode {
 }
 
 /// The tasks that live as long as one start of Raft.
+#[derive(Default)]
 struct Running {
     /// The database, flushed at shutdown; the `/raft/` handlers hold it weakly, so that
     /// it closes when this start's Raft is done with it.
@@ -408,26 +407,15 @@ impl Running {
     }
 }
 
-/// Why a node's Raft stopped, and since when.
-#[derive(Debug, Clone)]
-struct Stopped {
-    /// openraft's fatal error, as it said it.
-    cause: String,
-    /// When the keeper saw it.
-    since: Instant,
-}
-
 /// Why a node does not follow the committed configuration ([`RaftNode::following`]).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum NotFollowing {
     /// Its Raft stopped (a storage error); it is started again when the data directory
     /// takes writes.
-    #[error("raft stopped {since_ms} ms ago ({cause}); it starts again from its store once the data directory takes writes")]
+    #[error("raft stopped ({cause}); it starts again from its store once the data directory takes writes")]
     Stopped {
         /// openraft's error.
         cause: String,
-        /// Milliseconds since.
-        since_ms: u64,
     },
     /// It has heard no leader since its Raft started.
     #[error("no raft leader heard since raft started")]
@@ -634,7 +622,6 @@ struct Keeper {
     state_tx: watch::Sender<ConfigState>,
     server: network::ServerCell,
     running: Arc<Mutex<Running>>,
-    stopped: Arc<Mutex<Option<Stopped>>>,
 }
 
 impl Keeper {
@@ -656,20 +643,10 @@ impl Keeper {
             metrics::counter!("warmpath_raft_stops_total").increment(1);
             metrics::gauge!("warmpath_raft_running").set(0.0);
             tracing::error!(node_id, %cause, "raft stopped: this node no longer follows the cluster's configuration; it starts raft again from its store once the data directory takes writes");
-            *lock(&self.stopped) = Some(Stopped {
-                cause,
-                since: Instant::now(),
-            });
-            // Tasks first, then Raft: the database closes once nothing holds it.
-            let mut running = std::mem::replace(
-                &mut *lock(&self.running),
-                Running {
-                    db: None,
-                    join_task: None,
-                    elections: None,
-                    gauges: None,
-                },
-            );
+            // The stopped Raft stays in the cell until the new one replaces it: its
+            // metrics keep saying why (`RaftNode::stop_cause`). Tasks first, then Raft:
+            // the database closes once nothing holds it.
+            let mut running = std::mem::take(&mut *lock(&self.running));
             running.stop().await;
             let _ = raft.shutdown().await;
             drop(raft);
@@ -687,7 +664,6 @@ impl Keeper {
                     Ok((server, running)) => {
                         *self.server.write().unwrap_or_else(|e| e.into_inner()) = server;
                         *lock(&self.running) = running;
-                        *lock(&self.stopped) = None;
                         tracing::warn!(node_id, "raft started again from its store; it follows the cluster once it hears the leader");
                         break;
                     }
@@ -754,7 +730,6 @@ impl RaftNode {
         let (server, running) = launch(&config, &client, &state_tx).await?;
         let server = Arc::new(std::sync::RwLock::new(server));
         let running = Arc::new(Mutex::new(running));
-        let stopped = Arc::new(Mutex::new(None));
         let keeper = tokio::spawn(
             Keeper {
                 config: config.clone(),
@@ -762,7 +737,6 @@ impl RaftNode {
                 state_tx,
                 server: server.clone(),
                 running: running.clone(),
-                stopped: stopped.clone(),
             }
             .run(),
         );
@@ -772,7 +746,6 @@ impl RaftNode {
             state_rx,
             server,
             running,
-            stopped,
             write_timeout: config.write_timeout,
             keeper,
         })
@@ -783,11 +756,9 @@ impl RaftNode {
         network::current(&self.server).raft
     }
 
-    /// Why this node's Raft is stopped, while it is.
+    /// Why this node's Raft is stopped, while it is: the stopped Raft's metrics say so
+    /// until the keeper has started a new one.
     fn stop_cause(&self) -> Option<String> {
-        if let Some(s) = lock(&self.stopped).as_ref() {
-            return Some(s.cause.clone());
-        }
         match &self.raft().metrics().borrow().running_state {
             Err(fatal) => Some(fatal.to_string()),
             Ok(()) => None,
@@ -799,18 +770,12 @@ impl RaftNode {
     /// again after a stop follows only once it has heard a leader since.
     pub fn following(&self, bound: Duration) -> Result<(), NotFollowing> {
         let bound_ms = bound.as_millis() as u64;
-        if let Some(s) = lock(&self.stopped).clone() {
-            return Err(NotFollowing::Stopped {
-                cause: s.cause,
-                since_ms: s.since.elapsed().as_millis() as u64,
-            });
-        }
         let server = network::current(&self.server);
-        let m = server.raft.metrics().borrow().clone();
+        let metrics = server.raft.metrics();
+        let m = metrics.borrow();
         if let Err(fatal) = &m.running_state {
             return Err(NotFollowing::Stopped {
                 cause: fatal.to_string(),
-                since_ms: 0,
             });
         }
         if m.state == openraft::ServerState::Leader {
@@ -930,16 +895,6 @@ impl RaftNode {
                 if let Some(cause) = self.stop_cause() {
                     return Err(WriteError::Stopped { cause });
                 }
-                if network::current(&self.server)
-                    .handing_off
-                    .load(std::sync::atomic::Ordering::Acquire)
-                {
-                    // Handing off before it stops: the write waits for the next leader.
-                    let me = self.leader_url();
-                    last_err = Some(WriteError::NotLeader { leader_url: None });
-                    self.wait_next_leader(me.as_deref(), deadline).await;
-                    continue;
-                }
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
             let reply = match &target {
@@ -950,7 +905,7 @@ impl RaftNode {
                     if let Some(since_ms) = since.filter(|&ms| ms > STALE_QUORUM_MS) {
                         return Err(WriteError::NoQuorum { since_ms });
                     }
-                    leader_write(&self.raft(), cmd.clone(), remaining).await
+                    leader_write(&network::current(&self.server), cmd.clone(), remaining).await
                 }
                 Target::Remote(url) => {
                     // The leader must not submit it once this node has answered.
@@ -1284,15 +1239,7 @@ impl RaftNode {
     /// Stops Raft (peers then see this node as unreachable) and makes the store durable.
     pub async fn shutdown(&self) {
         self.keeper.abort();
-        let mut running = std::mem::replace(
-            &mut *lock(&self.running),
-            Running {
-                db: None,
-                join_task: None,
-                elections: None,
-                gauges: None,
-            },
-        );
+        let mut running = std::mem::take(&mut *lock(&self.running));
         running.stop().await;
         if let Err(e) = self.raft().shutdown().await {
             tracing::warn!(node_id = self.node_id, error = %e, "raft shutdown failed");
@@ -1424,13 +1371,24 @@ fn not_leader<E>(f: &openraft::error::ForwardToLeader<NodeId, BasicNode>) -> Lea
     }
 }
 
-/// Proposes `cmd` on this node, which should be the leader.
+/// Proposes `cmd` on this node, which should be the leader. A leader handing its
+/// leadership off (see [`RaftNode::hand_off`]) takes no write: it answers "not the
+/// leader" naming none, so the writer waits for the next leader, as in an election.
 pub(crate) async fn leader_write(
-    raft: &Raft<TypeConfig>,
+    server: &ServerState,
     cmd: Command,
     timeout: Duration,
 ) -> LeaderReply<CommandResult> {
-    match tokio::time::timeout(timeout, raft.client_write(cmd)).await {
+    if server
+        .handing_off
+        .load(std::sync::atomic::Ordering::Acquire)
+    {
+        return LeaderReply::NotLeader {
+            leader_id: None,
+            leader_url: None,
+        };
+    }
+    match tokio::time::timeout(timeout, server.raft.client_write(cmd)).await {
         Err(_) => LeaderReply::Timeout,
         Ok(Ok(resp)) => LeaderReply::Ok(resp.data),
         Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => not_leader(&f),

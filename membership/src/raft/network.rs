@@ -597,14 +597,7 @@ async fn write(
             return Json(late).into_response();
         }
     }
-    if s.handing_off.load(std::sync::atomic::Ordering::Acquire) {
-        let r: LeaderReply<CommandResult> = LeaderReply::NotLeader {
-            leader_id: None,
-            leader_url: None,
-        };
-        return Json(r).into_response();
-    }
-    let r: LeaderReply<CommandResult> = super::leader_write(&s.raft, cmd, s.write_timeout).await;
+    let r: LeaderReply<CommandResult> = super::leader_write(&s, cmd, s.write_timeout).await;
     Json(r).into_response()
 }
 

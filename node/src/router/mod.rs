@@ -725,7 +725,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
                 tracing::warn!("Raft RPCs run WITHOUT a peer token (--insecure-raft-without-peer-token): anyone who reaches {admin_url} can rewrite the configuration");
             }
             // Not following until Raft has heard its leader.
-            app.following.set(Err("raft is starting".into()));
+            app.following.refuse_quietly("raft is starting");
             let raft = tenancy::start(&settings, &admin_url).await?;
             println!(
                 "warmpath router admin on {admin_url} (raft node {})",

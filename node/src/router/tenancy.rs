@@ -54,57 +54,57 @@ impl FollowGate {
         if let Some(check) = self.check.get() {
             let now = check();
             let why = now.clone().err();
-            if self.set(now) && why.is_none() {
-                tracing::info!("this router follows the cluster's configuration again: ready");
-            }
+            self.set(now);
             return why;
         }
         Some(self.cause.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
-    /// Records whether the router follows (`Err`: why not); true when that changed.
-    pub fn set(&self, state: Result<(), String>) -> bool {
+    /// Refuses from now on, without a log line: a router whose Raft is starting.
+    pub fn refuse_quietly(&self, cause: &str) {
+        *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = cause.to_string();
+        self.refusing
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Records whether the router follows (`Err`: why not), in its gauge, and logs each
+    /// change.
+    fn set(&self, state: Result<(), String>) {
         use std::sync::atomic::Ordering;
         let refusing = state.is_err();
-        if let Err(cause) = state {
-            *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = cause;
+        metrics::gauge!("warmpath_router_config_followed").set(if refusing { 0.0 } else { 1.0 });
+        if let Err(cause) = &state {
+            *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = cause.clone();
         }
-        self.refusing.swap(refusing, Ordering::AcqRel) != refusing
+        if self.refusing.swap(refusing, Ordering::AcqRel) == refusing {
+            return;
+        }
+        match state {
+            Err(why) => {
+                tracing::error!(%why, "this router no longer follows the cluster's configuration: it serves no tenant and is not ready")
+            }
+            Ok(()) => {
+                tracing::info!("this router follows the cluster's configuration again: ready")
+            }
+        }
     }
 }
 
-/// Keeps `app.following` up to date with the Raft node (see [`FOLLOW_BOUND`]), logging
-/// and counting each change, until the task is aborted.
+/// Keeps `app.following` up to date with the Raft node (see [`FOLLOW_BOUND`]) until the
+/// task is aborted.
 pub async fn watch_following(app: Arc<App>, raft: Arc<RaftNode>) {
-    let checked = raft.clone();
-    let _ = app.following.check.set(Box::new(move || {
-        checked.following(FOLLOW_BOUND).map_err(|e| e.to_string())
-    }));
     metrics::describe_gauge!(
         "warmpath_router_config_followed",
         "1 while this router follows the cluster's configuration (Raft runs, a leader heard within the bound); 0: it serves no tenant and is not ready."
     );
+    let check = move || raft.following(FOLLOW_BOUND).map_err(|e| e.to_string());
+    let gate = &app.following;
+    let check = gate.check.get_or_init(|| Box::new(check));
     let mut tick = tokio::time::interval(FOLLOW_CHECK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let state = raft.following(FOLLOW_BOUND).map_err(|e| e.to_string());
-        metrics::gauge!("warmpath_router_config_followed").set(if state.is_ok() {
-            1.0
-        } else {
-            0.0
-        });
-        let why = state.clone().err();
-        if app.following.set(state) {
-            match why {
-                Some(why) => {
-                    tracing::error!(%why, "this router no longer follows the cluster's configuration: it serves no tenant and is not ready")
-                }
-                None => {
-                    tracing::info!("this router follows the cluster's configuration again: ready")
-                }
-            }
-        }
+        gate.set(check());
     }
 }
 
