@@ -372,7 +372,7 @@ pub struct RaftNode {
     running: Arc<Mutex<Running>>,
     /// Deadline of writes and reads.
     write_timeout: Duration,
-    /// [`keep`]: watches for a stop and starts Raft again; stopped at shutdown.
+    /// [`Keeper`]: watches for a stop and starts Raft again; stopped at shutdown.
     keeper: tokio::task::JoinHandle<()>,
 }
 
