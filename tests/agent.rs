@@ -725,19 +725,27 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
     );
     let mut publisher = zeromq::PubSocket::new();
     publisher.bind(&kv).await.unwrap();
-    // The engine's replay socket keeps batches 1 and 2, which the subscriber will miss.
+    // The engine's replay socket keeps batches 1 and 2, which the subscriber will miss,
+    // once the engine has published them (`sent`: one past the last sequence published).
     let mut router = zeromq::RouterSocket::new();
     router.bind(&replay).await.unwrap();
     let replays = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-    let served = replays.clone();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (served, published) = (replays.clone(), sent.clone());
     tokio::spawn(async move {
+        use std::sync::atomic::Ordering::Relaxed;
         while let Ok(request) = router.recv().await {
             let f = request.into_vec();
             let start = u64::from_be_bytes(f.last().unwrap()[..].try_into().unwrap());
-            served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // The agent's resync when it starts asks from 0; a gap asks from where it is.
+            if start > 0 {
+                served.fetch_add(1, Relaxed);
+            }
             let kept = [(1u64, stored(10, 16..32)), (2, stored(11, 32..48))];
             let end = (u64::MAX, Vec::new());
-            for (seq, payload) in kept.into_iter().filter(|(s, _)| *s >= start).chain([end]) {
+            let upto = published.load(Relaxed);
+            let kept = kept.into_iter().filter(|(s, _)| *s >= start && *s < upto);
+            for (seq, payload) in kept.chain([end]) {
                 let reply = vec![
                     f[0].clone(),
                     Bytes::new(),
@@ -757,9 +765,11 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
     while c.stats().await.unwrap().residency_blocks != 1 {
         assert!(Instant::now() < deadline, "the agent never subscribed");
         let _ = publisher.send(frames(0, stored(1, 0..16))).await;
+        sent.store(1, std::sync::atomic::Ordering::Relaxed);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Batch 3 arrives; 1 and 2 were missed: the agent asks for them and keeps its view.
+    sent.store(4, std::sync::atomic::Ordering::Relaxed);
     publisher.send(frames(3, stored(12, 48..64))).await.unwrap();
     eventually("the missed batches replayed", || async {
         c.stats().await.unwrap().residency_blocks == 4
@@ -769,6 +779,7 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
     assert_eq!(s.kv_gaps, 0, "{s:?}");
     assert_eq!(replays.load(std::sync::atomic::Ordering::Relaxed), 1);
     // Batch 9: the replay no longer has 4 to 8, so the gap drops the view, as without one.
+    sent.store(10, std::sync::atomic::Ordering::Relaxed);
     publisher.send(frames(9, stored(13, 64..80))).await.unwrap();
     eventually("the unfillable gap seen", || async {
         let s = c.stats().await.unwrap();
@@ -836,6 +847,8 @@ struct Residency {
     certs: std::path::PathBuf,
     engine: Proc,
     agent: Proc,
+    /// The agent's flags, to start it again.
+    agent_args: Vec<String>,
     addr: AgentAddr,
     /// The agent's QUIC address.
     quic: String,
@@ -843,6 +856,16 @@ struct Residency {
 
 impl Residency {
     fn start(test: &str, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
+        Residency::launch(test, false, engine_extra, agent_extra)
+    }
+
+    /// As [`Residency::start`], the engine serving vLLM's replay socket and the agent told
+    /// where it is.
+    fn start_replaying(test: &str, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
+        Residency::launch(test, true, engine_extra, agent_extra)
+    }
+
+    fn launch(test: &str, replay: bool, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
         let dir = scratch_dir(test);
         let certs = dir.join("certs");
         let certs_s = certs.to_str().unwrap().to_string();
@@ -855,12 +878,19 @@ impl Residency {
             String::from_utf8_lossy(&out.stderr)
         );
         let kv = format!("tcp://{}", crate::free_addr());
+        let replay_at = format!("tcp://{}", crate::free_addr());
         let mut engine_args = vec!["--kv-events", kv.as_str()];
+        if replay {
+            engine_args.extend(["--kv-replay", replay_at.as_str()]);
+        }
         engine_args.extend_from_slice(engine_extra);
         let engine = crate::engine_sim("50", &engine_args);
         let quic = free_udp();
-        let kv_events = format!("{}={kv}", engine.url);
-        let mut agent_args = vec![
+        let kv_events = match replay {
+            true => format!("{}={kv},{replay_at}", engine.url),
+            false => format!("{}={kv}", engine.url),
+        };
+        let mut agent_args: Vec<String> = [
             "--kv-events",
             &kv_events,
             "--residency-listen",
@@ -869,19 +899,34 @@ impl Residency {
             &certs_s,
             "--tls-name",
             "agent",
-        ];
-        agent_args.extend_from_slice(agent_extra);
-        let (mut agent_proc, addr) = agent(&agent_args);
-        let line = agent_proc.read_line();
-        assert!(line.contains("residency"), "{line}");
+        ]
+        .map(String::from)
+        .to_vec();
+        agent_args.extend(agent_extra.iter().map(|a| a.to_string()));
+        let (agent_proc, addr) = Residency::start_agent(&agent_args);
         Residency {
             dir,
             certs,
             engine,
             agent: agent_proc,
+            agent_args,
             addr,
             quic,
         }
+    }
+
+    fn start_agent(args: &[String]) -> (Proc, AgentAddr) {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (mut p, addr) = agent(&args);
+        let line = p.read_line();
+        assert!(line.contains("residency"), "{line}");
+        (p, addr)
+    }
+
+    /// Kills the agent (SIGKILL) and starts it again with the same flags.
+    fn restart_agent(&mut self) {
+        self.agent.kill();
+        (self.agent, self.addr) = Residency::start_agent(&self.agent_args);
     }
 
     /// A router in front of the engine, following the agent.
@@ -1048,6 +1093,85 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Issue 22: an agent killed while its engine keeps serving, then started again. The
+/// router drops the dead agent's residency at its expiry; the new agent rebuilds its view
+/// from the engine's replay socket (it has no `--kv-tenant`: it keys by the table the
+/// router sends, so the rebuild waits for nothing and is redone when the table comes), and
+/// within 10 s the router observes again everything the engine holds, under the keys a
+/// router that never saw the prompts matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_reports_again_what_its_serving_engine_holds() {
+    let mut r = Residency::start_replaying("residency-restart", &["--block-tokens", "64"], &[]);
+    let router = r.router(&["--residency-expiry-ms", "1000", "--allow-explain"]);
+    let http = client();
+    let c = connect(&r.addr).await;
+    // Prompts until the agent holds blocks of several and the router observes them all.
+    let stored = first_stored_prompt(&c, 900, |p| {
+        let (http, url) = (http.clone(), router.url.clone());
+        async move {
+            explained(&http, &url, &p).await;
+        }
+    })
+    .await;
+    for seed in 950..956 {
+        post_fresh(&http, &router.url, seed).await;
+    }
+    eventually("the router to observe what the agent holds", || async {
+        let held = c.stats().await.unwrap().residency_blocks as f64;
+        held > 0.0 && observed_holders(&router.url).await == held
+    })
+    .await;
+    let before = observed_holders(&router.url).await;
+
+    // SIGKILL the agent; the engine keeps serving (two more prompts) while it is gone.
+    r.agent.kill();
+    let killed = Instant::now();
+    eventually("the router to drop the dead agent's residency", || async {
+        observed_holders(&router.url).await == 0.0
+    })
+    .await;
+    let dropped = killed.elapsed();
+    for seed in 960..962 {
+        post_fresh(&http, &router.url, seed).await;
+    }
+    let during = observed_holders(&router.url).await;
+
+    // The agent again, same flags: the router reconnects, the agent resyncs.
+    r.restart_agent();
+    let restarted = Instant::now();
+    let c = connect(&r.addr).await;
+    eventually(
+        "the router to observe what the engine still holds",
+        || async {
+            let held = c.stats().await.unwrap().residency_blocks as f64;
+            held >= before && observed_holders(&router.url).await == held
+        },
+    )
+    .await;
+    let back = restarted.elapsed();
+    let after = observed_holders(&router.url).await;
+    println!(
+        "agent restart: router's observed holders before {before}, {:.2} s after SIGKILL {during}, \
+         {:.2} s after the restart {after}",
+        dropped.as_secs_f64(),
+        back.as_secs_f64()
+    );
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.kv_unresolved, 0, "{s:?}");
+    // A router that never routed the first prompt finds it on the engine through the new
+    // agent: the rebuilt keys are the routers' keys.
+    let fresh = r.router(&["--allow-explain"]);
+    eventually("a new router to catch up with the agent", || async {
+        observed_holders(&fresh.url).await == after
+    })
+    .await;
+    let e = explained(&http, &fresh.url, &stored).await;
+    assert!(
+        e["matched"]["gpu_observed"].as_u64().unwrap_or(0) >= 2,
+        "the rebuilt view misses the first prompt: {e}"
+    );
 }
 
 /// The explain header of a completion through `router`.

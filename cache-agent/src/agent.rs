@@ -50,6 +50,9 @@ pub struct Agent {
     counters: Arc<Counters>,
     /// The engines' caches as their KV events tell them, and what is reported to routers.
     ingest: Arc<Mutex<Ingest>>,
+    /// Bumped when a tenant table changes keys already reported: the KV-event subscribers
+    /// then rebuild their views (`kv_subscribe`'s resync).
+    resyncs: tokio::sync::watch::Sender<u64>,
     report: Arc<Report>,
 }
 
@@ -166,6 +169,7 @@ impl Agent {
             epoch: Instant::now(),
             counters,
             ingest,
+            resyncs: tokio::sync::watch::Sender::new(0),
             report,
         });
         for (i, (_, endpoint)) in agent.config.kv_events.iter().enumerate() {
@@ -175,6 +179,7 @@ impl Agent {
                 agent.ingest.clone(),
                 agent.report.residency.clone(),
                 agent.report.changed.clone(),
+                agent.resyncs.subscribe(),
             ));
         }
         // Counters of lookups and of rare events are exported from the start, at 0: rates,
@@ -222,11 +227,15 @@ impl Agent {
     /// Takes the tenant table a router sent ((cache salt, tenant id) pairs).
     pub fn learn_tenants(&self, salts: Vec<(String, String)>) {
         let n = salts.len();
-        self.ingest
+        let rekeyed = self
+            .ingest
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .learn_tenants(salts.into_iter().collect());
         gauge!("warmpath_agent_learned_tenants").set(n as f64);
+        if rekeyed {
+            self.resyncs.send_modify(|n| *n += 1);
+        }
     }
 
     pub fn config(&self) -> &AgentConfig {

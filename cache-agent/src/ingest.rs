@@ -93,6 +93,8 @@ pub struct Ingest {
     tenants: Tenants,
     /// Salt → tenant id, from the routers; consulted after `tenants`' own table.
     learned: HashMap<String, String>,
+    /// Whether a router ever sent a non-empty table.
+    learned_any: bool,
     /// Tenant keys in use, by slot (blocks hold a slot, not a 32-byte key each).
     keys: Vec<TenantKey>,
     engines: Vec<EngineView>,
@@ -105,6 +107,7 @@ impl Ingest {
         Ingest {
             tenants,
             learned: HashMap::new(),
+            learned_any: false,
             keys: Vec::new(),
             engines: (0..engines).map(|_| EngineView::default()).collect(),
             stats: IngestStats::default(),
@@ -112,9 +115,16 @@ impl Ingest {
     }
 
     /// Replaces the table the routers sent (salt → tenant id). Chains stored from now on
-    /// resolve through it; those already refused stay unreported until stored again.
-    pub fn learn_tenants(&mut self, table: HashMap<String, String>) {
+    /// resolve through it. Returns true, once, for a [`Tenants::Fixed`] agent's first
+    /// non-empty table: every key it computed before is its fixed tenant's, which no router
+    /// asks for, so the caller rebuilds the view (`kv_subscribe`'s resync from the engine's
+    /// replay socket). Later tables change no key already reported: chains of a salt they
+    /// add or move resolve by the new table when stored again.
+    pub fn learn_tenants(&mut self, table: HashMap<String, String>) -> bool {
+        let first = !self.learned_any && !table.is_empty();
+        self.learned_any |= first;
         self.learned = table;
+        first && matches!(self.tenants, Tenants::Fixed(_))
     }
 
     /// The tenant key of a first block with these salt `candidates` (last first).
@@ -422,7 +432,8 @@ mod tests {
     fn tenants_learned_from_routers_resolve_salts() {
         let mut ing = Ingest::new(Tenants::Fixed("engine-sim".into()), 1);
         let fixed = ing.apply(0, 0, &batch(vec![stored(&[1], None, 0..4, Some("s"))]));
-        ing.learn_tenants(HashMap::from([("s".to_string(), "acme".to_string())]));
+        // The first table changes the keys of what the fixed tenant resolved: rebuild.
+        assert!(ing.learn_tenants(HashMap::from([("s".to_string(), "acme".to_string())])));
         let learned = ing.apply(0, 1, &batch(vec![stored(&[2], None, 0..4, Some("s"))]));
         assert_eq!(
             learned[0].key,
@@ -441,10 +452,11 @@ mod tests {
         // An agent's own table comes first; the learned one fills in.
         let own = Tenants::Table(HashMap::from([("s".to_string(), "own".to_string())]));
         let mut ing = Ingest::new(own, 1);
-        ing.learn_tenants(HashMap::from([
+        // An agent with its own table: a first learned table only fills in.
+        assert!(!ing.learn_tenants(HashMap::from([
             ("s".to_string(), "acme".to_string()),
             ("t".to_string(), "beta".to_string()),
-        ]));
+        ])));
         assert_eq!(
             ing.apply(0, 0, &batch(vec![stored(&[1], None, 0..4, Some("s"))]))
                 .len(),
@@ -456,6 +468,24 @@ mod tests {
             1
         );
         assert_eq!(ing.stats.unresolved, 0);
+    }
+
+    #[test]
+    fn only_a_fixed_agents_first_table_asks_for_a_rebuild() {
+        let table = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(s, t)| (s.to_string(), t.to_string()))
+                .collect::<HashMap<_, _>>()
+        };
+        let mut ing = Ingest::new(Tenants::Fixed("engine-sim".into()), 1);
+        assert!(!ing.learn_tenants(table(&[])));
+        assert!(ing.learn_tenants(table(&[("s", "acme")])));
+        // Routers that disagree for a while (an empty table, a salt added or moved) do
+        // not ask again.
+        assert!(!ing.learn_tenants(table(&[])));
+        assert!(!ing.learn_tenants(table(&[("s", "acme"), ("t", "beta")])));
+        assert!(!ing.learn_tenants(table(&[("s", "beta")])));
     }
 
     #[test]

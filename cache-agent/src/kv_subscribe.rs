@@ -10,48 +10,81 @@
 //! `[empty, start sequence]`; the engine answers `[empty, sequence, batch]` per kept batch,
 //! then a sequence of -1 with an empty batch) and applies them in order, waiting at most
 //! [`REPLAY_WAIT`]. What replay cannot fill, `ingest` handles by dropping and rebuilding
-//! that engine's view. Messages over
+//! that engine's view.
+//!
+//! **Resync.** The same socket rebuilds a whole view: when the subscriber starts (an agent
+//! restarted while its engine kept serving: the engine's blocks stored before are never
+//! announced again otherwise), and when a fixed-tenant agent receives its first tenant
+//! table from a router ([`Ingest::learn_tenants`]). The view is dropped and rebuilt from every
+//! batch the engine still keeps, in order; live batches the replay already covered are then
+//! skipped as duplicates. vLLM keeps its last `buffer_steps` batches (10,000 by default): a
+//! block stored before that window and still held stays unknown until stored again, and a
+//! chain whose first blocks fell out of it is counted as orphans. An engine not listening
+//! yet is asked again each second. Without a replay socket there is no resync.
+//! Messages over
 //! [`MAX_MESSAGE_BYTES`] are counted and skipped the same way; the `zeromq` crate has no
 //! receive-size limit of its own, so the publishers must be the host's own engines (the
 //! agent connects to the endpoints it is given; it listens on nothing for events).
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use metrics::counter;
+use tokio::sync::watch;
+use tokio::time::Instant;
 use zeromq::{Socket, SocketRecv};
 
 use crate::ingest::Ingest;
-use crate::kv_events::decode_batch;
-use crate::residency::Publisher;
+use crate::kv_events::{decode_batch, Decoded};
+use crate::residency::{Change, Publisher};
 
 /// Largest KV-event message decoded (a batch of a long prompt's stores is a few hundred
 /// KiB; vLLM batches per scheduler step).
 pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 
-/// How long a replay may take before the gap is left to `ingest`.
-pub const REPLAY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long a replay may take before the gap is left to `ingest`; in a resync, the
+/// longest wait for the replay's next message.
+pub const REPLAY_WAIT: Duration = Duration::from_millis(500);
+
+/// How long a resync's replay may take in all (vLLM's whole buffer, 10,000 batches).
+const RESYNC_WAIT: Duration = Duration::from_secs(30);
+
+/// How long after a resync live batches it already covered are skipped as duplicates
+/// (afterwards an old sequence number is an engine restart's, and drops the view).
+const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
+
+/// How often a resync is tried again while the engine's replay socket does not answer.
+const RESYNC_RETRY: Duration = Duration::from_secs(1);
 
 /// Subscribes to `endpoint` (`tcp://…`, or `tcp://EVENTS,tcp://REPLAY`) as engine
-/// `engine` until the task is dropped.
+/// `engine` until the task is dropped; each change of `resyncs` asks for a resync.
 pub async fn subscribe(
     engine: usize,
     endpoint: String,
     ingest: Arc<Mutex<Ingest>>,
     residency: Arc<Mutex<Publisher>>,
     changed: Arc<tokio::sync::Notify>,
+    resyncs: watch::Receiver<u64>,
 ) {
     let (endpoint, replay_at) = match endpoint.split_once(',') {
         Some((events, replay)) => (events.to_string(), Some(replay.to_string())),
         None => (endpoint, None),
     };
-    let mut replay: Option<zeromq::DealerSocket> = None;
+    let view = View {
+        engine,
+        ingest,
+        residency,
+        changed,
+    };
+    let mut replay = replay_at.map(Replay::new);
+    let mut resyncs = Some(resyncs);
     let mut socket = zeromq::SubSocket::new();
     loop {
         match socket.connect(&endpoint).await {
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(%endpoint, error = %e, "cannot connect to the engine's KV events; retrying");
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
     }
@@ -60,12 +93,40 @@ pub async fn subscribe(
         return;
     }
     tracing::info!(%endpoint, engine, "subscribed to KV events");
+    // Subscribed first, so that what the engine publishes while it replays waits here.
+    let mut resync_wanted = replay.is_some();
+    let mut duplicates: Option<(u64, Instant)> = None;
     loop {
-        let msg = match socket.recv().await {
+        if resync_wanted {
+            match view.resync(replay.as_mut()).await {
+                Some(last) => {
+                    resync_wanted = false;
+                    duplicates = last.map(|l| (l, Instant::now() + DUPLICATE_WINDOW));
+                }
+                None => tracing::debug!(engine, "the engine's replay socket did not answer"),
+            }
+        }
+        let msg = tokio::select! {
+            m = socket.recv() => m,
+            r = async {
+                match resyncs.as_mut() {
+                    Some(rx) => rx.changed().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                match r {
+                    Ok(()) => resync_wanted = replay.is_some(),
+                    Err(_) => resyncs = None, // the agent is going away
+                }
+                continue;
+            }
+            () = tokio::time::sleep(RESYNC_RETRY), if resync_wanted => continue,
+        };
+        let msg = match msg {
             Ok(m) => m,
             Err(e) => {
                 tracing::debug!(%endpoint, error = %e, "kv event receive failed");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
@@ -78,116 +139,169 @@ pub async fn subscribe(
                 continue;
             }
         };
+        if let Some((upto, until)) = duplicates {
+            if seq <= upto && Instant::now() < until {
+                counter!("warmpath_agent_kv_batches_total", "result" => "duplicate").increment(1);
+                continue;
+            }
+            duplicates = None;
+        }
         let batch = match decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {
                 counter!("warmpath_agent_kv_batches_total", "result" => "malformed").increment(1);
                 tracing::debug!(%endpoint, error = %e, "kv event batch refused");
-                if let Ok(mut i) = ingest.lock() {
-                    i.stats.malformed += 1;
-                }
+                view.lock().stats.malformed += 1;
                 continue;
             }
         };
         counter!("warmpath_agent_kv_batches_total", "result" => "ok").increment(1);
         counter!("warmpath_agent_kv_events_total").increment(batch.events.len() as u64);
-        let last = ingest
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .last_seq(engine);
+        let last = view.lock().last_seq(engine);
         let mut changes = Vec::new();
-        if let (Some(last), Some(at)) = (last, &replay_at) {
+        if let (Some(last), Some(replay)) = (last, replay.as_mut()) {
             if seq > last.wrapping_add(1) {
-                let missed = fill_gap(&mut replay, at, last + 1, seq).await;
-                let mut ingest = ingest.lock().unwrap_or_else(|p| p.into_inner());
-                for (s, b) in &missed {
-                    changes.extend(ingest.apply(engine, *s, b));
+                let missed = replay
+                    .fetch(last + 1, seq, REPLAY_WAIT)
+                    .await
+                    .unwrap_or_default();
+                let mut ingest = view.lock();
+                // Only a run that starts where the view ends fills the gap.
+                if missed.first().map(|(s, _)| *s) == Some(last + 1) {
+                    for (s, b) in &missed {
+                        changes.extend(ingest.apply(engine, *s, b));
+                    }
                 }
                 let filled = ingest.last_seq(engine) == Some(seq - 1);
                 let result = if filled { "filled" } else { "incomplete" };
                 counter!("warmpath_agent_kv_replays_total", "result" => result).increment(1);
             }
         }
-        changes.extend(
-            ingest
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .apply(engine, seq, &batch),
-        );
+        changes.extend(view.lock().apply(engine, seq, &batch));
+        view.report(changes);
+    }
+}
+
+/// One engine's view and where its changes go.
+struct View {
+    engine: usize,
+    ingest: Arc<Mutex<Ingest>>,
+    residency: Arc<Mutex<Publisher>>,
+    changed: Arc<tokio::sync::Notify>,
+}
+
+impl View {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ingest> {
+        self.ingest.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn report(&self, changes: Vec<Change>) {
         if changes.is_empty() {
-            continue;
+            return;
         }
-        let mut r = residency.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = self.residency.lock().unwrap_or_else(|p| p.into_inner());
         for c in changes {
             r.record(c);
         }
         drop(r);
-        changed.notify_one();
+        self.changed.notify_one();
+    }
+
+    /// Drops the view and rebuilds it from every batch the engine's replay socket still
+    /// keeps. `Some(last)`: done, `last` the last sequence applied (`None`: the engine
+    /// keeps nothing); `None`: no replay socket, or it did not answer (try again).
+    async fn resync(&self, replay: Option<&mut Replay>) -> Option<Option<u64>> {
+        let batches = replay?.fetch(0, u64::MAX, RESYNC_WAIT).await?;
+        let mut ingest = self.lock();
+        let mut changes = ingest.reset(self.engine);
+        for (s, b) in &batches {
+            changes.extend(ingest.apply(self.engine, *s, b));
+        }
+        let last = ingest.last_seq(self.engine);
+        let blocks = ingest.len(self.engine);
+        drop(ingest);
+        self.report(changes);
+        counter!("warmpath_agent_kv_resyncs_total").increment(1);
+        tracing::info!(
+            engine = self.engine,
+            batches = batches.len(),
+            blocks,
+            "rebuilt the engine's view from its replay socket"
+        );
+        Some(last)
     }
 }
 
-/// The batches `from..to` from the engine's replay socket at `at`, in order, as far as it
-/// still keeps them (connecting on first use; a failure drops the connection).
-async fn fill_gap(
-    replay: &mut Option<zeromq::DealerSocket>,
-    at: &str,
-    from: u64,
-    to: u64,
-) -> Vec<(u64, crate::kv_events::Decoded)> {
-    use zeromq::SocketSend;
-    let mut got = Vec::new();
-    if replay.is_none() {
-        let mut s = zeromq::DealerSocket::new();
-        match tokio::time::timeout(REPLAY_WAIT, s.connect(at)).await {
-            Ok(Ok(())) => *replay = Some(s),
-            _ => {
-                tracing::debug!(replay = %at, "cannot connect to the engine's replay socket");
-                return got;
+/// The engine's replay socket (connected on first use; a failure drops the connection).
+struct Replay {
+    at: String,
+    socket: Option<zeromq::DealerSocket>,
+}
+
+impl Replay {
+    fn new(at: String) -> Self {
+        Replay { at, socket: None }
+    }
+
+    /// The batches the engine still keeps from `from` to before `to`: the run of
+    /// consecutive ones that starts with the first kept at or after `from` (the caller
+    /// checks where it starts). `None` when the socket did not answer within `total`, or
+    /// left [`REPLAY_WAIT`] between two messages.
+    async fn fetch(&mut self, from: u64, to: u64, total: Duration) -> Option<Vec<(u64, Decoded)>> {
+        use zeromq::SocketSend;
+        if self.socket.is_none() {
+            let mut s = zeromq::DealerSocket::new();
+            match tokio::time::timeout(REPLAY_WAIT, s.connect(&self.at)).await {
+                Ok(Ok(())) => self.socket = Some(s),
+                _ => {
+                    tracing::debug!(replay = %self.at, "cannot connect to the engine's replay socket");
+                    return None;
+                }
             }
         }
-    }
-    let Some(socket) = replay.as_mut() else {
-        return got;
-    };
-    let request = zeromq::ZmqMessage::try_from(vec![
-        bytes::Bytes::new(),
-        bytes::Bytes::copy_from_slice(&from.to_be_bytes()),
-    ]);
-    let Ok(request) = request else { return got };
-    if socket.send(request).await.is_err() {
-        *replay = None;
-        return got;
-    }
-    let deadline = tokio::time::Instant::now() + REPLAY_WAIT;
-    let mut next = from;
-    loop {
-        let Ok(Ok(msg)) = tokio::time::timeout_at(deadline, socket.recv()).await else {
-            // A late answer would be read as the next one's: start afresh next time.
-            *replay = None;
-            return got;
-        };
-        // `[empty delimiter, sequence, batch]`: the shape of a published message.
-        let frames = msg.into_vec();
-        let Some((seq, payload)) = crate::kv_events::parse_message(&frames) else {
-            return got;
-        };
-        if payload.is_empty() {
-            return got; // the end marker
+        let socket = self.socket.as_mut()?;
+        let request = zeromq::ZmqMessage::try_from(vec![
+            bytes::Bytes::new(),
+            bytes::Bytes::copy_from_slice(&from.to_be_bytes()),
+        ])
+        .ok()?;
+        if socket.send(request).await.is_err() {
+            self.socket = None;
+            return None;
         }
-        if seq < next || seq >= to {
-            continue;
-        }
-        if seq != next || payload.len() > MAX_MESSAGE_BYTES {
-            // The engine no longer keeps what comes first: the gap stays.
-            continue;
-        }
-        match decode_batch(payload) {
-            Ok(b) => {
-                got.push((seq, b));
-                next += 1;
+        let deadline = Instant::now() + total;
+        let mut got: Vec<(u64, Decoded)> = Vec::new();
+        loop {
+            let wait = deadline.min(Instant::now() + REPLAY_WAIT);
+            let Ok(Ok(msg)) = tokio::time::timeout_at(wait, socket.recv()).await else {
+                // A late answer would be read as the next one's: start afresh next time.
+                self.socket = None;
+                return None;
+            };
+            // `[empty delimiter, sequence, batch]`: the shape of a published message.
+            let frames = msg.into_vec();
+            let Some((seq, payload)) = crate::kv_events::parse_message(&frames) else {
+                self.socket = None;
+                return None;
+            };
+            if payload.is_empty() {
+                return Some(got); // the end marker
             }
-            Err(_) => {
-                counter!("warmpath_agent_kv_batches_total", "result" => "malformed").increment(1);
+            let next = got.last().map(|(s, _)| s + 1);
+            if seq < from || seq >= to || next.is_some_and(|n| seq != n) {
+                // Outside the range, or past a hole in what the engine keeps: the run
+                // ends before it (the rest of the answer is read and dropped).
+                continue;
+            }
+            if payload.len() > MAX_MESSAGE_BYTES {
+                continue;
+            }
+            match decode_batch(payload) {
+                Ok(b) => got.push((seq, b)),
+                Err(_) => {
+                    counter!("warmpath_agent_kv_batches_total", "result" => "malformed")
+                        .increment(1);
+                }
             }
         }
     }
