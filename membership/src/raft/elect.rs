@@ -166,6 +166,11 @@ pub(crate) struct Elections {
     pub(crate) db: Arc<redb::Database>,
     /// This node.
     pub(crate) node_id: NodeId,
+    /// Set once this node hands its leadership off to stop (`RaftNode::hand_off`): from
+    /// then on it never stands. Right after a hand-off the other voters may not have
+    /// heard the new leader yet (the old one stopped its heartbeats), so a pre-vote of the
+    /// stopping node could win and take the leadership back just before it exits.
+    pub(crate) stopping: Arc<std::sync::atomic::AtomicBool>,
     /// How often the timer looks.
     pub(crate) tick: Duration,
     /// The election timeout range; its top is the leader lease.
@@ -182,8 +187,12 @@ impl Elections {
         let mut not_before = Instant::now();
         loop {
             tokio::time::sleep(self.tick).await;
+            self.touch_while_leading();
             let silence = self.contact.silence();
             if Instant::now() < not_before || silence < stand_after {
+                continue;
+            }
+            if self.stopping.load(std::sync::atomic::Ordering::Acquire) {
                 continue;
             }
             let ballot = match self.ballot() {
@@ -203,6 +212,21 @@ impl Elections {
             }
             stand_after = self.standing_time();
             not_before = Instant::now() + self.rng.gen_range(lo..=hi);
+        }
+    }
+
+    /// A leader that a quorum acknowledged within the lease has heard a leader: itself.
+    /// So a leader that steps down counts its silence from then, not from before it led,
+    /// which would read as a leader silent for as long as it led (`RaftNode::following`
+    /// then took the router out of service at every change of leader).
+    fn touch_while_leading(&self) {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        let lease_ms = self.timeout.1.as_millis() as u64;
+        if m.state == ServerState::Leader
+            && m.millis_since_quorum_ack.is_some_and(|ms| ms <= lease_ms)
+        {
+            self.contact.touch();
         }
     }
 

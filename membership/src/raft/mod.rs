@@ -578,6 +578,7 @@ async fn launch(
     }
     let gauges = tokio::spawn(publish_metrics(raft.clone()));
     let contact = elect::Contact::new();
+    let handing_off: Arc<std::sync::atomic::AtomicBool> = Default::default();
     let elections = tokio::spawn(
         elect::Elections {
             raft: raft.clone(),
@@ -585,6 +586,7 @@ async fn launch(
             contact: contact.clone(),
             db: db.clone(),
             node_id: config.node_id,
+            stopping: handing_off.clone(),
             tick: config.heartbeat_interval / 2,
             timeout: config.election_timeout,
             rng: rand::SeedableRng::seed_from_u64(
@@ -602,7 +604,7 @@ async fn launch(
         write_timeout: config.write_timeout,
         contact,
         lease: config.election_timeout.1,
-        handing_off: Default::default(),
+        handing_off,
         db: Arc::downgrade(&db),
     };
     let running = Running {
