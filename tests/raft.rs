@@ -1455,17 +1455,6 @@ async fn readyz(c: &HttpClient, r: &Router) -> Option<(u16, String)> {
     Some((reply.status, reply.body.as_str().unwrap_or("").to_string()))
 }
 
-/// Fills the filesystem at `dir` with `dir/filler` until it is full.
-fn fill(dir: &std::path::Path) {
-    use std::io::Write;
-    let mut f = std::fs::File::create(dir.join("filler")).expect("the filler file");
-    let chunk = vec![0u8; 64 << 10];
-    while f.write_all(&chunk).is_ok() {}
-    let _ = f.sync_all();
-    // The last partial chunk: byte by byte.
-    while f.write_all(&[0]).is_ok() {}
-}
-
 /// Issue 22, 1 and 2: a router whose Raft disk fills stops following the cluster. It
 /// must leave service at once (readyz 503 naming the cause, completions 503, so an API
 /// key it has not seen is never served), answer writes sent to it with what happened
@@ -1487,9 +1476,8 @@ async fn a_router_whose_raft_disk_fills_leaves_service_and_comes_back_by_itself(
     // No tenant has keys yet: any key is the default tenant's, on every router.
     assert_eq!(completion(c, &r3, "not-a-key").await.status, 200);
 
-    let disk = PathBuf::from(format!("/proc/{}/root", r3.proc.pid()))
-        .join(s.raft_dir(3).strip_prefix("/").expect("an absolute path"));
-    fill(&disk);
+    let disk = warmpath_testkit::in_namespace_of(r3.proc.pid(), &s.raft_dir(3));
+    warmpath_testkit::fill_disk(&disk).expect("the filler file");
     let filled = Instant::now();
     // Writes through the healthy routers until router 3's Raft fails to store one.
     let mut n = 0;
@@ -1636,14 +1624,14 @@ impl Nginx {
         );
         let path = dir.join("nginx.conf");
         std::fs::write(&path, conf).expect("nginx.conf");
-        let child = std::process::Command::new("nginx")
+        let child = std::process::Command::new(warmpath_testkit::system_tool("nginx"))
             .args(["-e", &format!("{d}/nginx-error.log"), "-p"])
             .arg(dir)
             .arg("-c")
             .arg(&path)
             .args(["-g", "daemon off;"])
             .spawn()
-            .expect("nginx starts (the Debian package nginx-light; .ci/run installs it)");
+            .expect("nginx starts");
         Nginx {
             child,
             url: format!("http://{front}"),

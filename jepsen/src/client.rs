@@ -70,6 +70,14 @@ pub async fn admin(
     call(base, ADMIN_TOKEN, method, &format!("{PREFIX}{path}"), body).await
 }
 
+/// Whether the router whose data port is at `base` answers `/readyz` 200.
+pub async fn ready(base: &str) -> bool {
+    matches!(
+        call(base, ADMIN_TOKEN, Method::GET, "/readyz", None).await,
+        Ok((200, _))
+    )
+}
+
 fn message(status: u16, body: &Value) -> String {
     let m = body["error"]["message"]
         .as_str()
@@ -302,6 +310,8 @@ impl Clients {
                     Outcome::Info,
                     format!("{s} without an error message: {}", truncate(b)),
                 ),
+                // No connection, no request: a clear failure (a router not running).
+                Err(e) if e.contains("(Connect)") => (Outcome::Fail, e.clone()),
                 Err(e) => (Outcome::Info, e.clone()),
             };
             self.rec.op(Op {

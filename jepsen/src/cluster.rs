@@ -40,6 +40,9 @@ pub struct Member {
     /// Its metrics base URL (routers, with the cache tier).
     pub metrics: Option<String>,
     pub paused: bool,
+    /// The size of the tmpfs its Raft directory is on, in a mount namespace of its own
+    /// (a router whose disk the nemesis fills): each start mounts an empty one.
+    pub small_disk: Option<u64>,
 }
 
 /// The engines and routers of one run.
@@ -57,7 +60,9 @@ pub struct Cluster {
 
 impl Cluster {
     /// Starts `engines` engine-sims and `routers` Raft voters on the hosts of `net`
-    /// (engines first), writing logs and data under `dir`.
+    /// (engines first), writing logs and data under `dir`. With `small_raft_disk`, the
+    /// last router's Raft directory is a tmpfs of that many bytes (see
+    /// [`Member::small_disk`]).
     ///
     /// With `cache_tier` (namespaces only: fixed ports), each engine gets a cache-agent on
     /// its host (L1 in memory, L2 in one Redis on the host after the routers; the engine
@@ -70,6 +75,7 @@ impl Cluster {
         engines: usize,
         routers: usize,
         cache_tier: bool,
+        small_raft_disk: Option<u64>,
     ) -> Result<Cluster> {
         if cache_tier && !net.isolated_ports() {
             bail!("the cache tier needs network namespaces");
@@ -247,6 +253,9 @@ impl Cluster {
             m.admin = format!("http://{}", admin[i]);
             m.raft_dir = Some(raft_dir);
             m.metrics = metrics;
+            if i + 1 == routers {
+                m.small_disk = small_raft_disk;
+            }
             c.routers.push(m);
         }
         if c.redis.is_some() {
@@ -301,7 +310,15 @@ impl Cluster {
     /// Starts router `i` (again) and waits until it prints its admin address.
     pub fn start_router(&mut self, i: usize) -> Result<()> {
         let m = &mut self.routers[i];
-        let mut cmd = self.net.command(m.host, &self.bin);
+        let mut cmd = match (m.small_disk, &m.raft_dir) {
+            (Some(bytes), Some(dir)) => {
+                std::fs::create_dir_all(dir)?;
+                let mut c = self.net.command(m.host, Path::new("unshare"));
+                c.args(warmpath_testkit::small_disk_args(dir, bytes, &self.bin));
+                c
+            }
+            _ => self.net.command(m.host, &self.bin),
+        };
         m.spawn(&mut cmd, 1)?;
         // After its address: its gossip and admin lines.
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -350,6 +367,7 @@ impl Member {
             raft_dir: None,
             metrics: None,
             paused: false,
+            small_disk: None,
         }
     }
 
@@ -363,8 +381,12 @@ impl Member {
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
-        let proc =
-            Proc::try_spawn(cmd, lines, "warn").map_err(|e| anyhow!("{e}: {}", self.log_tail()))?;
+        let proc = Proc::try_spawn(
+            cmd,
+            lines,
+            &std::env::var("JEPSEN_LOG").unwrap_or("warn".into()),
+        )
+        .map_err(|e| anyhow!("{e}: {}", self.log_tail()))?;
         self.url = proc.url.clone();
         self.proc = Some(proc);
         self.paused = false;

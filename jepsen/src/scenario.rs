@@ -51,7 +51,16 @@ pub enum Nemesis {
     RedisKill,
     /// Cut the last router off from the other routers (gossip and Raft) for 10 s.
     PartitionRouter,
+    /// Fill the last router's Raft disk (a 16 MiB tmpfs) for 10 s, then free it (issue
+    /// 22: the router leaves service and comes back by itself).
+    DiskFull,
+    /// SIGTERM each router in turn, start it again, wait until it is ready, next (issue
+    /// 22: a leader hands off before it stops).
+    RollingRestart,
 }
+
+/// The size of the disk-full router's Raft tmpfs.
+const SMALL_RAFT_DISK: u64 = 16 << 20;
 
 #[derive(Debug, Clone)]
 pub struct Scenario {
@@ -249,6 +258,24 @@ pub fn all() -> Vec<Scenario> {
         c.cache_tier = true;
         v.push(c);
     }
+    v.push(s(
+        "disk-full",
+        "fill a router's Raft disk for 10 s, then free it",
+        None,
+        Nemesis::DiskFull,
+        false,
+        true,
+        expect(true, false, Some(5_000.0)),
+    ));
+    v.push(s(
+        "rolling-restart",
+        "SIGTERM each router in turn and start it again once the last is ready",
+        None,
+        Nemesis::RollingRestart,
+        false,
+        true,
+        expect(true, false, Some(5_000.0)),
+    ));
     let mut rl = s(
         "rate-limit-partition",
         "cut one router off (gossip and Raft) for 10 s while a 20 rps tenant is flooded through all",
@@ -322,8 +349,17 @@ pub fn run(s: &Scenario, o: &Options) -> Result<Outcome> {
             took: started.elapsed(),
         });
     }
-    let mut cluster = Cluster::start(net, &o.bin, &dir, ENGINES, ROUTERS, s.cache_tier)
-        .context("starting the cluster")?;
+    let small_disk = (s.nemesis == Nemesis::DiskFull).then_some(SMALL_RAFT_DISK);
+    let mut cluster = Cluster::start(
+        net,
+        &o.bin,
+        &dir,
+        ENGINES,
+        ROUTERS,
+        s.cache_tier,
+        small_disk,
+    )
+    .context("starting the cluster")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -419,6 +455,20 @@ fn leader(rt: &tokio::runtime::Runtime, t: &Targets) -> Result<usize> {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    })
+}
+
+/// Waits until the router at `url` answers `/readyz` 200 (at most 20 s).
+fn wait_ready(rt: &tokio::runtime::Runtime, url: &str) -> Result<()> {
+    rt.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !client::ready(url).await {
+            if tokio::time::Instant::now() > deadline {
+                bail!("{url} was not ready within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
     })
 }
 
@@ -605,6 +655,37 @@ fn nemesis(
                 hold(Duration::from_secs(8), deadline);
                 c.start_redis()?;
                 rec.fault("stop kill redis", &[], false);
+            }
+            Nemesis::DiskFull => {
+                let v = routers.len() - 1;
+                let proc = c.routers[v]
+                    .proc
+                    .as_ref()
+                    .ok_or_else(|| anyhow!("not running"))?;
+                let dir = c.routers[v]
+                    .raft_dir
+                    .as_deref()
+                    .ok_or_else(|| anyhow!("no raft dir"))?;
+                let disk = warmpath_testkit::in_namespace_of(proc.pid(), dir);
+                rec.fault(format!("start disk-full router {}", v + 1), &[v], true);
+                warmpath_testkit::fill_disk(&disk)
+                    .with_context(|| format!("filling {}", disk.display()))?;
+                hold(Duration::from_secs(10), deadline);
+                std::fs::remove_file(disk.join("filler"))?;
+                rec.fault(
+                    format!("stop disk-full router {} freed", v + 1),
+                    &[v],
+                    false,
+                );
+            }
+            Nemesis::RollingRestart => {
+                for i in routers.clone() {
+                    rec.fault(format!("start restart router {}", i + 1), &[i], true);
+                    c.routers[i].terminate()?;
+                    c.start_router(i)?;
+                    wait_ready(rt, &c.routers[i].url)?;
+                    rec.fault(format!("stop restart router {} ready", i + 1), &[i], false);
+                }
             }
             Nemesis::EngineKill => {
                 rec.fault("start kill engine 1", &[], true);

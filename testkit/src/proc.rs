@@ -21,6 +21,44 @@ pub fn warmpath_bin() -> PathBuf {
     dir.join("warmpath")
 }
 
+/// The arguments of `unshare` that run `program` (its own arguments follow) with a tmpfs
+/// of `bytes` mounted at `dir` in a mount namespace of its own, as the root of a user
+/// namespace: a disk that fills up, gone with the process. `unshare` and `sh` exec, so
+/// the process id is the program's, and the disk is reached from outside through
+/// `/proc/PID/root` + `dir` ([`fill_disk`]).
+pub fn small_disk_args(
+    dir: &std::path::Path,
+    bytes: u64,
+    program: &std::path::Path,
+) -> Vec<std::ffi::OsString> {
+    let mut v: Vec<std::ffi::OsString> = ["--map-root-user", "--mount", "sh", "-c"]
+        .map(Into::into)
+        .to_vec();
+    v.push("mount -t tmpfs -o size=\"$0\" tmpfs \"$1\" && shift && exec \"$@\"".into());
+    v.push(bytes.to_string().into());
+    v.push(dir.into());
+    v.push(program.into());
+    v
+}
+
+/// `dir` of process `pid` as seen from outside its mount namespace.
+pub fn in_namespace_of(pid: u32, dir: &std::path::Path) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/root")).join(dir.strip_prefix("/").unwrap_or(dir))
+}
+
+/// Fills the filesystem at `dir` with `dir/filler` until it is full (to free the space
+/// again, remove that file).
+pub fn fill_disk(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(dir.join("filler"))?;
+    let chunk = vec![0u8; 64 << 10];
+    while f.write_all(&chunk).is_ok() {}
+    let _ = f.sync_all();
+    // The last partial chunk: byte by byte.
+    while f.write_all(&[0]).is_ok() {}
+    Ok(())
+}
+
 /// A running `warmpath` process, killed when dropped.
 #[derive(Debug)]
 pub struct Proc {
@@ -61,13 +99,9 @@ impl Proc {
     /// (`unshare`, as the root of a user namespace): a disk that fills up, gone with the
     /// process.
     pub fn start_with_small_disk(dir: &std::path::Path, bytes: u64, args: &[&str]) -> Proc {
-        let mut command = Command::new("unshare");
+        let mut command = Command::new(crate::system_tool("unshare"));
         command
-            .args(["--map-root-user", "--mount", "sh", "-c"])
-            .arg("mount -t tmpfs -o size=\"$0\" tmpfs \"$1\" && shift && exec \"$@\"")
-            .arg(bytes.to_string())
-            .arg(dir)
-            .arg(warmpath_bin())
+            .args(small_disk_args(dir, bytes, &warmpath_bin()))
             .args(args);
         Self::spawn(&mut command, args, 1, "warn")
     }
