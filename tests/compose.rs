@@ -17,12 +17,12 @@ use std::time::Duration;
 
 /// `docker-compose config` of deploy/compose: the services as Compose resolves them.
 fn resolved() -> Value {
-    let out = Command::new("docker-compose")
+    let out = Command::new(warmpath_testkit::system_tool("docker-compose"))
         .arg("-f")
         .arg(deploy_dir().join("compose/compose.yaml"))
         .arg("config")
         .output()
-        .expect("docker-compose runs (the distribution's package; .ci/run installs it)");
+        .expect("docker-compose runs");
     assert!(
         out.status.success(),
         "docker-compose config: {}",

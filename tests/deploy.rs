@@ -24,10 +24,10 @@ pub(crate) fn deploy_dir() -> PathBuf {
 /// Runs a tool of a distribution package (`promtool`: prometheus; `systemd-analyze`:
 /// systemd) and asserts that it succeeds, showing what it printed when it does not.
 pub(crate) fn succeeds(tool: &str, args: &[&str]) {
-    let out = Command::new(tool)
+    let out = Command::new(warmpath_testkit::system_tool(tool))
         .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("{tool} did not run ({e}): install its distribution package"));
+        .unwrap_or_else(|e| panic!("{tool} did not run: {e}"));
     assert!(
         out.status.success(),
         "{tool} {}: {}{}",
@@ -132,7 +132,7 @@ fn demo_cluster(extra: &[&str]) -> Demo {
 pub(crate) fn start_prometheus(dir: &Path, config: &str) -> (Stopped, String) {
     std::fs::write(dir.join("prometheus.yml"), config).expect("write the config");
     let listen = free_addr();
-    let prometheus = Command::new("prometheus")
+    let prometheus = Command::new(warmpath_testkit::system_tool("prometheus"))
         .arg(format!(
             "--config.file={}",
             dir.join("prometheus.yml").display()

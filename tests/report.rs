@@ -17,7 +17,7 @@ const SERIES: [[u8; 3]; 2] = [[230, 25, 75], [60, 180, 75]];
 pub fn screenshot(page: &Path, png: &Path, height: u32) {
     // A profile of its own: two browsers on one profile would meet.
     let profile = png.with_extension("profile");
-    let out = Command::new("chromium")
+    let out = Command::new(warmpath_testkit::system_tool("chromium"))
         .args([
             "--headless",
             "--no-sandbox",
