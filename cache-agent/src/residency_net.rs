@@ -184,25 +184,26 @@ pub struct AgentTarget {
 }
 
 impl AgentTarget {
-    /// `[NAME@]HOST:PORT` (`[IPV6]:PORT` for an address): the name checked in the agent's
-    /// certificate is NAME, or HOST when none is given. A NAME lets agents that share one
-    /// certificate be reached by address (a DaemonSet's pods at their nodes' IPs).
+    /// One agent's `[NAME@]HOST:PORT` (`[IPV6]:PORT` for an address), parsed by the one
+    /// parser of agent addresses (`warmpath_spec::AgentAddress`); a `dns:` entry names
+    /// many agents and is refused here (the router resolves it first).
     pub fn parse(target: &str) -> Result<AgentTarget, String> {
-        let usage = || format!("agent {target:?}: give [NAME@]HOST:PORT");
-        let (name, address) = match target.split_once('@') {
-            Some((name, address)) if !name.is_empty() => (Some(name), address),
-            Some(_) => return Err(usage()),
-            None => (None, target),
-        };
-        let (host, port) = address.rsplit_once(':').ok_or_else(usage)?;
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
-            return Err(usage());
+        match warmpath_spec::AgentAddress::parse(target) {
+            Ok(a) if !a.dns => Ok(AgentTarget::from(a)),
+            Ok(_) => Err(format!(
+                "agent {target:?}: a dns: entry names every address its host resolves to; give [NAME@]HOST:PORT"
+            )),
+            Err(e) => Err(format!("agent {target:?}: {e}")),
         }
-        Ok(AgentTarget {
-            address: address.to_string(),
-            server_name: name.unwrap_or(host).to_string(),
-        })
+    }
+}
+
+impl From<warmpath_spec::AgentAddress> for AgentTarget {
+    fn from(a: warmpath_spec::AgentAddress) -> AgentTarget {
+        AgentTarget {
+            address: a.address,
+            server_name: a.server_name,
+        }
     }
 }
 
@@ -425,10 +426,7 @@ mod tests {
             "h:x",
         ] {
             let e = AgentTarget::parse(bad).unwrap_err();
-            assert!(
-                e.contains("[NAME@]HOST:PORT") && e.contains(bad),
-                "{bad}: {e}"
-            );
+            assert!(e.contains(bad), "{bad}: {e}");
         }
     }
 }

@@ -24,7 +24,7 @@ mod common;
 use common::{prompts, BLOCKS, PROMPTS};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
-use warmpath_index::router::{CoreConfig, InstanceSpec, PoolSpec, RouterCore};
+use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
 use warmpath_index::InstanceId;
 
 const INSTANCES: u32 = 256;
@@ -49,7 +49,7 @@ fn main() {
         },
         ModelProfile::dynamo_default(),
     );
-    core.set_pools(&[PoolSpec {
+    core.set_pools(&[CorePool {
         model: "m".into(),
         instances: (0..INSTANCES)
             .map(|i| InstanceSpec {

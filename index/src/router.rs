@@ -80,7 +80,7 @@ pub struct InstanceSpec {
 
 /// The instances serving one model.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PoolSpec {
+pub struct CorePool {
     pub model: String,
     pub instances: Vec<InstanceSpec>,
 }
@@ -191,7 +191,7 @@ impl RouterCore {
 
     /// Replaces the pools (a configuration change). New instances get new ids (ids are
     /// never reused); instances no longer in any pool leave the pools and the index.
-    pub fn set_pools(&mut self, pools: &[PoolSpec]) {
+    pub fn set_pools(&mut self, pools: &[CorePool]) {
         let mut next: HashMap<String, Vec<InstanceId>> = HashMap::new();
         for pool in pools {
             for spec in &pool.instances {
@@ -559,8 +559,8 @@ mod tests {
     use super::*;
     use crate::policy::{Reason, Strategy};
 
-    fn pool(model: &str, names: &[&str]) -> PoolSpec {
-        PoolSpec {
+    fn pool(model: &str, names: &[&str]) -> CorePool {
+        CorePool {
             model: model.into(),
             instances: names
                 .iter()

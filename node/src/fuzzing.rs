@@ -23,9 +23,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use warmpath_index::keys::{token_block_keys, TenantKey};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
-use warmpath_index::router::{
-    CoreConfig, InstanceSpec, PoolSpec as CorePool, RouterCore, SharedDecision,
-};
+use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore, SharedDecision};
 use warmpath_index::text::Tokenizer;
 use warmpath_membership::decisions::{instance_key, BatchWire};
 use warmpath_membership::gossip::{DatagramGate, Rejected, MAC_KEY_CONTEXT};

@@ -31,7 +31,7 @@ use warmpath_index::keys::BlockKey;
 use warmpath_index::policy::{Decision, PolicyConfig, RouteRequest};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{
-    CacheReport, CoreConfig, InstanceSpec, PoolSpec, RouterCore, SharedDecision,
+    CacheReport, CoreConfig, CorePool, InstanceSpec, RouterCore, SharedDecision,
 };
 use warmpath_index::InstanceId;
 
@@ -202,7 +202,7 @@ pub fn simulate(
     validate(config, workload)?;
     let mut rng = Rng::new(config.seed);
     let mut lb_rng = rng.fork(1);
-    let pool = [PoolSpec {
+    let pool = [CorePool {
         model: MODEL.to_string(),
         instances: (0..config.instances)
             .map(|i| InstanceSpec {

@@ -28,8 +28,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use warmpath_membership::raft::state::{
-    is_key_hash, Command, CommandResult, CommandV1, ConfigState, PoolSpec, TenantSpec,
-    MAX_WRITE_KEY_BYTES,
+    instance_url, is_key_hash, Command, CommandResult, CommandV1, ConfigState, PoolSpec,
+    TenantSpec, MAX_WRITE_KEY_BYTES,
 };
 use warmpath_membership::raft::{RaftNode, ReadError, WriteError};
 
@@ -832,6 +832,13 @@ async fn get_pool(
     )
 }
 
+/// An instance URL in its canonical form ([`instance_url`]: `http://host` is
+/// `http://host:80`, a trailing `/` goes), or as given when it is not one, for the state
+/// machine to refuse with its reason.
+fn canonical(url: &str) -> String {
+    instance_url(url).unwrap_or_else(|_| url.to_string())
+}
+
 async fn put_pool(
     State(d): State<Arc<AdminDeps>>,
     model: Result<Path<String>, PathRejection>,
@@ -841,7 +848,8 @@ async fn put_pool(
 ) -> ApiResult {
     let model = path(model)?;
     let expected_version = precondition(&uri, &headers)?;
-    let spec: PoolSpec = parse_strict(body, "pool")?;
+    let mut spec: PoolSpec = parse_strict(body, "pool")?;
+    spec.instances = spec.instances.iter().map(|u| canonical(u)).collect();
     // The state machine checks the tokenizer's name; whether it loads (a tokenizer.json
     // here, a template that compiles) is checked on the router taking the write, so that a
     // typo is a 400 now rather than a pool tokenized with the built-in tokenizer later.
@@ -900,7 +908,7 @@ async fn add_instance(
         "instance",
         CommandV1::AddInstance {
             model,
-            url: input.url,
+            url: canonical(&input.url),
             expected_version,
         },
     )
@@ -928,7 +936,7 @@ async fn remove_instance(
         "instance",
         CommandV1::RemoveInstance {
             model,
-            url,
+            url: canonical(&url),
             expected_version,
         },
     )
@@ -1255,10 +1263,10 @@ pub(crate) mod tests {
             case("replace pool", Method::PUT, "/pools/m", Some(r#"{"instances":["http://a:1","http://b:2"]}"#), 200, vec![
                 ("/version", Number),
             ]),
-            case("invalid pool", Method::PUT, "/pools/m2", Some(r#"{"instances":["ftp://x","http://a"]}"#), 400, vec![
+            case("invalid pool", Method::PUT, "/pools/m2", Some(r#"{"instances":["ftp://x","http://a/v1"]}"#), 400, vec![
                 ("/problems", eq(json!([
                     "instances[0] \"ftp://x\": must start with http://",
-                    "instances[1] \"http://a\": no port",
+                    "instances[1] \"http://a/v1\": give http://host:port without path, query or user",
                 ]))),
                 ("/error/code", eq(json!("invalid"))),
             ]),

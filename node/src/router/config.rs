@@ -26,8 +26,10 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 use warmpath_index::policy::Strategy;
+pub use warmpath_membership::raft::state::Pool;
 use warmpath_membership::raft::state::{
-    api_key_hash, check_plain_key, check_tenant_id, validate_tenant, TenantSpec,
+    api_key_hash, check_plain_key, check_tenant_id, instance_url, pool_problems, validate_tenant,
+    PoolSpec, TenantSpec,
 };
 
 /// The only config file version this build reads.
@@ -298,20 +300,6 @@ impl Tenant {
     }
 }
 
-/// A validated pool.
-#[derive(Debug, Clone)]
-pub struct Pool {
-    pub model: String,
-    pub instances: Vec<String>,
-    /// Cache-agents whose residency every router follows (`[dns:][NAME@]HOST:PORT`).
-    pub agents: Vec<String>,
-    /// The engines' tokenizer and chat template (see `crate::prompt`).
-    pub tokenizer: String,
-    pub chat_template: String,
-    /// The engines' block size; replaces the pool's tenants' `block_tokens` (0: not).
-    pub block_tokens: u32,
-}
-
 /// Validated router settings.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -441,22 +429,20 @@ impl FileConfig {
         let mut models = HashSet::new();
         let mut pools = Vec::new();
         for (i, p) in self.pools.iter().enumerate() {
-            if p.model.is_empty() {
-                problems.push(format!("pools[{i}].model is empty"));
-            }
             if !models.insert(p.model.clone()) {
                 problems.push(format!("pools[{i}].model {:?} is listed twice", p.model));
             }
+            // Instance URLs in their canonical form, then the state machine's own pool
+            // validator: a file that validates here seeds a cluster that accepts it.
             let mut instances = Vec::new();
+            let mut bad_url = false;
             for (j, url) in p.instances.iter().enumerate() {
-                match normalise_url(url) {
+                match instance_url(url) {
                     Ok(u) => instances.push(u),
-                    Err(e) => problems.push(format!("pools[{i}].instances[{j}] {url:?}: {e}")),
-                }
-            }
-            for (j, a) in p.agents.iter().enumerate() {
-                if let Err(e) = warmpath_membership::raft::state::check_agent_address(a) {
-                    problems.push(format!("pools[{i}].agents[{j}] {a:?}: {e}"));
+                    Err(e) => {
+                        bad_url = true;
+                        problems.push(format!("pools[{i}].instances[{j}] {url:?}: {e}"))
+                    }
                 }
             }
             let chat_template = match &p.chat_template_file {
@@ -479,16 +465,22 @@ impl FileConfig {
             if let Err(e) = crate::prompt::PoolText::load(&p.tokenizer, &chat_template) {
                 problems.push(format!("pools[{i}]: {e}"));
             }
-            if p.block_tokens > 65_536 {
-                problems.push(format!("pools[{i}].block_tokens: at most 65536"));
-            }
-            pools.push(Pool {
-                model: p.model.clone(),
+            let spec = PoolSpec {
                 instances,
                 agents: p.agents.clone(),
                 tokenizer: p.tokenizer.clone(),
                 chat_template,
                 block_tokens: p.block_tokens,
+            };
+            for problem in pool_problems(&p.model, &spec) {
+                // What is wrong with a URL was said above, with the URL as written.
+                if !(bad_url && problem.starts_with("instances")) {
+                    problems.push(format!("pools[{i}].{problem}"));
+                }
+            }
+            pools.push(Pool {
+                model: p.model.clone(),
+                spec,
             });
         }
         // The default tenant exists implicitly, with default settings, unless listed.
@@ -649,7 +641,7 @@ impl FileConfig {
             };
             let mut voters = BTreeMap::new();
             for (id, url) in &r.voters {
-                match (id.parse::<u64>(), normalise_url(url)) {
+                match (id.parse::<u64>(), instance_url(url)) {
                     (Ok(id), Ok(url)) => {
                         voters.insert(id, url);
                     }
@@ -713,22 +705,6 @@ impl FileConfig {
     }
 }
 
-/// `http://host:port` without a trailing slash; only plain HTTP upstreams for now.
-fn normalise_url(url: &str) -> Result<String, String> {
-    let trimmed = url.trim_end_matches('/');
-    let uri: hyper::Uri = trimmed.parse().map_err(|e| format!("{e}"))?;
-    if uri.scheme_str() != Some("http") {
-        return Err("only http:// instance URLs are supported".into());
-    }
-    if uri.host().is_none() {
-        return Err("no host".into());
-    }
-    if uri.path() != "/" && !uri.path().is_empty() {
-        return Err("give the base URL without a path".into());
-    }
-    Ok(trimmed.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -755,7 +731,7 @@ mod tests {
         .validate()
         .unwrap();
         assert_eq!(
-            c.pools[0].instances,
+            c.pools[0].spec.instances,
             vec!["http://127.0.0.1:9001", "http://localhost:9002"]
         );
         assert_eq!(c.retries, 3);

@@ -177,7 +177,7 @@ impl App {
         let mut next = HashMap::new();
         let mut failed = 0;
         for p in pools {
-            let from = (p.tokenizer.clone(), p.chat_template.clone());
+            let from = (p.spec.tokenizer.clone(), p.spec.chat_template.clone());
             if from.0.is_empty() && from.1.is_empty() {
                 continue;
             }
@@ -208,7 +208,7 @@ impl App {
     /// Points residency at the configuration's agents and tenants (at start and after
     /// every configuration change).
     pub fn configure_residency(&self, pools: &[super::config::Pool]) {
-        let agents: Vec<String> = pools.iter().flat_map(|p| p.agents.clone()).collect();
+        let agents: Vec<String> = pools.iter().flat_map(|p| p.spec.agents.clone()).collect();
         match self.residency.get() {
             Some(r) => {
                 r.set_agents(&agents);
@@ -249,9 +249,9 @@ impl TenantTable {
             let mut t = Tenant::compile(id, spec);
             if let Some(p) = pools
                 .iter()
-                .find(|p| p.model == spec.pool && p.block_tokens > 0)
+                .find(|p| p.model == spec.pool && p.spec.block_tokens > 0)
             {
-                t.block_tokens = p.block_tokens;
+                t.block_tokens = p.spec.block_tokens;
             }
             let t = &t;
             for h in &t.api_key_hashes {

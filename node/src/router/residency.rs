@@ -35,10 +35,9 @@ pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
 /// An agent entry: one agent, or (`dns:`) every address its host resolves to.
 fn parse_entry(entry: &str) -> Result<(bool, AgentTarget), String> {
-    match entry.strip_prefix("dns:") {
-        Some(rest) => AgentTarget::parse(rest).map(|t| (true, t)),
-        None => AgentTarget::parse(entry).map(|t| (false, t)),
-    }
+    warmpath_spec::AgentAddress::parse(entry)
+        .map(|a| (a.dns, AgentTarget::from(a)))
+        .map_err(|e| format!("agent {entry:?}: {e}"))
 }
 
 /// The agents this router follows.

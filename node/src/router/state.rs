@@ -11,7 +11,7 @@ use warmpath_index::keys::BlockKey;
 use warmpath_index::load::InstanceLoad;
 use warmpath_index::policy::{Decision, PolicyConfig, RouteRequest};
 use warmpath_index::router::{
-    CacheReport, CoreConfig, InstanceSpec, InstanceState, PoolSpec, RouterCore,
+    CacheReport, CoreConfig, CorePool, InstanceSpec, InstanceState, RouterCore,
 };
 use warmpath_index::InstanceId;
 
@@ -79,11 +79,12 @@ impl RouterState {
     /// Replaces the pools (a config change): new instances get new ids (ids are never
     /// reused), instances no longer in any pool leave the pools and the index.
     pub fn set_pools(&mut self, pools: &[Pool]) {
-        let specs: Vec<PoolSpec> = pools
+        let specs: Vec<CorePool> = pools
             .iter()
-            .map(|p| PoolSpec {
+            .map(|p| CorePool {
                 model: p.model.clone(),
                 instances: p
+                    .spec
                     .instances
                     .iter()
                     .map(|url| InstanceSpec {

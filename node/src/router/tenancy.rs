@@ -123,19 +123,28 @@ pub async fn start(settings: &RaftSettings, admin_url: &str) -> Result<Arc<RaftN
     Ok(Arc::new(node))
 }
 
+/// The pools as the state machine stores them.
+fn pool_specs(pools: Vec<Pool>) -> Vec<(String, PoolSpec)> {
+    pools.into_iter().map(|p| (p.model, p.spec)).collect()
+}
+
+/// The command that seeds an empty cluster with a config file's tenants and pools.
+fn seed_command(tenants: &[(String, TenantSpec)], pools: &[(String, PoolSpec)]) -> CommandV1 {
+    CommandV1::Seed {
+        pools: pools.to_vec(),
+        tenants: tenants.to_vec(),
+    }
+}
+
 /// The router's tenants and pools for a Raft configuration state: the stored specs as
 /// they are (the tenant table compiles them), every tenant kept.
 pub fn from_state(state: &ConfigState) -> (Vec<(String, TenantSpec)>, Vec<Pool>) {
     let pools = state
         .pools
         .iter()
-        .map(|(model, p)| Pool {
+        .map(|(model, spec)| Pool {
             model: model.clone(),
-            instances: p.instances.clone(),
-            agents: p.agents.clone(),
-            tokenizer: p.tokenizer.clone(),
-            chat_template: p.chat_template.clone(),
-            block_tokens: p.block_tokens,
+            spec: spec.clone(),
         })
         .collect();
     let tenants = state
@@ -198,19 +207,7 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<(String, TenantSpec)>, pools
     if tenants.is_empty() && pools.is_empty() {
         return;
     }
-    let pools: Vec<(String, PoolSpec)> = pools
-        .iter()
-        .map(|p| {
-            let spec = PoolSpec {
-                instances: p.instances.clone(),
-                agents: p.agents.clone(),
-                tokenizer: p.tokenizer.clone(),
-                chat_template: p.chat_template.clone(),
-                block_tokens: p.block_tokens,
-            };
-            (p.model.clone(), spec)
-        })
-        .collect();
+    let pools = pool_specs(pools);
     // Wait for a leader (or someone else's seeding).
     for _ in 0..600 {
         if raft.local_state().version > 0 || raft.status().leader.is_some() {
@@ -219,10 +216,7 @@ pub async fn seed(raft: Arc<RaftNode>, tenants: Vec<(String, TenantSpec)>, pools
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     if raft.local_state().version == 0 {
-        let seed = CommandV1::Seed {
-            pools: pools.clone(),
-            tenants: tenants.clone(),
-        };
+        let seed = seed_command(&tenants, &pools);
         match write_retrying(&raft, seed).await {
             Some(CommandResult::Applied { .. }) => {
                 tracing::info!("seeded the tenant configuration from the config file");
@@ -343,4 +337,44 @@ impl crate::admin::RouterInfo for Info {
 /// blake3 of the admin token, as the admin API compares it.
 pub fn token_hash(token: &str) -> [u8; 32] {
     hash_api_key(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::config::FileConfig;
+    use warmpath_membership::raft::state::{Command, CommandResult, ConfigState};
+
+    /// Every instance URL form the config file takes seeds a cluster: the file and the
+    /// state machine read URLs by one rule (`instance_url`), so a file that validates is
+    /// never refused when it seeds Raft.
+    #[test]
+    fn every_instance_url_the_file_takes_seeds_the_state_machine() {
+        let forms = [
+            ("http://10.0.0.1:8000", "http://10.0.0.1:8000"),
+            ("http://10.0.0.2:8000/", "http://10.0.0.2:8000"),
+            ("http://gpu-3", "http://gpu-3:80"),
+            ("http://gpu-4.example/", "http://gpu-4.example:80"),
+            ("http://[fd00::5]:8000", "http://[fd00::5]:8000"),
+            ("http://[fd00::6]", "http://[fd00::6]:80"),
+        ];
+        let given: Vec<&str> = forms.iter().map(|(g, _)| *g).collect();
+        let text = format!(
+            "version = 1\n[[pools]]\nmodel = \"m\"\ninstances = {given:?}\nagents = [\"gpu-3:7700\"]\n"
+        );
+        let config = FileConfig::parse(&text).unwrap().validate().unwrap();
+        let seed = seed_command(&config.tenants, &pool_specs(config.pools));
+        let mut state = ConfigState::default();
+        assert_eq!(
+            state.apply(1, &Command::V1(seed)),
+            CommandResult::Applied { version: 1 }
+        );
+        let stored: Vec<&str> = state.pools["m"]
+            .instances
+            .iter()
+            .map(String::as_str)
+            .collect();
+        let canonical: Vec<&str> = forms.iter().map(|(_, c)| *c).collect();
+        assert_eq!(stored, canonical);
+    }
 }
