@@ -271,10 +271,7 @@ impl Ingest {
                                 }
                             }
                         };
-                        bytes.clear();
-                        for t in tokens {
-                            bytes.extend_from_slice(&t.to_le_bytes());
-                        }
+                        warmpath_index::keys::token_block_bytes(tokens, &mut bytes);
                         let parent_key = prev.map(|(_, k)| k);
                         let key = self.keys[tenant].chain(parent_key, &bytes);
                         let held = Held { tenant, key, scope };

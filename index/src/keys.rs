@@ -73,6 +73,17 @@ pub fn default_cache_salt(tenant_id: &str) -> String {
         .to_string()
 }
 
+/// The bytes a block of token ids is keyed by: each id as 4 little-endian bytes. The one
+/// encoding, for routers ([`token_block_keys`]) and for cache-agents recomputing keys
+/// from an engine's KV events alike; `out` is cleared first (a buffer reused per block).
+pub fn token_block_bytes(tokens: &[u32], out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(tokens.len() * 4);
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+}
+
 /// Keys of the complete `block_tokens`-sized blocks of `tokens` (a trailing partial block
 /// has no key). `block_tokens` of 0 yields no keys.
 pub fn token_block_keys(tenant: &TenantKey, tokens: &[u32], block_tokens: usize) -> Vec<BlockKey> {
@@ -83,10 +94,7 @@ pub fn token_block_keys(tenant: &TenantKey, tokens: &[u32], block_tokens: usize)
     let mut bytes = Vec::with_capacity(block_tokens * 4);
     let mut prev = None;
     for block in tokens.chunks_exact(block_tokens) {
-        bytes.clear();
-        for t in block {
-            bytes.extend_from_slice(&t.to_le_bytes());
-        }
+        token_block_bytes(block, &mut bytes);
         let key = tenant.chain(prev, &bytes);
         keys.push(key);
         prev = Some(key);

@@ -748,40 +748,16 @@ impl RaftStorage<TypeConfig> for Store {
 
 #[cfg(test)]
 pub(crate) mod testutil {
-    //! A temporary directory removed on drop (the crate has no tempfile dependency).
+    //! Temporary directories for the tests: `tempfile`'s, named for what uses them.
 
-    use std::path::{Path, PathBuf};
-    use std::sync::atomic::{AtomicU64, Ordering};
+    pub use tempfile::TempDir;
 
     /// A fresh directory under the system temp dir, removed on drop.
-    #[derive(Debug)]
-    pub struct TempDir(PathBuf);
-
-    impl TempDir {
-        pub fn new(tag: &str) -> TempDir {
-            static SEQ: AtomicU64 = AtomicU64::new(0);
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or_default();
-            let p = std::env::temp_dir().join(format!(
-                "warmpath-{tag}-{}-{nanos}-{}",
-                std::process::id(),
-                SEQ.fetch_add(1, Ordering::Relaxed)
-            ));
-            std::fs::create_dir_all(&p).expect("create temp dir");
-            TempDir(p)
-        }
-
-        pub fn path(&self) -> &Path {
-            &self.0
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    pub fn temp_dir(tag: &str) -> TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("warmpath-{tag}-"))
+            .tempdir()
+            .expect("create temp dir")
     }
 }
 
@@ -790,7 +766,7 @@ mod tests {
     // openraft's storage API fixes the (large) error type of these tests.
     #![allow(clippy::result_large_err)]
 
-    use super::testutil::TempDir;
+    use super::testutil::{temp_dir, TempDir};
     use super::*;
     use crate::raft::state::{Command, CommandV1, PoolSpec};
     use openraft::storage::{RaftLogStorage, RaftStateMachine};
@@ -809,7 +785,7 @@ mod tests {
             Adaptor<TypeConfig, Store>,
             Adaptor<TypeConfig, Store>,
         )> {
-            let dir = TempDir::new("raft-suite");
+            let dir = temp_dir("raft-suite");
             let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
             let (log, sm) = store.into_parts();
             Ok((dir, log, sm))
@@ -841,7 +817,7 @@ mod tests {
 
     #[tokio::test]
     async fn log_vote_and_snapshot_survive_reopen() -> StoreResult<()> {
-        let dir = TempDir::new("raft-reopen");
+        let dir = temp_dir("raft-reopen");
         {
             let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
             let (mut log, mut sm) = store.into_parts();
@@ -893,7 +869,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_value_altered_on_disk_keeps_the_store_closed() -> StoreResult<()> {
-        let dir = TempDir::new("raft-rot");
+        let dir = temp_dir("raft-rot");
         {
             let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
             let (log, _sm) = store.into_parts();
@@ -922,7 +898,7 @@ mod tests {
 
     #[tokio::test]
     async fn values_from_before_checksums_are_read_and_sealed() -> StoreResult<()> {
-        let dir = TempDir::new("raft-legacy");
+        let dir = temp_dir("raft-legacy");
         let entry = normal(1, 1, "old");
         {
             let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
@@ -947,7 +923,7 @@ mod tests {
 
     #[tokio::test]
     async fn corrupt_log_entry_is_an_error_not_a_panic() -> StoreResult<()> {
-        let dir = TempDir::new("raft-corrupt");
+        let dir = temp_dir("raft-corrupt");
         let store = Store::open(dir.path()).map_err(|e| StorageIOError::read(any(e)))?;
         let db = store.database();
         {

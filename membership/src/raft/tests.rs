@@ -2,7 +2,7 @@
 //! and waits on Raft metrics with deadlines instead of sleeps.
 
 use super::state::{Command, CommandResult, CommandV1, PoolSpec, TenantSpec};
-use super::store::testutil::TempDir;
+use super::store::testutil::{temp_dir, TempDir};
 use super::{NodeConfig, RaftNode, ReadError, WriteError};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -94,7 +94,7 @@ impl Cluster {
             let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
             addrs.insert(id, l.local_addr().expect("addr"));
             listeners.insert(id, l);
-            dirs.insert(id, TempDir::new(&format!("raft-node{id}")));
+            dirs.insert(id, temp_dir(&format!("raft-node{id}")));
         }
         let voter_map: BTreeMap<u64, String> =
             (1..=voters).map(|id| (id, url(addrs[&id]))).collect();

@@ -1023,38 +1023,10 @@ pub(crate) mod tests {
     use crate::admin::cli::{AdminClient, Reply};
     use axum::http::Method;
     use std::collections::BTreeMap;
-    use std::path::PathBuf;
     use std::time::Duration;
     use warmpath_membership::raft::NodeConfig;
 
     pub(crate) const TOKEN: &str = "admin-secret";
-
-    /// A temporary directory removed on drop.
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(tag: &str) -> TempDir {
-            use std::sync::atomic::{AtomicU64, Ordering};
-            static SEQ: AtomicU64 = AtomicU64::new(0);
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or_default();
-            let p = std::env::temp_dir().join(format!(
-                "warmpath-admin-{tag}-{}-{nanos}-{}",
-                std::process::id(),
-                SEQ.fetch_add(1, Ordering::Relaxed)
-            ));
-            std::fs::create_dir_all(&p).expect("create temp dir");
-            TempDir(p)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 
     struct FakeRouter;
 
@@ -1077,7 +1049,7 @@ pub(crate) mod tests {
     pub(crate) struct Harness {
         pub(crate) raft: Arc<RaftNode>,
         pub(crate) base: String,
-        _dir: TempDir,
+        _dir: tempfile::TempDir,
         server: tokio::task::JoinHandle<()>,
     }
 
@@ -1088,12 +1060,15 @@ pub(crate) mod tests {
                 .await
                 .expect("bind");
             let base = format!("http://{}", listener.local_addr().expect("addr"));
-            let dir = TempDir::new("api");
+            let dir = tempfile::Builder::new()
+                .prefix("warmpath-admin-api-")
+                .tempdir()
+                .expect("create temp dir");
             let mut voters = BTreeMap::from([(1, base.clone())]);
             if extra_voter {
                 voters.insert(2, "http://127.0.0.1:9".to_string());
             }
-            let mut cfg = NodeConfig::new(1, base.clone(), &dir.0, voters);
+            let mut cfg = NodeConfig::new(1, base.clone(), dir.path(), voters);
             cfg.write_timeout = if extra_voter {
                 Duration::from_millis(800)
             } else {
