@@ -11,6 +11,7 @@ mod compose;
 mod deploy;
 mod helm;
 mod raft;
+mod readme;
 mod report;
 mod router;
 mod simulate;
