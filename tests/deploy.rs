@@ -276,6 +276,41 @@ fn metric_names(text: &str) -> BTreeSet<String> {
     names
 }
 
+/// The dashboard and the rules name only metrics the crates define (their `metric_names`
+/// modules, where each name is written once): a metric renamed in the code fails here at
+/// once, without a cluster. The live check below then proves each is exported.
+#[test]
+fn the_dashboard_and_rules_name_only_metrics_the_crates_define() {
+    let defined: BTreeSet<&str> = [
+        warmpath::metric_names::ALL,
+        warmpath_cache_agent::metric_names::ALL,
+        warmpath_membership::metric_names::ALL,
+        warmpath_sim::metric_names::ALL,
+    ]
+    .concat()
+    .into_iter()
+    .collect();
+    let mut text =
+        std::fs::read_to_string(deploy_dir().join("grafana/warmpath.json")).expect("the dashboard");
+    text.push_str(
+        &std::fs::read_to_string(deploy_dir().join("prometheus/rules.yml")).expect("the rules"),
+    );
+    let named = metric_names(&text);
+    let unknown: Vec<&String> = named
+        .iter()
+        .filter(|n| !n.starts_with("vllm:"))
+        .filter(|n| {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| n.strip_suffix(s))
+                .unwrap_or(n);
+            !defined.contains(n.as_str()) && !defined.contains(base)
+        })
+        .collect();
+    assert!(named.len() >= 30, "{named:?}");
+    assert!(unknown.is_empty(), "named but defined nowhere: {unknown:?}");
+}
+
 /// The names of the series in a Prometheus text exposition.
 fn exported(text: &str) -> BTreeSet<String> {
     text.lines()

@@ -185,18 +185,19 @@ impl Agent {
         // Counters of lookups and of rare events are exported from the start, at 0: rates,
         // alerts and dashboards work before the first event.
         for tier in ["l1", "l2"] {
-            counter!("warmpath_agent_hits_total", "tier" => tier).increment(0);
+            counter!(crate::metric_names::AGENT_HITS_TOTAL, "tier" => tier).increment(0);
         }
-        counter!("warmpath_agent_misses_total").increment(0);
-        counter!("warmpath_agent_evictions_total", "tier" => "l1").increment(0);
+        counter!(crate::metric_names::AGENT_MISSES_TOTAL).increment(0);
+        counter!(crate::metric_names::AGENT_EVICTIONS_TOTAL, "tier" => "l1").increment(0);
         if !matches!(agent.config.l2, L2Config::None) {
             for op in ["contains", "get", "put"] {
-                counter!("warmpath_agent_l2_errors_total", "op" => op).increment(0);
+                counter!(crate::metric_names::AGENT_L2_ERRORS_TOTAL, "op" => op).increment(0);
             }
         }
-        gauge!("warmpath_agent_capacity_bytes", "tier" => "l1").set(agent.config.l1_bytes as f64);
+        gauge!(crate::metric_names::AGENT_CAPACITY_BYTES, "tier" => "l1")
+            .set(agent.config.l1_bytes as f64);
         if let L2Config::Dir { bytes, .. } = &agent.config.l2 {
-            gauge!("warmpath_agent_capacity_bytes", "tier" => "l2").set(*bytes as f64);
+            gauge!(crate::metric_names::AGENT_CAPACITY_BYTES, "tier" => "l2").set(*bytes as f64);
         }
         // Leases end on time even when no request comes; the occupancy gauges are refreshed
         // here too, every 100 ms, rather than by every request (which would take the L1 lock
@@ -210,7 +211,7 @@ impl Agent {
                 let now = agent.now_us();
                 let expired = agent.lock_l1().expire(now);
                 if expired > 0 {
-                    counter!("warmpath_agent_leases_total", "result" => "expired")
+                    counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "expired")
                         .increment(expired as u64);
                 }
                 agent.publish_l1();
@@ -232,7 +233,7 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .learn_tenants(salts.into_iter().collect());
-        gauge!("warmpath_agent_learned_tenants").set(n as f64);
+        gauge!(crate::metric_names::AGENT_LEARNED_TENANTS).set(n as f64);
         if rekeyed {
             self.resyncs.send_modify(|n| *n += 1);
         }
@@ -266,10 +267,10 @@ impl Agent {
             Request::Unpin { layout, keys } => ("unpin", self.unpin(layout, &keys)),
             Request::Stats => ("stats", (Response::Stats(self.stats()), Vec::new())),
         };
-        histogram!("warmpath_agent_op_duration_seconds", "op" => op)
+        histogram!(crate::metric_names::AGENT_OP_DURATION_SECONDS, "op" => op)
             .record(started.elapsed().as_secs_f64());
         if let Response::Error { kind, .. } = &answer.0 {
-            counter!("warmpath_agent_request_errors_total", "op" => op, "kind" => error_label(*kind))
+            counter!(crate::metric_names::AGENT_REQUEST_ERRORS_TOTAL, "op" => op, "kind" => error_label(*kind))
                 .increment(1);
         }
         answer
@@ -339,15 +340,16 @@ impl Agent {
             .iter()
             .map(|(_, b)| b.payload.len() as u64)
             .sum();
-        counter!("warmpath_agent_bytes_total", "tier" => "l1", "direction" => "in")
+        counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l1", "direction" => "in")
             .increment(bytes_in);
-        counter!("warmpath_agent_evictions_total", "tier" => "l1").increment(evicted.len() as u64);
+        counter!(crate::metric_names::AGENT_EVICTIONS_TOTAL, "tier" => "l1")
+            .increment(evicted.len() as u64);
         for (_, why) in &refused {
             let reason = match why {
                 PutRefusal::TooLarge => "too_large",
                 PutRefusal::Full => "full",
             };
-            counter!("warmpath_agent_put_refused_total", "reason" => reason).increment(1);
+            counter!(crate::metric_names::AGENT_PUT_REFUSED_TOTAL, "reason" => reason).increment(1);
         }
         match self.config.l2_write {
             WritePolicy::Through => self.queue_l2(stored_blocks.iter().cloned()),
@@ -374,7 +376,7 @@ impl Agent {
         let Some(tx) = &self.l2_writes else { return };
         for (id, block) in blocks {
             if tx.try_send((id, block)).is_err() {
-                counter!("warmpath_agent_l2_write_dropped_total").increment(1);
+                counter!(crate::metric_names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
             }
         }
     }
@@ -430,12 +432,13 @@ impl Agent {
             l1.touch_chain(&leased);
             l1.lease(&leased, now, ttl_us)
         };
-        counter!("warmpath_agent_leases_total", "result" => "granted").increment(1);
+        counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "granted").increment(1);
         for t in &tiers {
-            counter!("warmpath_agent_lookup_blocks_total", "tier" => t.name()).increment(1);
+            counter!(crate::metric_names::AGENT_LOOKUP_BLOCKS_TOTAL, "tier" => t.name())
+                .increment(1);
         }
         if tiers.len() < ids.len() {
-            counter!("warmpath_agent_lookup_blocks_total", "tier" => "miss")
+            counter!(crate::metric_names::AGENT_LOOKUP_BLOCKS_TOTAL, "tier" => "miss")
                 .increment((ids.len() - tiers.len()) as u64);
         }
         (Response::Lookup { lease, tiers }, Vec::new())
@@ -474,9 +477,10 @@ impl Agent {
                     promoted.iter().map(|(id, _)| *id),
                     evicted.iter().map(|(id, _)| *id),
                 );
-                counter!("warmpath_agent_evictions_total", "tier" => "l1")
+                counter!(crate::metric_names::AGENT_EVICTIONS_TOTAL, "tier" => "l1")
                     .increment(evicted.len() as u64);
-                counter!("warmpath_agent_promotions_total").increment(promoted.len() as u64);
+                counter!(crate::metric_names::AGENT_PROMOTIONS_TOTAL)
+                    .increment(promoted.len() as u64);
                 self.queue_l2_evicted(evicted);
             }
         }
@@ -490,8 +494,9 @@ impl Agent {
                         StoreTier::L2 => &self.counters.l2_hits,
                     };
                     c.fetch_add(1, Ordering::Relaxed);
-                    counter!("warmpath_agent_hits_total", "tier" => tier.name()).increment(1);
-                    counter!("warmpath_agent_bytes_total", "tier" => tier.name(), "direction" => "out")
+                    counter!(crate::metric_names::AGENT_HITS_TOTAL, "tier" => tier.name())
+                        .increment(1);
+                    counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => tier.name(), "direction" => "out")
                         .increment(block.payload.len() as u64);
                     blocks.push(Some(GotBlock {
                         bytes: block.payload.len() as u32,
@@ -502,7 +507,7 @@ impl Agent {
                 }
                 None => {
                     self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                    counter!("warmpath_agent_misses_total").increment(1);
+                    counter!(crate::metric_names::AGENT_MISSES_TOTAL).increment(1);
                     blocks.push(None);
                 }
             }
@@ -519,7 +524,7 @@ impl Agent {
         let len = raw.len() as u64;
         match decode_object(&id, raw) {
             Ok(block) => {
-                counter!("warmpath_agent_bytes_total", "tier" => "l2", "direction" => "in")
+                counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l2", "direction" => "in")
                     .increment(len);
                 // Written by another host, perhaps: this agent has now seen it there.
                 self.report.l2_stored(id, &[]);
@@ -533,7 +538,7 @@ impl Agent {
                     crate::block::Damage::Truncated { .. } => "truncated",
                     crate::block::Damage::Checksum => "checksum",
                 };
-                counter!("warmpath_agent_l2_damaged_total", "kind" => kind).increment(1);
+                counter!(crate::metric_names::AGENT_L2_DAMAGED_TOTAL, "kind" => kind).increment(1);
                 tracing::warn!(layout = id.layout, key = id.key.0, %damage, "l2 block damaged; dropped");
                 let _ = l2.remove(id).await;
                 self.report.l2_gone(id);
@@ -549,11 +554,11 @@ impl Agent {
     ) -> Result<T, L2Error> {
         let started = Instant::now();
         let r = f.await;
-        histogram!("warmpath_agent_l2_op_duration_seconds", "op" => op)
+        histogram!(crate::metric_names::AGENT_L2_OP_DURATION_SECONDS, "op" => op)
             .record(started.elapsed().as_secs_f64());
         if let Err(e) = &r {
             self.counters.l2_errors.fetch_add(1, Ordering::Relaxed);
-            counter!("warmpath_agent_l2_errors_total", "op" => op).increment(1);
+            counter!(crate::metric_names::AGENT_L2_ERRORS_TOTAL, "op" => op).increment(1);
             tracing::debug!(op, error = %e, "l2 operation failed");
         }
         r
@@ -562,7 +567,8 @@ impl Agent {
     fn release(&self, lease: u64) -> (Response, Vec<Bytes>) {
         match self.lock_l1().release(lease) {
             Some(n) => {
-                counter!("warmpath_agent_leases_total", "result" => "released").increment(1);
+                counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "released")
+                    .increment(1);
                 (Response::Released { blocks: n as u32 }, Vec::new())
             }
             None => error(
@@ -613,13 +619,14 @@ impl Agent {
 
     fn publish_l1(&self) {
         let s = self.lock_l1().stats();
-        gauge!("warmpath_agent_occupancy_bytes", "tier" => "l1").set(s.bytes as f64);
-        gauge!("warmpath_agent_blocks", "tier" => "l1").set(s.blocks as f64);
-        gauge!("warmpath_agent_leases").set(s.leases as f64);
-        gauge!("warmpath_agent_leased_blocks").set(s.leased_blocks as f64);
-        gauge!("warmpath_agent_pinned_blocks").set(s.pinned_blocks as f64);
+        gauge!(crate::metric_names::AGENT_OCCUPANCY_BYTES, "tier" => "l1").set(s.bytes as f64);
+        gauge!(crate::metric_names::AGENT_BLOCKS, "tier" => "l1").set(s.blocks as f64);
+        gauge!(crate::metric_names::AGENT_LEASES).set(s.leases as f64);
+        gauge!(crate::metric_names::AGENT_LEASED_BLOCKS).set(s.leased_blocks as f64);
+        gauge!(crate::metric_names::AGENT_PINNED_BLOCKS).set(s.pinned_blocks as f64);
         if let Some(AnyL2::Dir(d)) = self.l2.as_deref() {
-            gauge!("warmpath_agent_occupancy_bytes", "tier" => "l2").set(d.used_bytes() as f64);
+            gauge!(crate::metric_names::AGENT_OCCUPANCY_BYTES, "tier" => "l2")
+                .set(d.used_bytes() as f64);
         }
     }
 }
@@ -677,16 +684,16 @@ async fn write_l2(
             match l2.put(id, object).await {
                 Ok(evicted) => {
                     report.l2_stored(id, &evicted);
-                    counter!("warmpath_agent_bytes_total", "tier" => "l2", "direction" => "out")
+                    counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l2", "direction" => "out")
                         .increment(len);
                 }
                 Err(e) => {
                     counters.l2_errors.fetch_add(1, Ordering::Relaxed);
-                    counter!("warmpath_agent_l2_errors_total", "op" => "put").increment(1);
+                    counter!(crate::metric_names::AGENT_L2_ERRORS_TOTAL, "op" => "put").increment(1);
                     tracing::debug!(error = %e, "l2 write failed");
                 }
             }
-            histogram!("warmpath_agent_l2_op_duration_seconds", "op" => "put")
+            histogram!(crate::metric_names::AGENT_L2_OP_DURATION_SECONDS, "op" => "put")
                 .record(started.elapsed().as_secs_f64());
             id
         });
@@ -697,76 +704,85 @@ async fn write_l2(
 fn describe_metrics() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
-        "warmpath_agent_hits_total",
+        crate::metric_names::AGENT_HITS_TOTAL,
         "Blocks served by a get, by tier."
     );
     describe_counter!(
-        "warmpath_agent_misses_total",
+        crate::metric_names::AGENT_MISSES_TOTAL,
         "Blocks a get found in no tier."
     );
     describe_counter!(
-        "warmpath_agent_lookup_blocks_total",
+        crate::metric_names::AGENT_LOOKUP_BLOCKS_TOTAL,
         "Blocks of looked-up chains, by the tier that holds them (miss: none, or after a gap)."
     );
     describe_counter!(
-        "warmpath_agent_bytes_total",
+        crate::metric_names::AGENT_BYTES_TOTAL,
         Unit::Bytes,
         "Payload bytes into and out of each tier."
     );
-    describe_counter!("warmpath_agent_evictions_total", "Blocks evicted, by tier.");
     describe_counter!(
-        "warmpath_agent_promotions_total",
+        crate::metric_names::AGENT_EVICTIONS_TOTAL,
+        "Blocks evicted, by tier."
+    );
+    describe_counter!(
+        crate::metric_names::AGENT_PROMOTIONS_TOTAL,
         "Blocks read from L2 and put into L1."
     );
     describe_counter!(
-        "warmpath_agent_put_refused_total",
+        crate::metric_names::AGENT_PUT_REFUSED_TOTAL,
         "Blocks of puts not stored, by reason."
     );
     describe_counter!(
-        "warmpath_agent_l2_errors_total",
+        crate::metric_names::AGENT_L2_ERRORS_TOTAL,
         "Failed L2 operations, by operation."
     );
     describe_counter!(
-        "warmpath_agent_l2_damaged_total",
+        crate::metric_names::AGENT_L2_DAMAGED_TOTAL,
         "L2 objects read back damaged (never served), by kind."
     );
     describe_counter!(
-        "warmpath_agent_l2_write_dropped_total",
+        crate::metric_names::AGENT_L2_WRITE_DROPPED_TOTAL,
         "Background L2 writes dropped because the queue was full."
     );
     describe_counter!(
-        "warmpath_agent_leases_total",
+        crate::metric_names::AGENT_LEASES_TOTAL,
         "Leases granted, released and expired."
     );
     describe_counter!(
-        "warmpath_agent_request_errors_total",
+        crate::metric_names::AGENT_REQUEST_ERRORS_TOTAL,
         "Requests answered with an error."
     );
     describe_gauge!(
-        "warmpath_agent_occupancy_bytes",
+        crate::metric_names::AGENT_OCCUPANCY_BYTES,
         Unit::Bytes,
         "Bytes held, by tier."
     );
     describe_gauge!(
-        "warmpath_agent_capacity_bytes",
+        crate::metric_names::AGENT_CAPACITY_BYTES,
         Unit::Bytes,
         "Byte bound, by tier."
     );
-    describe_gauge!("warmpath_agent_blocks", "Blocks held, by tier.");
-    describe_gauge!("warmpath_agent_leases", "Open leases.");
-    describe_gauge!("warmpath_agent_leased_blocks", "L1 blocks held by a lease.");
-    describe_gauge!("warmpath_agent_pinned_blocks", "L1 blocks pinned.");
+    describe_gauge!(crate::metric_names::AGENT_BLOCKS, "Blocks held, by tier.");
+    describe_gauge!(crate::metric_names::AGENT_LEASES, "Open leases.");
     describe_gauge!(
-        "warmpath_agent_learned_tenants",
+        crate::metric_names::AGENT_LEASED_BLOCKS,
+        "L1 blocks held by a lease."
+    );
+    describe_gauge!(
+        crate::metric_names::AGENT_PINNED_BLOCKS,
+        "L1 blocks pinned."
+    );
+    describe_gauge!(
+        crate::metric_names::AGENT_LEARNED_TENANTS,
         "Tenants in the table the routers last sent (cache salt to tenant)."
     );
     describe_histogram!(
-        "warmpath_agent_op_duration_seconds",
+        crate::metric_names::AGENT_OP_DURATION_SECONDS,
         Unit::Seconds,
         "Block API request handling time, by operation."
     );
     describe_histogram!(
-        "warmpath_agent_l2_op_duration_seconds",
+        crate::metric_names::AGENT_L2_OP_DURATION_SECONDS,
         Unit::Seconds,
         "L2 operation time, by operation."
     );

@@ -135,13 +135,15 @@ pub async fn subscribe(
         let (seq, payload) = match crate::kv_events::parse_message(&frames) {
             Some(m) if size <= MAX_MESSAGE_BYTES => m,
             _ => {
-                counter!("warmpath_agent_kv_batches_total", "result" => "malformed").increment(1);
+                counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "malformed")
+                    .increment(1);
                 continue;
             }
         };
         if let Some((upto, until)) = duplicates {
             if seq <= upto && Instant::now() < until {
-                counter!("warmpath_agent_kv_batches_total", "result" => "duplicate").increment(1);
+                counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "duplicate")
+                    .increment(1);
                 continue;
             }
             duplicates = None;
@@ -149,14 +151,15 @@ pub async fn subscribe(
         let batch = match decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {
-                counter!("warmpath_agent_kv_batches_total", "result" => "malformed").increment(1);
+                counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "malformed")
+                    .increment(1);
                 tracing::debug!(%endpoint, error = %e, "kv event batch refused");
                 view.lock().stats.malformed += 1;
                 continue;
             }
         };
-        counter!("warmpath_agent_kv_batches_total", "result" => "ok").increment(1);
-        counter!("warmpath_agent_kv_events_total").increment(batch.events.len() as u64);
+        counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "ok").increment(1);
+        counter!(crate::metric_names::AGENT_KV_EVENTS_TOTAL).increment(batch.events.len() as u64);
         let last = view.lock().last_seq(engine);
         let mut changes = Vec::new();
         if let (Some(last), Some(replay)) = (last, replay.as_mut()) {
@@ -174,7 +177,8 @@ pub async fn subscribe(
                 }
                 let filled = ingest.last_seq(engine) == Some(seq - 1);
                 let result = if filled { "filled" } else { "incomplete" };
-                counter!("warmpath_agent_kv_replays_total", "result" => result).increment(1);
+                counter!(crate::metric_names::AGENT_KV_REPLAYS_TOTAL, "result" => result)
+                    .increment(1);
             }
         }
         changes.extend(view.lock().apply(engine, seq, &batch));
@@ -221,7 +225,7 @@ impl View {
         let blocks = ingest.len(self.engine);
         drop(ingest);
         self.report(changes);
-        counter!("warmpath_agent_kv_resyncs_total").increment(1);
+        counter!(crate::metric_names::AGENT_KV_RESYNCS_TOTAL).increment(1);
         tracing::info!(
             engine = self.engine,
             batches = batches.len(),
@@ -299,7 +303,7 @@ impl Replay {
             match decode_batch(payload) {
                 Ok(b) => got.push((seq, b)),
                 Err(_) => {
-                    counter!("warmpath_agent_kv_batches_total", "result" => "malformed")
+                    counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "malformed")
                         .increment(1);
                 }
             }

@@ -30,6 +30,7 @@ pub mod kv_events;
 pub mod kv_subscribe;
 pub mod l1;
 pub mod l2;
+pub mod metric_names;
 pub mod policy;
 pub mod proto;
 pub mod residency;

@@ -37,7 +37,7 @@ const BACKLOG: usize = 4096;
 
 async fn write_msg(send: &mut quinn::SendStream, w: &Wire) -> Result<(), String> {
     let body = encode(w);
-    metrics::counter!("warmpath_residency_bytes_total").increment(4 + body.len() as u64);
+    metrics::counter!(crate::metric_names::RESIDENCY_BYTES_TOTAL).increment(4 + body.len() as u64);
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(&body);
@@ -95,16 +95,17 @@ pub async fn serve(
                 Ok(c) => c,
                 Err(e) => {
                     // A client without a certificate from the cluster CA ends here.
-                    metrics::counter!("warmpath_agent_residency_refused_total").increment(1);
+                    metrics::counter!(crate::metric_names::AGENT_RESIDENCY_REFUSED_TOTAL)
+                        .increment(1);
                     tracing::debug!(error = %e, "residency connection refused");
                     return;
                 }
             };
-            metrics::gauge!("warmpath_agent_residency_subscribers").increment(1.0);
+            metrics::gauge!(crate::metric_names::AGENT_RESIDENCY_SUBSCRIBERS).increment(1.0);
             if let Err(e) = session(conn, &tx, &residency, on_tenants).await {
                 tracing::debug!(error = %e, "residency session ended");
             }
-            metrics::gauge!("warmpath_agent_residency_subscribers").decrement(1.0);
+            metrics::gauge!(crate::metric_names::AGENT_RESIDENCY_SUBSCRIBERS).decrement(1.0);
         });
     }
 }
@@ -150,7 +151,7 @@ async fn session(
         for m in snapshot {
             write_msg(&mut send, &Wire::V1Msg(m)).await?;
         }
-        metrics::counter!("warmpath_agent_residency_snapshots_total").increment(1);
+        metrics::counter!(crate::metric_names::AGENT_RESIDENCY_SNAPSHOTS_TOTAL).increment(1);
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
@@ -270,7 +271,8 @@ async fn links(
         match run_once(endpoint, target, subscriber, out, now_us, tenants).await {
             Ok(()) => return,
             Err(e) => {
-                metrics::counter!("warmpath_router_residency_disconnects_total").increment(1);
+                metrics::counter!(crate::metric_names::ROUTER_RESIDENCY_DISCONNECTS_TOTAL)
+                    .increment(1);
                 tracing::debug!(agent = %target.address, error = %e, "residency link down; reconnecting");
             }
         }
@@ -352,7 +354,7 @@ async fn read_loop(
             return Ok(());
         }
         if resync {
-            metrics::counter!("warmpath_router_residency_resyncs_total").increment(1);
+            metrics::counter!(crate::metric_names::ROUTER_RESIDENCY_RESYNCS_TOTAL).increment(1);
             replies
                 .send(Reply::Resync)
                 .await

@@ -38,7 +38,7 @@ pub async fn serve(
     // Under file-descriptor exhaustion accept fails every pause: warn at most every 10 s.
     let warned = std::sync::Mutex::new(None::<std::time::Instant>);
     let accept_failed = |e: std::io::Error| {
-        counter!("warmpath_agent_accept_errors_total").increment(1);
+        counter!(crate::metric_names::AGENT_ACCEPT_ERRORS_TOTAL).increment(1);
         let mut w = warned.lock().unwrap_or_else(|p| p.into_inner());
         if w.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
             tracing::warn!(error = %e, "block api accept failed");
@@ -100,14 +100,14 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let Ok(permit) = limit.clone().try_acquire_owned() else {
-        counter!("warmpath_agent_connections_refused_total").increment(1);
+        counter!(crate::metric_names::AGENT_CONNECTIONS_REFUSED_TOTAL).increment(1);
         // Dropping the stream closes it: the engine sees a refused connection and recomputes.
         return;
     };
     let agent = agent.clone();
     tokio::spawn(async move {
         if let Err(e) = connection(agent, stream).await {
-            counter!("warmpath_agent_protocol_errors_total").increment(1);
+            counter!(crate::metric_names::AGENT_PROTOCOL_ERRORS_TOTAL).increment(1);
             tracing::debug!(error = %e, "block api connection ended");
         }
         drop(permit);
@@ -202,7 +202,7 @@ where
         let frame = match proto::decode_body::<Request>(body.clone()) {
             Ok(f) => f,
             Err(e) => {
-                counter!("warmpath_agent_protocol_errors_total").increment(1);
+                counter!(crate::metric_names::AGENT_PROTOCOL_ERRORS_TOTAL).increment(1);
                 let id = proto::frame_id(&body).unwrap_or(0);
                 if tx
                     .send(error_frame(id, ErrorKind::Malformed, &e))

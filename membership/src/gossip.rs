@@ -285,12 +285,13 @@ impl Shared {
         self.counters
             .unauthenticated
             .fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("warmpath_gossip_unauthenticated_datagrams_dropped_total").increment(1);
+        metrics::counter!(crate::metric_names::GOSSIP_UNAUTHENTICATED_DATAGRAMS_DROPPED_TOTAL)
+            .increment(1);
     }
 
     fn decode_error(&self) {
         self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("warmpath_gossip_decode_errors_total").increment(1);
+        metrics::counter!(crate::metric_names::GOSSIP_DECODE_ERRORS_TOTAL).increment(1);
     }
 }
 
@@ -300,52 +301,52 @@ pub fn describe_metrics() {
     ONCE.call_once(|| {
         use metrics::{describe_counter, describe_gauge, Unit};
         describe_gauge!(
-            "warmpath_gossip_peers",
+            crate::metric_names::GOSSIP_PEERS,
             Unit::Count,
             "live router peers seen over gossip, this router excluded"
         );
         describe_counter!(
-            "warmpath_gossip_sent_bytes_total",
+            crate::metric_names::GOSSIP_SENT_BYTES_TOTAL,
             Unit::Bytes,
             "bytes sent on the gossip socket, MACs included"
         );
         describe_counter!(
-            "warmpath_gossip_received_bytes_total",
+            crate::metric_names::GOSSIP_RECEIVED_BYTES_TOTAL,
             Unit::Bytes,
             "bytes received on the gossip socket"
         );
         describe_counter!(
-            "warmpath_gossip_decode_errors_total",
+            crate::metric_names::GOSSIP_DECODE_ERRORS_TOTAL,
             Unit::Count,
             "gossip values or datagrams from peers that failed to decode"
         );
         describe_counter!(
-            "warmpath_gossip_unauthenticated_datagrams_dropped_total",
+            crate::metric_names::GOSSIP_UNAUTHENTICATED_DATAGRAMS_DROPPED_TOTAL,
             Unit::Count,
             "gossip datagrams dropped because their MAC did not verify"
         );
         describe_counter!(
-            "warmpath_gossip_batches_published_total",
+            crate::metric_names::GOSSIP_BATCHES_PUBLISHED_TOTAL,
             Unit::Count,
             "decision batches this router published (each within the 8 KiB batch budget)"
         );
         describe_counter!(
-            "warmpath_gossip_decisions_truncated_total",
+            crate::metric_names::GOSSIP_DECISIONS_TRUNCATED_TOTAL,
             Unit::Count,
             "decisions cut to their first keys to fit a gossip batch on their own"
         );
         describe_counter!(
-            "warmpath_gossip_decisions_dropped_total",
+            crate::metric_names::GOSSIP_DECISIONS_DROPPED_TOTAL,
             Unit::Count,
             "decisions with no key that fits a gossip batch, not published"
         );
         describe_counter!(
-            "warmpath_gossip_batches_received_total",
+            crate::metric_names::GOSSIP_BATCHES_RECEIVED_TOTAL,
             Unit::Count,
             "other routers' decision batches delivered by poll"
         );
         describe_counter!(
-            "warmpath_gossip_lagging_origins_total",
+            crate::metric_names::GOSSIP_LAGGING_ORIGINS_TOTAL,
             Unit::Count,
             "polls that found decision batches expired before this router saw them"
         );
@@ -548,9 +549,10 @@ impl Gossip {
             batcher.push(made_at_ms, d);
         }
         let batches = batcher.take_all();
-        metrics::counter!("warmpath_gossip_decisions_truncated_total")
+        metrics::counter!(crate::metric_names::GOSSIP_DECISIONS_TRUNCATED_TOTAL)
             .increment(batcher.truncated());
-        metrics::counter!("warmpath_gossip_decisions_dropped_total").increment(batcher.dropped());
+        metrics::counter!(crate::metric_names::GOSSIP_DECISIONS_DROPPED_TOTAL)
+            .increment(batcher.dropped());
         let mut last = 0;
         for decisions in batches {
             let batch = BatchWire::V1 {
@@ -563,7 +565,7 @@ impl Gossip {
             let mut own = OwnState(chitchat.self_node_state());
             own.set_decision_batch(seq, &batch);
             drop(chitchat);
-            metrics::counter!("warmpath_gossip_batches_published_total").increment(1);
+            metrics::counter!(crate::metric_names::GOSSIP_BATCHES_PUBLISHED_TOTAL).increment(1);
             last = seq;
         }
         last
@@ -631,9 +633,9 @@ impl Gossip {
                     .set_applied(&AppliedWire::V1 { applied: entries });
             }
         }
-        metrics::gauge!("warmpath_gossip_peers").set(peers.len() as f64);
+        metrics::gauge!(crate::metric_names::GOSSIP_PEERS).set(peers.len() as f64);
         if !lagging.is_empty() {
-            metrics::counter!("warmpath_gossip_lagging_origins_total")
+            metrics::counter!(crate::metric_names::GOSSIP_LAGGING_ORIGINS_TOTAL)
                 .increment(lagging.len() as u64);
         }
         let mut batches = Vec::new();
@@ -648,7 +650,8 @@ impl Gossip {
                 }
             }
         }
-        metrics::counter!("warmpath_gossip_batches_received_total").increment(batches.len() as u64);
+        metrics::counter!(crate::metric_names::GOSSIP_BATCHES_RECEIVED_TOTAL)
+            .increment(batches.len() as u64);
         let mut loads = Vec::with_capacity(raw_loads.len());
         for (node_id, raw) in raw_loads {
             match schema::decode_load(&raw) {
@@ -719,7 +722,7 @@ impl Gossip {
                 gossip_addr: id.gossip_advertise_addr,
             })
             .collect();
-        metrics::gauge!("warmpath_gossip_peers").set(peers.len() as f64);
+        metrics::gauge!(crate::metric_names::GOSSIP_PEERS).set(peers.len() as f64);
         peers
     }
 
@@ -973,7 +976,7 @@ impl WarmSocket {
         c.bytes_sent.fetch_add(sent as u64, Ordering::Relaxed);
         c.datagrams_sent
             .fetch_add(frames.len() as u64, Ordering::Relaxed);
-        metrics::counter!("warmpath_gossip_sent_bytes_total").increment(sent as u64);
+        metrics::counter!(crate::metric_names::GOSSIP_SENT_BYTES_TOTAL).increment(sent as u64);
         Ok(SendOutcome {
             num_bytes_sent: sent,
         })
@@ -988,7 +991,7 @@ impl WarmSocket {
         let c = &self.shared.counters;
         c.bytes_received.fetch_add(len as u64, Ordering::Relaxed);
         c.datagrams_received.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("warmpath_gossip_received_bytes_total").increment(len as u64);
+        metrics::counter!(crate::metric_names::GOSSIP_RECEIVED_BYTES_TOTAL).increment(len as u64);
         let payload = match self.gate.accept(from, &self.recv_buf[..len]) {
             Ok(Some(payload)) => payload,
             Ok(None) => return,

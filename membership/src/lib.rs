@@ -6,5 +6,6 @@
 
 pub mod decisions;
 pub mod gossip;
+pub mod metric_names;
 pub mod raft;
 pub mod schema;

@@ -474,7 +474,8 @@ async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
         let value = |prefix: &str| metric_value(&text, prefix).unwrap_or(0.0);
         for (i, tier) in ["gpu", "l1", "l2"].iter().enumerate() {
             hits[i] += value(&format!(
-                "warmpath_engine_prefix_hit_tokens_total{{model_name=\"sim-llama\",tier=\"{tier}\"}}"
+                "{}{{model_name=\"sim-llama\",tier=\"{tier}\"}}",
+                warmpath_sim::metric_names::ENGINE_PREFIX_HIT_TOKENS_TOTAL
             ));
         }
         prompt += value("vllm:prompt_tokens_total{");
@@ -488,7 +489,10 @@ async fn index_holders(url: &str) -> Result<(f64, f64)> {
     let value = |source: &str| {
         metric_value(
             &text,
-            &format!("warmpath_index_holders{{source=\"{source}\"}}"),
+            &format!(
+                "{}{{source=\"{source}\"}}",
+                crate::metric_names::INDEX_HOLDERS
+            ),
         )
         .unwrap_or(0.0)
     };

@@ -8,6 +8,7 @@ pub mod demo;
 pub mod engine_sim;
 pub mod fuzzing;
 pub mod loadgen;
+pub mod metric_names;
 pub mod pretokenize;
 pub mod prompt;
 pub mod report;

@@ -295,7 +295,7 @@ impl Elections {
                 Ok(PreVoteAnswer::Granted) => {
                     granted.insert(id);
                     if wins(&granted, &ballot.configs) {
-                        metrics::counter!("warmpath_raft_pre_votes_total", "outcome" => "won")
+                        metrics::counter!(crate::metric_names::RAFT_PRE_VOTES_TOTAL, "outcome" => "won")
                             .increment(1);
                         return true;
                     }
@@ -313,7 +313,8 @@ impl Elections {
                 }
             }
         }
-        metrics::counter!("warmpath_raft_pre_votes_total", "outcome" => "lost").increment(1);
+        metrics::counter!(crate::metric_names::RAFT_PRE_VOTES_TOTAL, "outcome" => "lost")
+            .increment(1);
         false
     }
 }

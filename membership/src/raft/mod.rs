@@ -90,25 +90,28 @@ fn quorum_lost(millis_since_quorum_ack: Option<u64>) -> bool {
 /// Declares the Raft gauges (see [`publish_metrics`]).
 fn describe_metrics() {
     use metrics::describe_gauge;
-    describe_gauge!("warmpath_raft_term", "This node's current Raft term.");
     describe_gauge!(
-        "warmpath_raft_is_leader",
+        crate::metric_names::RAFT_TERM,
+        "This node's current Raft term."
+    );
+    describe_gauge!(
+        crate::metric_names::RAFT_IS_LEADER,
         "1 while this node leads the tenant-config group."
     );
     describe_gauge!(
-        "warmpath_raft_leader_known",
+        crate::metric_names::RAFT_LEADER_KNOWN,
         "1 while this node knows a leader (itself or another)."
     );
     describe_gauge!(
-        "warmpath_raft_quorum_lost",
+        crate::metric_names::RAFT_QUORUM_LOST,
         "1 while this node leads but no quorum has acknowledged it for over 2 s (it refuses writes)."
     );
     describe_gauge!(
-        "warmpath_raft_last_log_index",
+        crate::metric_names::RAFT_LAST_LOG_INDEX,
         "Index of the last entry in this node's log."
     );
     describe_gauge!(
-        "warmpath_raft_applied_index",
+        crate::metric_names::RAFT_APPLIED_INDEX,
         "Index of the last entry applied to this node's tenant config."
     );
 }
@@ -125,12 +128,16 @@ async fn publish_metrics(raft: Raft<TypeConfig>) {
                 return;
             }
             let flag = |b: bool| if b { 1.0 } else { 0.0 };
-            gauge!("warmpath_raft_term").set(m.current_term as f64);
-            gauge!("warmpath_raft_is_leader").set(flag(m.state == openraft::ServerState::Leader));
-            gauge!("warmpath_raft_leader_known").set(flag(m.current_leader.is_some()));
-            gauge!("warmpath_raft_quorum_lost").set(flag(quorum_lost(m.millis_since_quorum_ack)));
-            gauge!("warmpath_raft_last_log_index").set(m.last_log_index.unwrap_or(0) as f64);
-            gauge!("warmpath_raft_applied_index").set(m.last_applied.map_or(0, |l| l.index) as f64);
+            gauge!(crate::metric_names::RAFT_TERM).set(m.current_term as f64);
+            gauge!(crate::metric_names::RAFT_IS_LEADER)
+                .set(flag(m.state == openraft::ServerState::Leader));
+            gauge!(crate::metric_names::RAFT_LEADER_KNOWN).set(flag(m.current_leader.is_some()));
+            gauge!(crate::metric_names::RAFT_QUORUM_LOST)
+                .set(flag(quorum_lost(m.millis_since_quorum_ack)));
+            gauge!(crate::metric_names::RAFT_LAST_LOG_INDEX)
+                .set(m.last_log_index.unwrap_or(0) as f64);
+            gauge!(crate::metric_names::RAFT_APPLIED_INDEX)
+                .set(m.last_applied.map_or(0, |l| l.index) as f64);
         }
         tokio::select! {
             changed = rx.changed() => if changed.is_err() { return },
@@ -630,20 +637,20 @@ impl Keeper {
     async fn run(self) {
         let node_id = self.config.node_id;
         metrics::describe_counter!(
-            "warmpath_raft_stops_total",
+            crate::metric_names::RAFT_STOPS_TOTAL,
             "Times this node's Raft stopped on an error (a storage error: a full disk) and left the cluster until started again."
         );
         metrics::describe_gauge!(
-            "warmpath_raft_running",
+            crate::metric_names::RAFT_RUNNING,
             "1 while this node's Raft runs; 0 from a stop until its restart from the store."
         );
-        metrics::counter!("warmpath_raft_stops_total").increment(0);
+        metrics::counter!(crate::metric_names::RAFT_STOPS_TOTAL).increment(0);
         loop {
-            metrics::gauge!("warmpath_raft_running").set(1.0);
+            metrics::gauge!(crate::metric_names::RAFT_RUNNING).set(1.0);
             let raft = network::current(&self.server).raft;
             let cause = stopped_cause(&raft).await;
-            metrics::counter!("warmpath_raft_stops_total").increment(1);
-            metrics::gauge!("warmpath_raft_running").set(0.0);
+            metrics::counter!(crate::metric_names::RAFT_STOPS_TOTAL).increment(1);
+            metrics::gauge!(crate::metric_names::RAFT_RUNNING).set(0.0);
             tracing::error!(node_id, %cause, "raft stopped: this node no longer follows the cluster's configuration; it starts raft again from its store once the data directory takes writes");
             // The stopped Raft stays in the cell until the new one replaces it: its
             // metrics keep saying why (`RaftNode::stop_cause`). Tasks first, then Raft:

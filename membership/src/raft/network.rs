@@ -472,7 +472,7 @@ async fn require_peer_token(
 ) -> Response {
     let s = current(&cell);
     if !authorized(&s, request.headers()) {
-        metrics::counter!("warmpath_raft_unauthorized_requests_total").increment(1);
+        metrics::counter!(crate::metric_names::RAFT_UNAUTHORIZED_REQUESTS_TOTAL).increment(1);
         return unauthorized();
     }
     next.run(request).await

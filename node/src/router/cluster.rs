@@ -40,7 +40,8 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
                 })
                 .collect();
             gossip.publish_decisions(since_ms, decisions).await;
-            metrics::counter!("warmpath_cluster_decisions_sent_total").increment(count as u64);
+            metrics::counter!(crate::metric_names::CLUSTER_DECISIONS_SENT_TOTAL)
+                .increment(count as u64);
         }
         if last_load.elapsed() >= load_every {
             last_load = tokio::time::Instant::now();
@@ -54,7 +55,7 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
                 made_at_ms,
                 decisions,
             } = batch;
-            metrics::histogram!("warmpath_cluster_dissemination_lag_seconds")
+            metrics::histogram!(crate::metric_names::CLUSTER_DISSEMINATION_LAG_SECONDS)
                 .record(now.saturating_sub(*made_at_ms) as f64 / 1e3);
             shared.extend(decisions.iter().map(|d| SharedDecision {
                 instance: d.instance,
@@ -65,9 +66,9 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
             let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
             if !shared.is_empty() {
                 let unknown = core.apply_shared(&shared);
-                metrics::counter!("warmpath_cluster_decisions_applied_total")
+                metrics::counter!(crate::metric_names::CLUSTER_DECISIONS_APPLIED_TOTAL)
                     .increment((shared.len() - unknown) as u64);
-                metrics::counter!("warmpath_cluster_decisions_unknown_instance_total")
+                metrics::counter!(crate::metric_names::CLUSTER_DECISIONS_UNKNOWN_INSTANCE_TOTAL)
                     .increment(unknown as u64);
             }
             core.set_peer_loads(update.loads);
@@ -89,7 +90,7 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
             .collect();
         // Peers, bytes and decode errors are the gossip layer's own metrics.
         if !update.lagging.is_empty() {
-            metrics::counter!("warmpath_cluster_digest_mismatches_total")
+            metrics::counter!(crate::metric_names::CLUSTER_DIGEST_MISMATCHES_TOTAL)
                 .increment(update.lagging.len() as u64);
         }
     }

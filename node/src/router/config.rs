@@ -278,7 +278,7 @@ impl Tenant {
     pub fn compile(id: &str, spec: &TenantSpec) -> Tenant {
         let strategy = spec.strategy.parse::<Strategy>().unwrap_or_else(|e| {
             tracing::warn!(tenant_id = %id, error = %e, "unknown strategy; routing with prefix-aware");
-            metrics::counter!("warmpath_router_tenant_strategy_fallbacks_total").increment(1);
+            metrics::counter!(crate::metric_names::ROUTER_TENANT_STRATEGY_FALLBACKS_TOTAL).increment(1);
             Strategy::PrefixAware
         });
         Tenant {

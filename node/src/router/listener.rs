@@ -105,7 +105,7 @@ pub async fn serve(
                     } else {
                         unlogged += 1;
                     }
-                    metrics::counter!("warmpath_router_accept_errors_total").increment(1);
+                    metrics::counter!(crate::metric_names::ROUTER_ACCEPT_ERRORS_TOTAL).increment(1);
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -115,7 +115,7 @@ pub async fn serve(
         // Streamed tokens are small writes: never hold them back for Nagle's algorithm.
         let _ = tcp.set_nodelay(true);
         let Ok(permit) = permits.clone().try_acquire_owned() else {
-            metrics::counter!("warmpath_router_connections_refused_total").increment(1);
+            metrics::counter!(crate::metric_names::ROUTER_CONNECTIONS_REFUSED_TOTAL).increment(1);
             let overload = overload.clone();
             tokio::spawn(async move {
                 // Answer after the request's head (clients do not expect a response
@@ -139,9 +139,9 @@ pub async fn serve(
         let conn = http.serve_connection(TokioIo::new(tcp), service.clone());
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
-            metrics::gauge!("warmpath_router_connections").increment(1.0);
+            metrics::gauge!(crate::metric_names::ROUTER_CONNECTIONS).increment(1.0);
             let _ = conn.await;
-            metrics::gauge!("warmpath_router_connections").decrement(1.0);
+            metrics::gauge!(crate::metric_names::ROUTER_CONNECTIONS).decrement(1.0);
             drop(permit);
         });
     }

@@ -299,10 +299,10 @@ pub fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
                     // rates and alerts then work before the first event, and dashboards
                     // and rules can be checked against a fresh process.
                     for name in [
-                        "warmpath_router_upstream_failures_total",
-                        "warmpath_router_stream_breaks_total",
-                        "warmpath_router_predictions_contradicted_total",
-                        "warmpath_router_tenant_strategy_fallbacks_total",
+                        crate::metric_names::ROUTER_UPSTREAM_FAILURES_TOTAL,
+                        crate::metric_names::ROUTER_STREAM_BREAKS_TOTAL,
+                        crate::metric_names::ROUTER_PREDICTIONS_CONTRADICTED_TOTAL,
+                        crate::metric_names::ROUTER_TENANT_STRATEGY_FALLBACKS_TOTAL,
                     ] {
                         metrics::counter!(name).increment(0);
                     }
@@ -320,72 +320,75 @@ pub fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
 fn describe_metrics() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
-        "warmpath_router_requests_total",
+        crate::metric_names::ROUTER_REQUESTS_TOTAL,
         "Requests answered by an instance, by tenant and status."
     );
     describe_counter!(
-        "warmpath_router_errors_total",
+        crate::metric_names::ROUTER_ERRORS_TOTAL,
         "Requests the router answered with an error, by status."
     );
     describe_counter!(
-        "warmpath_router_upstream_failures_total",
+        crate::metric_names::ROUTER_UPSTREAM_FAILURES_TOTAL,
         "Attempts that failed before the first response byte."
     );
     describe_counter!(
-        "warmpath_router_stream_breaks_total",
+        crate::metric_names::ROUTER_STREAM_BREAKS_TOTAL,
         "Streams an instance broke off mid-way."
     );
     describe_counter!(
-        "warmpath_router_decisions_total",
+        crate::metric_names::ROUTER_DECISIONS_TOTAL,
         "Routing decisions (attempts) by reason: longest-prefix, spilled, no-match, all-saturated, lowest-cost, round-robin, least-loaded."
     );
     describe_counter!(
-        "warmpath_router_tenant_strategy_fallbacks_total",
+        crate::metric_names::ROUTER_TENANT_STRATEGY_FALLBACKS_TOTAL,
         "Tenants compiled with prefix-aware because their stored strategy is unknown to this build (a newer router's, during a rolling upgrade)."
     );
     describe_counter!(
-        "warmpath_router_prompt_tokens_total",
+        crate::metric_names::ROUTER_PROMPT_TOKENS_TOTAL,
         "Prompt tokens of answered requests as the engines counted them (usage), by tenant and strategy."
     );
     describe_counter!(
-        "warmpath_router_cached_tokens_total",
+        crate::metric_names::ROUTER_CACHED_TOKENS_TOTAL,
         "Of those, tokens the engines found cached (usage.prompt_tokens_details.cached_tokens), by tenant and strategy: cached / prompt is the hit rate."
     );
     describe_counter!(
-        "warmpath_router_predictions_contradicted_total",
+        crate::metric_names::ROUTER_PREDICTIONS_CONTRADICTED_TOTAL,
         "Answers whose usage reported fewer cached tokens than the routing prediction: the instance's older predictions were retired."
     );
     describe_histogram!(
-        "warmpath_router_overhead_seconds",
+        crate::metric_names::ROUTER_OVERHEAD_SECONDS,
         Unit::Seconds,
         "From request arrival to the upstream send: body read, parse, tokenize, hash, route."
     );
     describe_histogram!(
-        "warmpath_router_tokenize_seconds",
+        crate::metric_names::ROUTER_TOKENIZE_SECONDS,
         Unit::Seconds,
         "Parsing a request body and tokenizing its prompt with the pool's tokenizer and chat template (part of the overhead)."
     );
-    describe_gauge!("warmpath_index_entries", "Blocks in the prefix index.");
     describe_gauge!(
-        "warmpath_index_l2_blocks",
+        crate::metric_names::INDEX_ENTRIES,
+        "Blocks in the prefix index."
+    );
+    describe_gauge!(
+        crate::metric_names::INDEX_L2_BLOCKS,
         "Blocks the index knows in the global L2 (reported by agents)."
     );
     describe_gauge!(
-        "warmpath_router_residency_agents",
+        crate::metric_names::ROUTER_RESIDENCY_AGENTS,
         "Agent entries this router follows (flags and the pools' agents; a dns: entry counts once, however many agents it resolves to)."
     );
-    describe_gauge!("warmpath_index_holders", "(instance, block) pairs in the index, by source: predicted (routing decisions, own and peers') or observed (agents).");
+    describe_gauge!(crate::metric_names::INDEX_HOLDERS, "(instance, block) pairs in the index, by source: predicted (routing decisions, own and peers') or observed (agents).");
     describe_gauge!(
-        "warmpath_index_bytes_per_entry",
+        crate::metric_names::INDEX_BYTES_PER_ENTRY,
         Unit::Bytes,
         "Estimated index memory per block."
     );
     describe_gauge!(
-        "warmpath_router_instance_healthy",
+        crate::metric_names::ROUTER_INSTANCE_HEALTHY,
         "1 when the instance passed its last health check."
     );
     describe_gauge!(
-        "warmpath_router_instance_in_flight",
+        crate::metric_names::ROUTER_INSTANCE_IN_FLIGHT,
         "Requests this router has in flight on the instance."
     );
 }
@@ -498,19 +501,20 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
     {
         let core = app.core.lock().unwrap_or_else(|e| e.into_inner());
         let stats = core.index_stats();
-        metrics::gauge!("warmpath_index_entries").set(stats.entries as f64);
-        metrics::gauge!("warmpath_index_bytes_per_entry").set(stats.bytes_per_entry as f64);
-        metrics::gauge!("warmpath_index_holders", "source" => "predicted")
+        metrics::gauge!(crate::metric_names::INDEX_ENTRIES).set(stats.entries as f64);
+        metrics::gauge!(crate::metric_names::INDEX_BYTES_PER_ENTRY)
+            .set(stats.bytes_per_entry as f64);
+        metrics::gauge!(crate::metric_names::INDEX_HOLDERS, "source" => "predicted")
             .set(stats.predicted_holders as f64);
-        metrics::gauge!("warmpath_index_holders", "source" => "observed")
+        metrics::gauge!(crate::metric_names::INDEX_HOLDERS, "source" => "observed")
             .set(stats.observed_holders as f64);
-        metrics::gauge!("warmpath_index_l2_blocks").set(stats.l2_blocks as f64);
+        metrics::gauge!(crate::metric_names::INDEX_L2_BLOCKS).set(stats.l2_blocks as f64);
         for (i, inst) in core.instances().iter().enumerate() {
-            metrics::gauge!("warmpath_router_instance_healthy", "instance" => inst.name.clone())
+            metrics::gauge!(crate::metric_names::ROUTER_INSTANCE_HEALTHY, "instance" => inst.name.clone())
                 .set(if inst.healthy { 1.0 } else { 0.0 });
-            metrics::gauge!("warmpath_router_instance_cluster_in_flight", "instance" => inst.name.clone())
+            metrics::gauge!(crate::metric_names::ROUTER_INSTANCE_CLUSTER_IN_FLIGHT, "instance" => inst.name.clone())
                 .set(f64::from(core.cluster_in_flight(InstanceId(i as u32))));
-            metrics::gauge!("warmpath_router_instance_in_flight", "instance" => inst.name.clone())
+            metrics::gauge!(crate::metric_names::ROUTER_INSTANCE_IN_FLIGHT, "instance" => inst.name.clone())
                 .set(f64::from(core.in_flight(InstanceId(i as u32))));
         }
     }

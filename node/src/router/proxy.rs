@@ -94,10 +94,10 @@ impl TenantCounters {
     fn new(t: &Tenant) -> TenantCounters {
         let strategy = t.strategy.name();
         TenantCounters {
-            prompt_tokens: metrics::counter!("warmpath_router_prompt_tokens_total", "tenant" => t.id.clone(), "strategy" => strategy),
-            cached_tokens: metrics::counter!("warmpath_router_cached_tokens_total", "tenant" => t.id.clone(), "strategy" => strategy),
+            prompt_tokens: metrics::counter!(crate::metric_names::ROUTER_PROMPT_TOKENS_TOTAL, "tenant" => t.id.clone(), "strategy" => strategy),
+            cached_tokens: metrics::counter!(crate::metric_names::ROUTER_CACHED_TOKENS_TOTAL, "tenant" => t.id.clone(), "strategy" => strategy),
             rate_limited: t.rate_limit_rps.map(|_| {
-                metrics::counter!("warmpath_router_rate_limited_total", "tenant" => t.id.clone())
+                metrics::counter!(crate::metric_names::ROUTER_RATE_LIMITED_TOTAL, "tenant" => t.id.clone())
             }),
         }
     }
@@ -201,7 +201,7 @@ impl App {
                 }
             }
         }
-        metrics::gauge!("warmpath_router_tokenizer_errors").set(f64::from(failed));
+        metrics::gauge!(crate::metric_names::ROUTER_TOKENIZER_ERRORS).set(f64::from(failed));
         *self.tokenizers.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
     }
 
@@ -533,7 +533,7 @@ impl IntoResponse for ProxyError {
             resp.headers_mut()
                 .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(1u64));
         }
-        metrics::counter!("warmpath_router_errors_total", "status" => status.as_u16().to_string())
+        metrics::counter!(crate::metric_names::ROUTER_ERRORS_TOTAL, "status" => status.as_u16().to_string())
             .increment(1);
         resp
     }
@@ -753,7 +753,7 @@ async fn handle(
     let body = read_body(&app, body).await?;
     let parse_started = Instant::now();
     let mut parsed = parse(endpoint, &body, |m| app.tokenizer(m))?;
-    metrics::histogram!("warmpath_router_tokenize_seconds")
+    metrics::histogram!(crate::metric_names::ROUTER_TOKENIZE_SECONDS)
         .record(parse_started.elapsed().as_secs_f64());
     // The prompt is tokenized and hashed once; every attempt reuses the keys.
     let tokens = std::mem::take(&mut parsed.tokens);
@@ -796,10 +796,10 @@ async fn handle(
         };
         if attempt == 0 {
             // Arrival to upstream send: body read, parse, tokenize, hash, route.
-            metrics::histogram!("warmpath_router_overhead_seconds")
+            metrics::histogram!(crate::metric_names::ROUTER_OVERHEAD_SECONDS)
                 .record(started.elapsed().as_secs_f64());
         }
-        metrics::counter!("warmpath_router_decisions_total", "reason" => chosen.decision.reason.name())
+        metrics::counter!(crate::metric_names::ROUTER_DECISIONS_TOTAL, "reason" => chosen.decision.reason.name())
             .increment(1);
         tried.push(chosen.instance);
         match attempt_once(
@@ -824,12 +824,12 @@ async fn handle(
                         resp.headers_mut().insert(EXPLAIN_HEADER, v);
                     }
                 }
-                metrics::counter!("warmpath_router_requests_total", "tenant" => tenant.tenant.id.clone(), "status" => resp.status().as_u16().to_string()).increment(1);
+                metrics::counter!(crate::metric_names::ROUTER_REQUESTS_TOTAL, "tenant" => tenant.tenant.id.clone(), "status" => resp.status().as_u16().to_string()).increment(1);
                 return Ok(resp);
             }
             Err(AttemptError::Failed(e)) => {
                 tracing::warn!(instance = %chosen.url, attempt, error = %e, "upstream attempt failed");
-                metrics::counter!("warmpath_router_upstream_failures_total").increment(1);
+                metrics::counter!(crate::metric_names::ROUTER_UPSTREAM_FAILURES_TOTAL).increment(1);
                 app.core().attempt_failed(chosen.instance);
                 last_error = e;
             }
@@ -1022,7 +1022,8 @@ impl LoadGuard {
         c.prompt_tokens.increment(u64::from(report.prompt_tokens));
         c.cached_tokens.increment(u64::from(report.cached_tokens));
         if self.app.core().report_cached(&chosen, report) {
-            metrics::counter!("warmpath_router_predictions_contradicted_total").increment(1);
+            metrics::counter!(crate::metric_names::ROUTER_PREDICTIONS_CONTRADICTED_TOTAL)
+                .increment(1);
         }
     }
 
@@ -1111,7 +1112,7 @@ impl hyper::body::Body for Tracked {
         };
         if let Some(why) = stop {
             tracing::warn!(instance_id = self.guard.instance.0, why, "ending a stream");
-            metrics::counter!("warmpath_router_stream_breaks_total").increment(1);
+            metrics::counter!(crate::metric_names::ROUTER_STREAM_BREAKS_TOTAL).increment(1);
             self.ended = true;
             self.guard.finish();
             return Poll::Ready(Some(Ok(Frame::data(sse_error(why)))));
@@ -1130,7 +1131,7 @@ impl hyper::body::Body for Tracked {
             Poll::Ready(Some(Err(e))) => {
                 // The instance failed mid-stream: tell the client plainly, then end.
                 tracing::warn!(instance_id = self.guard.instance.0, error = %e, "upstream stream broke off");
-                metrics::counter!("warmpath_router_stream_breaks_total").increment(1);
+                metrics::counter!(crate::metric_names::ROUTER_STREAM_BREAKS_TOTAL).increment(1);
                 self.ended = true;
                 self.guard.finish();
                 Poll::Ready(Some(Ok(Frame::data(sse_error(

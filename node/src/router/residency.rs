@@ -113,7 +113,7 @@ impl Residency {
             }
             Some(stop)
         });
-        metrics::gauge!("warmpath_router_residency_agents").set(following.len() as f64);
+        metrics::gauge!(crate::metric_names::ROUTER_RESIDENCY_AGENTS).set(following.len() as f64);
     }
 
     /// The tenants' (cache salt, tenant id), sent to every agent now and on each change.
@@ -205,7 +205,7 @@ async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
                 if let Some(sent) = sent_ms {
                     let lag_ms =
                         warmpath_cache_agent::residency_net::unix_ms().saturating_sub(sent);
-                    metrics::histogram!("warmpath_router_residency_lag_seconds")
+                    metrics::histogram!(crate::metric_names::ROUTER_RESIDENCY_LAG_SECONDS)
                         .record(lag_ms as f64 / 1e3);
                 }
                 (instances, changes, "apply", true)
@@ -229,7 +229,7 @@ async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
                 .unwrap_or_else(|e| e.into_inner())
                 .apply_residency(&instances, chunk);
         }
-        metrics::counter!("warmpath_router_residency_changes_total", "kind" => kind)
+        metrics::counter!(crate::metric_names::ROUTER_RESIDENCY_CHANGES_TOTAL, "kind" => kind)
             .increment(applied as u64);
     }
 }

@@ -72,7 +72,11 @@ impl FollowGate {
     fn set(&self, state: Result<(), String>) {
         use std::sync::atomic::Ordering;
         let refusing = state.is_err();
-        metrics::gauge!("warmpath_router_config_followed").set(if refusing { 0.0 } else { 1.0 });
+        metrics::gauge!(crate::metric_names::ROUTER_CONFIG_FOLLOWED).set(if refusing {
+            0.0
+        } else {
+            1.0
+        });
         if let Err(cause) = &state {
             *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = cause.clone();
         }
@@ -94,7 +98,7 @@ impl FollowGate {
 /// task is aborted.
 pub async fn watch_following(app: Arc<App>, raft: Arc<RaftNode>) {
     metrics::describe_gauge!(
-        "warmpath_router_config_followed",
+        crate::metric_names::ROUTER_CONFIG_FOLLOWED,
         "1 while this router follows the cluster's configuration (Raft runs, a leader heard within the bound); 0: it serves no tenant and is not ready."
     );
     let check = move || raft.following(FOLLOW_BOUND).map_err(|e| e.to_string());
@@ -184,7 +188,7 @@ pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<S
         );
         app.set_tenants(table);
         app.configure_residency(&pools);
-        metrics::gauge!("warmpath_config_version").set(state.version as f64);
+        metrics::gauge!(crate::metric_names::CONFIG_VERSION).set(state.version as f64);
         tracing::info!(
             config_version = state.version,
             tenants = tenants.len(),

@@ -657,7 +657,7 @@ fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> Strin
     };
     let stats = &s.stats;
     metric(
-        "warmpath_engine_prefix_hit_tokens_total",
+        crate::metric_names::ENGINE_PREFIX_HIT_TOKENS_TOTAL,
         "counter",
         "Prompt tokens not computed, by where they were found: the GPU prefix cache, or loaded from L1 or L2.",
         &[
@@ -670,7 +670,7 @@ fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> Strin
         let c = &agent.counters;
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed).to_string();
         metric(
-            "warmpath_engine_agent_blocks_total",
+            crate::metric_names::ENGINE_AGENT_BLOCKS_TOTAL,
             "counter",
             "Blocks exchanged with the host's cache-agent: offloaded, fetched, bad (other bytes, recomputed), dropped (offload queue full or agent down).",
             &[
@@ -681,7 +681,7 @@ fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> Strin
             ],
         );
         metric(
-            "warmpath_engine_agent_errors_total",
+            crate::metric_names::ENGINE_AGENT_ERRORS_TOTAL,
             "counter",
             "Failed calls to the host's cache-agent (the engine recomputed instead).",
             &[("", get(&c.errors))],

@@ -1,0 +1,76 @@
+//! The names of the metrics this crate exports: the cache-agent's, and the router-side
+//! residency link's (it runs in this crate). The one place each name is written; the code,
+//! the dashboards' test and the alert rules' test use these.
+
+pub const AGENT_ACCEPT_ERRORS_TOTAL: &str = "warmpath_agent_accept_errors_total";
+pub const AGENT_BLOCKS: &str = "warmpath_agent_blocks";
+pub const AGENT_BYTES_TOTAL: &str = "warmpath_agent_bytes_total";
+pub const AGENT_CAPACITY_BYTES: &str = "warmpath_agent_capacity_bytes";
+pub const AGENT_CONNECTIONS_REFUSED_TOTAL: &str = "warmpath_agent_connections_refused_total";
+pub const AGENT_EVICTIONS_TOTAL: &str = "warmpath_agent_evictions_total";
+pub const AGENT_HITS_TOTAL: &str = "warmpath_agent_hits_total";
+pub const AGENT_KV_BATCHES_TOTAL: &str = "warmpath_agent_kv_batches_total";
+pub const AGENT_KV_EVENTS_TOTAL: &str = "warmpath_agent_kv_events_total";
+pub const AGENT_KV_REPLAYS_TOTAL: &str = "warmpath_agent_kv_replays_total";
+pub const AGENT_KV_RESYNCS_TOTAL: &str = "warmpath_agent_kv_resyncs_total";
+pub const AGENT_L2_DAMAGED_TOTAL: &str = "warmpath_agent_l2_damaged_total";
+pub const AGENT_L2_ERRORS_TOTAL: &str = "warmpath_agent_l2_errors_total";
+pub const AGENT_L2_OP_DURATION_SECONDS: &str = "warmpath_agent_l2_op_duration_seconds";
+pub const AGENT_L2_WRITE_DROPPED_TOTAL: &str = "warmpath_agent_l2_write_dropped_total";
+pub const AGENT_LEARNED_TENANTS: &str = "warmpath_agent_learned_tenants";
+pub const AGENT_LEASED_BLOCKS: &str = "warmpath_agent_leased_blocks";
+pub const AGENT_LEASES: &str = "warmpath_agent_leases";
+pub const AGENT_LEASES_TOTAL: &str = "warmpath_agent_leases_total";
+pub const AGENT_LOOKUP_BLOCKS_TOTAL: &str = "warmpath_agent_lookup_blocks_total";
+pub const AGENT_MISSES_TOTAL: &str = "warmpath_agent_misses_total";
+pub const AGENT_OCCUPANCY_BYTES: &str = "warmpath_agent_occupancy_bytes";
+pub const AGENT_OP_DURATION_SECONDS: &str = "warmpath_agent_op_duration_seconds";
+pub const AGENT_PINNED_BLOCKS: &str = "warmpath_agent_pinned_blocks";
+pub const AGENT_PROMOTIONS_TOTAL: &str = "warmpath_agent_promotions_total";
+pub const AGENT_PROTOCOL_ERRORS_TOTAL: &str = "warmpath_agent_protocol_errors_total";
+pub const AGENT_PUT_REFUSED_TOTAL: &str = "warmpath_agent_put_refused_total";
+pub const AGENT_REQUEST_ERRORS_TOTAL: &str = "warmpath_agent_request_errors_total";
+pub const AGENT_RESIDENCY_REFUSED_TOTAL: &str = "warmpath_agent_residency_refused_total";
+pub const AGENT_RESIDENCY_SNAPSHOTS_TOTAL: &str = "warmpath_agent_residency_snapshots_total";
+pub const AGENT_RESIDENCY_SUBSCRIBERS: &str = "warmpath_agent_residency_subscribers";
+pub const RESIDENCY_BYTES_TOTAL: &str = "warmpath_residency_bytes_total";
+pub const ROUTER_RESIDENCY_DISCONNECTS_TOTAL: &str = "warmpath_router_residency_disconnects_total";
+pub const ROUTER_RESIDENCY_RESYNCS_TOTAL: &str = "warmpath_router_residency_resyncs_total";
+
+/// Every name above.
+pub const ALL: &[&str] = &[
+    AGENT_ACCEPT_ERRORS_TOTAL,
+    AGENT_BLOCKS,
+    AGENT_BYTES_TOTAL,
+    AGENT_CAPACITY_BYTES,
+    AGENT_CONNECTIONS_REFUSED_TOTAL,
+    AGENT_EVICTIONS_TOTAL,
+    AGENT_HITS_TOTAL,
+    AGENT_KV_BATCHES_TOTAL,
+    AGENT_KV_EVENTS_TOTAL,
+    AGENT_KV_REPLAYS_TOTAL,
+    AGENT_KV_RESYNCS_TOTAL,
+    AGENT_L2_DAMAGED_TOTAL,
+    AGENT_L2_ERRORS_TOTAL,
+    AGENT_L2_OP_DURATION_SECONDS,
+    AGENT_L2_WRITE_DROPPED_TOTAL,
+    AGENT_LEARNED_TENANTS,
+    AGENT_LEASED_BLOCKS,
+    AGENT_LEASES,
+    AGENT_LEASES_TOTAL,
+    AGENT_LOOKUP_BLOCKS_TOTAL,
+    AGENT_MISSES_TOTAL,
+    AGENT_OCCUPANCY_BYTES,
+    AGENT_OP_DURATION_SECONDS,
+    AGENT_PINNED_BLOCKS,
+    AGENT_PROMOTIONS_TOTAL,
+    AGENT_PROTOCOL_ERRORS_TOTAL,
+    AGENT_PUT_REFUSED_TOTAL,
+    AGENT_REQUEST_ERRORS_TOTAL,
+    AGENT_RESIDENCY_REFUSED_TOTAL,
+    AGENT_RESIDENCY_SNAPSHOTS_TOTAL,
+    AGENT_RESIDENCY_SUBSCRIBERS,
+    RESIDENCY_BYTES_TOTAL,
+    ROUTER_RESIDENCY_DISCONNECTS_TOTAL,
+    ROUTER_RESIDENCY_RESYNCS_TOTAL,
+];
