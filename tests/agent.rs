@@ -952,8 +952,8 @@ impl Residency {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routers_see_the_agents_residency_over_mutual_tls() {
-    use warmpath_cache_agent::residency_net::{endpoint, follow, AgentTarget};
-    use warmpath_cache_agent::tls::TlsFiles;
+    use warmpath_residency::net::{endpoint, follow, AgentTarget};
+    use warmpath_residency::tls::TlsFiles;
     let mut r = Residency::start("residency-tls", &[], &[]);
     let (dir, certs, quic, addr) = (&r.dir, &r.certs, &r.quic, &r.addr);
     let start_router = || r.router(&["--residency-expiry-ms", "1000"]);
@@ -1059,10 +1059,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
         .await
         .expect("a snapshot");
     assert!(
-        matches!(
-            first,
-            Some(warmpath_cache_agent::residency::Outcome::Apply { .. })
-        ),
+        matches!(first, Some(warmpath_residency::Outcome::Apply { .. })),
         "{first:?}"
     );
 

@@ -259,8 +259,22 @@ async fn the_compose_services_run_as_written_and_prometheus_scrapes_them() {
         },
     )
     .await;
-    // Traffic through each router in turn, all answered: 3 requests per call.
+    // Each router ready (it has heard the leader and follows the configuration), as a
+    // load balancer would wait for it.
+    for n in 1..=3 {
+        let url = format!("http://{}:8080/readyz", ip(&format!("router-{n}")));
+        until(
+            Duration::from_secs(30),
+            &format!("router-{n} ready"),
+            || {
+                let url = url.clone();
+                async move { (crate::router::get_status(&url).await == Some(200)).then_some(()) }
+            },
+        )
+        .await;
+    }
     let http = crate::router::client();
+    // Traffic through each router in turn, all answered: 3 requests per call.
     let prefix =
         "You are a support bot for warmpath, a gateway that routes prompts to warm caches. "
             .repeat(12);

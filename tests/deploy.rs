@@ -284,6 +284,7 @@ fn the_dashboard_and_rules_name_only_metrics_the_crates_define() {
     let defined: BTreeSet<&str> = [
         warmpath::metric_names::ALL,
         warmpath_cache_agent::metric_names::ALL,
+        warmpath_residency::metric_names::ALL,
         warmpath_membership::metric_names::ALL,
         warmpath_sim::metric_names::ALL,
     ]

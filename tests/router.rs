@@ -508,6 +508,12 @@ async fn wait_for_metrics(c: &HttpClient, url: &str, pred: impl Fn(&str) -> bool
     }
 }
 
+/// The status of a GET of `url`; `None` while nothing answers.
+pub(crate) async fn get_status(url: &str) -> Option<u16> {
+    let resp = client().get(url.parse().expect("a URL")).await.ok()?;
+    Some(resp.status().as_u16())
+}
+
 /// The body of a GET of `url` as text (a `/metrics` page).
 pub(crate) async fn get_text(url: &str) -> String {
     let resp = client()

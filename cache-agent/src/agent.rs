@@ -24,7 +24,7 @@ use crate::policy::{BlockId, Refused};
 use crate::proto::{
     AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
 };
-use crate::residency::{Change, L2Window, Publisher, Scope};
+use warmpath_residency::{Change, L2Window, Publisher, Scope};
 
 /// Counters kept here as well as in metrics, for `Stats` and the tests.
 #[derive(Debug, Default)]

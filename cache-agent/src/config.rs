@@ -93,7 +93,7 @@ pub struct AgentConfig {
     /// Blocks queued for background L2 writes at most; more are dropped, counted.
     pub l2_write_queue: usize,
     /// L2 blocks reported to routers at most: the latest this agent wrote or read (see
-    /// [`crate::residency::L2Window`]); 0 reports none.
+    /// [`warmpath_residency::L2Window`]); 0 reports none.
     pub residency_l2_blocks: usize,
     pub max_block_bytes: u64,
     /// Keys per request at most.

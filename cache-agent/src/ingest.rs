@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use warmpath_index::keys::{BlockKey, TenantKey};
 
 use crate::kv_events::{Decoded, EngineHash, KvEvent};
-use crate::residency::{Change, Scope};
+use warmpath_residency::{Change, Scope};
 
 /// How a first block's salt names a tenant: the agent's own table (`--kv-tenant`) and
 /// what the routers send ([`Ingest::learn_tenants`]: the configuration's tenants and

@@ -36,7 +36,7 @@ use zeromq::{Socket, SocketRecv};
 
 use crate::ingest::Ingest;
 use crate::kv_events::{decode_batch, Decoded};
-use crate::residency::{Change, Publisher};
+use warmpath_residency::{Change, Publisher};
 
 /// Largest KV-event message decoded (a batch of a long prompt's stores is a few hundred
 /// KiB; vLLM batches per scheduler step).

@@ -10,15 +10,13 @@
 //! - [`proto`]: the block API's wire format (handshake, frames), encode and decode only.
 //! - [`kv_events`]: engines' KV events in vLLM's msgpack format, decode and encode.
 //! - [`ingest`]: KV events to residency changes, warmpath keys recomputed from token ids.
-//! - [`residency`]: the agent-to-router residency session (snapshot, sequenced deltas,
-//!   resync, expiry) as two state machines, time passed in.
 //! - [`l1`]: the L1 store, payloads beside the ledger.
 //! - [`config`]: `agent.toml` and its validation.
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
 //! - [`agent`]: the service that answers requests from both tiers (I/O shell).
 //! - [`kv_subscribe`]: the ZMQ subscriptions to the engines' KV events (I/O).
-//! - [`residency_net`] and [`tls`]: the residency session over QUIC with mutual TLS, and
-//!   the development CA (`warmpath certs`).
+//! - What the agent reports to routers goes through `warmpath-residency` (the session,
+//!   its QUIC and TLS shell), which the routers and the simulator use too.
 //! - [`server`] and [`client`]: the listeners, and the engines' pipelined client.
 
 pub mod agent;
@@ -33,7 +31,4 @@ pub mod l2;
 pub mod metric_names;
 pub mod policy;
 pub mod proto;
-pub mod residency;
-pub mod residency_net;
 pub mod server;
-pub mod tls;

@@ -30,12 +30,6 @@ pub const AGENT_PROMOTIONS_TOTAL: &str = "warmpath_agent_promotions_total";
 pub const AGENT_PROTOCOL_ERRORS_TOTAL: &str = "warmpath_agent_protocol_errors_total";
 pub const AGENT_PUT_REFUSED_TOTAL: &str = "warmpath_agent_put_refused_total";
 pub const AGENT_REQUEST_ERRORS_TOTAL: &str = "warmpath_agent_request_errors_total";
-pub const AGENT_RESIDENCY_REFUSED_TOTAL: &str = "warmpath_agent_residency_refused_total";
-pub const AGENT_RESIDENCY_SNAPSHOTS_TOTAL: &str = "warmpath_agent_residency_snapshots_total";
-pub const AGENT_RESIDENCY_SUBSCRIBERS: &str = "warmpath_agent_residency_subscribers";
-pub const RESIDENCY_BYTES_TOTAL: &str = "warmpath_residency_bytes_total";
-pub const ROUTER_RESIDENCY_DISCONNECTS_TOTAL: &str = "warmpath_router_residency_disconnects_total";
-pub const ROUTER_RESIDENCY_RESYNCS_TOTAL: &str = "warmpath_router_residency_resyncs_total";
 
 /// Every name above.
 pub const ALL: &[&str] = &[
@@ -67,10 +61,4 @@ pub const ALL: &[&str] = &[
     AGENT_PROTOCOL_ERRORS_TOTAL,
     AGENT_PUT_REFUSED_TOTAL,
     AGENT_REQUEST_ERRORS_TOTAL,
-    AGENT_RESIDENCY_REFUSED_TOTAL,
-    AGENT_RESIDENCY_SNAPSHOTS_TOTAL,
-    AGENT_RESIDENCY_SUBSCRIBERS,
-    RESIDENCY_BYTES_TOTAL,
-    ROUTER_RESIDENCY_DISCONNECTS_TOTAL,
-    ROUTER_RESIDENCY_RESYNCS_TOTAL,
 ];

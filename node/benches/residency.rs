@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::{percentile, start};
 use warmpath_cache_agent::kv_events::{encode_batch, message, EngineHash, KvEvent, Shape};
-use warmpath_cache_agent::residency::Outcome;
-use warmpath_cache_agent::residency_net::{endpoint, follow, AgentTarget};
-use warmpath_cache_agent::tls::TlsFiles;
 use warmpath_index::keys::TenantKey;
+use warmpath_residency::net::{endpoint, follow, AgentTarget};
+use warmpath_residency::tls::TlsFiles;
+use warmpath_residency::Outcome;
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
 const RATE: u64 = 10_000; // block events per second

@@ -15,7 +15,7 @@ use warmpath_cache_agent::config::{
 };
 use warmpath_cache_agent::policy::Eviction;
 use warmpath_cache_agent::server;
-use warmpath_cache_agent::tls::TlsFiles;
+use warmpath_residency::tls::TlsFiles;
 
 use crate::router::listener;
 
@@ -219,7 +219,7 @@ pub async fn serve(
     );
     if let Some((addr, tls)) = residency {
         let server = tls.server_config().map_err(anyhow::Error::msg)?;
-        let quic = warmpath_cache_agent::residency_net::endpoint(addr, Some(server), None)
+        let quic = warmpath_residency::net::endpoint(addr, Some(server), None)
             .map_err(anyhow::Error::msg)?;
         println!(
             "warmpath agent residency (QUIC, mutual TLS) on {}",
@@ -227,7 +227,7 @@ pub async fn serve(
         );
         let (residency, changed) = agent.residency();
         let learner = agent.clone();
-        tokio::spawn(warmpath_cache_agent::residency_net::serve(
+        tokio::spawn(warmpath_residency::net::serve(
             quic,
             residency,
             changed,

@@ -32,7 +32,7 @@ pub fn run(args: CertsArgs) -> Result<()> {
             bail!("--name {n:?}: letters, digits, '-', '_' and '.' only, and not ca");
         }
     }
-    warmpath_cache_agent::tls::generate(&args.out, &args.names, &args.sans)
+    warmpath_residency::tls::generate(&args.out, &args.names, &args.sans)
         .map_err(anyhow::Error::msg)?;
     println!(
         "wrote {}/ca.pem, ca.key and a certificate and key for {} (keys are mode 0600; keep ca.key offline)",

@@ -345,7 +345,7 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
     let run_dir = tempfile::tempdir().context("cannot make the run's directory")?;
     let certs = if args.residency {
         let certs = run_dir.path().join("certs");
-        warmpath_cache_agent::tls::generate(
+        warmpath_residency::tls::generate(
             &certs,
             &["agent".to_string(), "router".to_string()],
             &[],

@@ -457,7 +457,7 @@ pub fn agent_frame(data: &[u8]) {
     }
     // A residency message as a router reads it, fed to a subscriber: whatever it says, the
     // subscriber's view stays what its outcomes applied.
-    use warmpath_cache_agent::residency::{decode, Outcome, Subscriber, Wire};
+    use warmpath_residency::{decode, Outcome, Subscriber, Wire};
     if let Ok(Wire::V1Msg(msg)) = decode(data) {
         let mut s = Subscriber::new(1_000);
         let mut view = std::collections::HashSet::new();
@@ -636,7 +636,7 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         );
         let object = encode_object(&BlockId::new(1, 2), &Block::new(Bytes::from_static(b"kv")));
         add("agent_frame", "l2-object", object.to_vec());
-        use warmpath_cache_agent::residency::{encode, Change, Msg, Scope, Wire};
+        use warmpath_residency::{encode, Change, Msg, Scope, Wire};
         let snapshot = Msg::Snapshot {
             epoch: 1,
             seq: 0,

@@ -24,7 +24,6 @@ use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::rc::Rc;
-use warmpath_cache_agent::residency::{Change, Msg, Outcome, Publisher, Scope, Subscriber};
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::BlockKey;
@@ -34,6 +33,7 @@ use warmpath_index::router::{
     CacheReport, CoreConfig, CorePool, InstanceSpec, RouterCore, SharedDecision,
 };
 use warmpath_index::InstanceId;
+use warmpath_residency::{Change, Msg, Outcome, Publisher, Scope, Subscriber};
 
 /// How router replicas learn each other's routing decisions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

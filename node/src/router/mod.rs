@@ -681,7 +681,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
         }
         match (&args.tls_dir, &args.tls_name) {
             (Some(dir), Some(name)) => {
-                let tls = warmpath_cache_agent::tls::TlsFiles::in_dir(dir, name);
+                let tls = warmpath_residency::tls::TlsFiles::in_dir(dir, name);
                 let r = residency::Residency::start(
                     app.clone(),
                     &args.residency_agents,

@@ -21,9 +21,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use tokio::sync::{mpsc, oneshot, watch};
-use warmpath_cache_agent::residency::Outcome;
-use warmpath_cache_agent::residency_net::{endpoint, follow, AgentTarget};
-use warmpath_cache_agent::tls::TlsFiles;
+use warmpath_residency::net::{endpoint, follow, AgentTarget};
+use warmpath_residency::tls::TlsFiles;
+use warmpath_residency::Outcome;
 
 use super::proxy::App;
 
@@ -43,7 +43,7 @@ fn parse_entry(entry: &str) -> Result<(bool, AgentTarget), String> {
 /// The agents this router follows.
 #[derive(Debug)]
 pub struct Residency {
-    quic: warmpath_cache_agent::residency_net::quinn::Endpoint,
+    quic: warmpath_residency::net::quinn::Endpoint,
     expiry: Duration,
     out: mpsc::Sender<Outcome>,
     /// Followed always (`--residency-agent`).
@@ -133,7 +133,7 @@ impl Residency {
 /// `target`'s name, resolving again every [`RESOLVE_EVERY`] until `stop` fires (then
 /// every follower stops and what its agent reported is withdrawn).
 async fn follow_each(
-    quic: warmpath_cache_agent::residency_net::quinn::Endpoint,
+    quic: warmpath_residency::net::quinn::Endpoint,
     target: AgentTarget,
     expiry: Duration,
     out: mpsc::Sender<Outcome>,
@@ -203,8 +203,7 @@ async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
                 sent_ms,
             } => {
                 if let Some(sent) = sent_ms {
-                    let lag_ms =
-                        warmpath_cache_agent::residency_net::unix_ms().saturating_sub(sent);
+                    let lag_ms = warmpath_residency::net::unix_ms().saturating_sub(sent);
                     metrics::histogram!(crate::metric_names::ROUTER_RESIDENCY_LAG_SECONDS)
                         .record(lag_ms as f64 / 1e3);
                 }

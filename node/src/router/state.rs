@@ -236,16 +236,16 @@ impl RouterState {
         self.core.apply_shared(decisions, now)
     }
 
-    /// Applies an agent's residency changes (`residency.rs`): `instances` are the agent's
+    /// Applies an agent's residency changes (`warmpath_residency`): `instances` are the agent's
     /// engines by URL, which `Scope::Gpu` indexes and whose host L1 `Scope::L1` means.
     /// Engines this router does not serve are skipped; returns how many changes applied.
     pub fn apply_residency(
         &mut self,
         instances: &[String],
-        changes: &[warmpath_cache_agent::residency::Change],
+        changes: &[warmpath_residency::Change],
     ) -> usize {
-        use warmpath_cache_agent::residency::Scope;
         use warmpath_index::cost::Tier;
+        use warmpath_residency::Scope;
         let now = self.now_us();
         let ids: Vec<Option<InstanceId>> = instances
             .iter()

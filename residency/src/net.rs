@@ -1,4 +1,4 @@
-//! The residency session over QUIC (the I/O around `residency.rs`).
+//! The residency session over QUIC (the I/O around the session, `session.rs`).
 //!
 //! One bidirectional stream per router connection. The router sends [`Reply::Resync`] to
 //! start and whenever its subscriber asks; the agent answers each with a snapshot, then
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{broadcast, mpsc};
 
-use crate::residency::{decode, encode, Msg, Outcome, Publisher, Reply, Subscriber, Wire};
+use crate::{decode, encode, Msg, Outcome, Publisher, Reply, Subscriber, Wire};
 
 /// Largest residency message accepted (a snapshot chunk of 2,048 blocks is about 40 KiB).
 pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
