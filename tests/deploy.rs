@@ -286,7 +286,7 @@ fn the_dashboard_and_rules_name_only_metrics_the_crates_define() {
         warmpath_cache_agent::metric_names::ALL,
         warmpath_residency::metric_names::ALL,
         warmpath_membership::metric_names::ALL,
-        warmpath_sim::metric_names::ALL,
+        warmpath_engine_sim::metric_names::ALL,
     ]
     .concat()
     .into_iter()

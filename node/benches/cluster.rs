@@ -11,7 +11,7 @@ mod common;
 
 use common::{scrape, start, value, Proc};
 use std::time::{Duration, Instant};
-use warmpath_sim::live::loadgen::{self, Endpoint, LoadgenConfig, Mode};
+use warmpath_loadgen::{self as loadgen, Endpoint, LoadgenConfig, Mode};
 use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, SyntheticParams};
 
 const ROUTERS: usize = 8;

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use warmpath_index::policy::Strategy;
-use warmpath_sim::live::loadgen::{self, Endpoint, LoadReport, LoadgenConfig, Mode};
+use warmpath_loadgen::{self as loadgen, Endpoint, LoadReport, LoadgenConfig, Mode};
 use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, SyntheticParams};
 
 #[derive(Args, Debug, Clone)]
@@ -475,7 +475,7 @@ async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
         for (i, tier) in ["gpu", "l1", "l2"].iter().enumerate() {
             hits[i] += value(&format!(
                 "{}{{model_name=\"sim-llama\",tier=\"{tier}\"}}",
-                warmpath_sim::metric_names::ENGINE_PREFIX_HIT_TOKENS_TOTAL
+                warmpath_engine_sim::metric_names::ENGINE_PREFIX_HIT_TOKENS_TOTAL
             ));
         }
         prompt += value("vllm:prompt_tokens_total{");

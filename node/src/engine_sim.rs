@@ -1,12 +1,12 @@
 //! `warmpath engine-sim`: the engine model served live over HTTP (see
-//! `warmpath_sim::live::server`), paced by the wall clock with a speed-up factor.
+//! `warmpath_engine_sim::server`), paced by the wall clock with a speed-up factor.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use warmpath_cache_agent::client::AgentAddr;
+use warmpath_engine_sim::offload::{layout_of, AgentSettings};
+use warmpath_engine_sim::server::{serve, EngineSimConfig};
 use warmpath_sim::engine::EngineConfig;
-use warmpath_sim::live::offload::{layout_of, AgentSettings};
-use warmpath_sim::live::server::{serve, EngineSimConfig};
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineSimArgs {

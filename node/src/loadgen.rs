@@ -1,15 +1,15 @@
 //! `warmpath loadgen`: open- or closed-loop HTTP load against an OpenAI-compatible
 //! endpoint (a warmpath router, an engine-sim, vLLM), replaying a trace or a synthetic
 //! workload, with TTFT, inter-token latency, end-to-end latency, throughput, hit rate and
-//! errors. The library is `warmpath_sim::live::loadgen`.
+//! errors. The library is `warmpath_loadgen`.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Duration;
-use warmpath_sim::live::loadgen::{
-    self, Endpoint, LiveRequest, LoadReport, LoadgenConfig, Mode, Progress, TenantAuth,
+use warmpath_loadgen::{
+    self as loadgen, Endpoint, LiveRequest, LoadReport, LoadgenConfig, Mode, Progress, TenantAuth,
 };
 use warmpath_sim::workload::synthetic::{generate, to_workload, SyntheticKind, SyntheticParams};
 use warmpath_sim::workload::{mooncake, ReadOptions};

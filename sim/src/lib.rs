@@ -2,8 +2,6 @@
 pub mod bounds;
 pub mod cluster;
 pub mod engine;
-pub mod live;
-pub mod metric_names;
 pub mod stats;
 pub mod tiers;
 pub mod workload;

@@ -42,8 +42,8 @@ use tokio::time::{sleep_until, timeout_at, Instant, MissedTickBehavior};
 use warmpath_index::rng::Rng;
 use warmpath_index::text::words;
 
-use crate::workload::synthetic::SyntheticRequest;
-use crate::workload::Workload;
+use warmpath_sim::workload::synthetic::SyntheticRequest;
+use warmpath_sim::workload::Workload;
 
 /// How often [`run`] reports [`Progress`].
 pub const PROGRESS_EVERY: Duration = Duration::from_millis(250);
@@ -107,7 +107,7 @@ pub struct LiveRequest {
 /// all for `endpoint`.
 ///
 /// - With `synthetic` (the requests the workload was built from by
-///   [`to_workload`](crate::workload::synthetic::to_workload)), request `id` takes the
+///   [`to_workload`](warmpath_sim::workload::synthetic::to_workload)), request `id` takes the
 ///   segments of the `id`-th synthetic request in arrival order, each segment becoming
 ///   `words(seed, tokens)`: requests sharing segments share text prefixes.
 /// - Otherwise the keys are read as prefix names (a Mooncake trace's `hash_ids`): key `h`
@@ -1199,7 +1199,7 @@ impl Collector {
             ttft_cdf_ms: if self.ttft.is_empty() {
                 Vec::new()
             } else {
-                crate::stats::cdf(|q| self.ttft.value_at_quantile(q) as f64 / 1000.0)
+                warmpath_sim::stats::cdf(|q| self.ttft.value_at_quantile(q) as f64 / 1000.0)
             },
         }
     }
@@ -1420,9 +1420,11 @@ mod tests {
     use warmpath_index::text::{count_tokens, tokenize};
 
     use super::*;
-    use crate::workload::mooncake::parse_mooncake;
-    use crate::workload::synthetic::{generate, to_workload, SyntheticKind, SyntheticParams};
-    use crate::workload::ReadOptions;
+    use warmpath_sim::workload::mooncake::parse_mooncake;
+    use warmpath_sim::workload::synthetic::{
+        generate, to_workload, SyntheticKind, SyntheticParams,
+    };
+    use warmpath_sim::workload::ReadOptions;
 
     /// Text chunks the fake server streams per response.
     const CHUNKS: usize = 5;

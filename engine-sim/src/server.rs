@@ -63,11 +63,11 @@ use warmpath_index::openai::{
 };
 use warmpath_index::text;
 
-use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats};
-use crate::tiers::TierSet;
+use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats};
+use warmpath_sim::tiers::TierSet;
 
-use super::kv_publish::KvPublisher;
-use super::offload::{AgentSettings, AgentSide};
+use crate::kv_publish::KvPublisher;
+use crate::offload::{AgentSettings, AgentSide};
 
 /// Tenant id under which the engine derives its block keys (with the request's
 /// `cache_salt`). Engines hash their own way; this one hashes warmpath's way.

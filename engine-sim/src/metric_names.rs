@@ -1,4 +1,4 @@
-//! The names of the metrics this crate exports: engine-sim's. The one place each name is
+//! The names of the metrics this crate exports: engine-sim's (beside the vLLM-named ones it exports as vLLM does). The one place each name is
 //! written; the code, the dashboards' test and the alert rules' test use these.
 
 pub const ENGINE_AGENT_BLOCKS_TOTAL: &str = "warmpath_engine_agent_blocks_total";
