@@ -1,5 +1,5 @@
 //! `deploy/`: the Prometheus rules pass `promtool` (syntax and their unit tests); a real
-//! Prometheus (the distribution's package, installed by `.ci/run`) scrapes every process
+//! Prometheus (the distribution's package, installed by `tests/run`) scrapes every process
 //! of a running `warmpath demo --keep-running` cluster and evaluates the rules on what they
 //! export; every metric the Grafana dashboard and the rules name is exported by a live
 //! process; and the systemd units verify, are hardened and pass real flags. (The Helm

@@ -34,7 +34,7 @@ pub fn screenshot(page: &Path, png: &Path, height: u32) {
         .arg(format!("--screenshot={}", png.display()))
         .arg(format!("file://{}", page.display()))
         .output()
-        .expect("chromium runs (the distribution's package; .ci/run installs it)");
+        .expect("chromium runs (the distribution's package; tests/run installs it)");
     assert!(
         out.status.success() && png.exists(),
         "chromium: {}",

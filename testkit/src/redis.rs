@@ -4,7 +4,7 @@ use crate::free_addr;
 use std::process::{Child, Command, Stdio};
 
 /// A real `redis-server` (the distribution's package) on a loopback port, without
-/// persistence, killed when dropped; `.ci/run` installs it.
+/// persistence, killed when dropped; `tests/run` installs it.
 #[derive(Debug)]
 pub struct Redis {
     child: Child,
