@@ -1,7 +1,7 @@
 //! One entry point per fuzz target (see `fuzz/`): each feeds arbitrary bytes to the
 //! decoders that read one kind of network input, then hands what they accept to the code
 //! that consumes it, and checks what must hold. The libFuzzer targets and the test that
-//! replays the kept corpus (`tests/fuzz_corpus.rs`) call these same functions.
+//! replays the kept corpus (this module's tests, in `cargo test`) call these same functions.
 //!
 //! A target panics when a property fails; a decoder that refuses input returns an error,
 //! which is the expected outcome for almost every fuzz input.

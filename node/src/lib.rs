@@ -6,6 +6,9 @@ pub mod agent;
 pub mod certs;
 pub mod demo;
 pub mod engine_sim;
+/// The fuzzing harness, for the fuzz targets (`fuzz/`, feature `fuzzing`) and the test that
+/// replays their corpus; not in the shipped binary.
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod loadgen;
 pub mod metric_names;
