@@ -836,8 +836,7 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
 
 /// A free UDP port on loopback.
 fn free_udp() -> String {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    s.local_addr().unwrap().to_string()
+    warmpath_testkit::free_udp_addr().to_string()
 }
 
 /// An engine-sim publishing KV events, an agent following it and serving residency over
