@@ -350,21 +350,12 @@ pub fn is_key_hash(s: &str) -> bool {
 pub fn pool_problems(model: &str, spec: &PoolSpec) -> Vec<String> {
     let mut problems = Vec::new();
     check_name("model", model, &mut problems);
-    if spec.instances.len() > MAX_POOL_INSTANCES {
-        problems.push(format!(
-            "instances: {} instances, at most {MAX_POOL_INSTANCES}",
-            spec.instances.len()
-        ));
-    }
-    let mut seen = BTreeSet::new();
-    for (i, url) in spec.instances.iter().enumerate() {
-        if let Err(e) = check_instance_url(url) {
-            problems.push(format!("instances[{i}] {url:?}: {e}"));
-        }
-        if !seen.insert(url) {
-            problems.push(format!("instances[{i}] {url:?}: listed twice"));
-        }
-    }
+    list_problems(
+        "instances",
+        &spec.instances,
+        check_instance_url,
+        &mut problems,
+    );
     if let Err(e) = check_tokenizer(&spec.tokenizer) {
         problems.push(format!("tokenizer: {e}"));
     }
@@ -377,22 +368,33 @@ pub fn pool_problems(model: &str, spec: &PoolSpec) -> Vec<String> {
     if spec.block_tokens > 65_536 {
         problems.push("block_tokens: at most 65536".to_string());
     }
-    if spec.agents.len() > MAX_POOL_INSTANCES {
+    list_problems("agents", &spec.agents, check_agent_address, &mut problems);
+    problems
+}
+
+/// The problems of a pool's list `field` (instances, agents): at most
+/// [`MAX_POOL_INSTANCES`] entries, each passing `check`, none twice.
+fn list_problems<E: std::fmt::Display>(
+    field: &str,
+    items: &[String],
+    check: impl Fn(&str) -> Result<(), E>,
+    problems: &mut Vec<String>,
+) {
+    if items.len() > MAX_POOL_INSTANCES {
         problems.push(format!(
-            "agents: {} agents, at most {MAX_POOL_INSTANCES}",
-            spec.agents.len()
+            "{field}: {} {field}, at most {MAX_POOL_INSTANCES}",
+            items.len()
         ));
     }
     let mut seen = BTreeSet::new();
-    for (i, a) in spec.agents.iter().enumerate() {
-        if let Err(e) = check_agent_address(a) {
-            problems.push(format!("agents[{i}] {a:?}: {e}"));
+    for (i, item) in items.iter().enumerate() {
+        if let Err(e) = check(item) {
+            problems.push(format!("{field}[{i}] {item:?}: {e}"));
         }
-        if !seen.insert(a) {
-            problems.push(format!("agents[{i}] {a:?}: listed twice"));
+        if !seen.insert(item) {
+            problems.push(format!("{field}[{i}] {item:?}: listed twice"));
         }
     }
-    problems
 }
 
 /// The one rule for an instance's base URL, wherever one is given (the config file, the
@@ -453,6 +455,13 @@ pub fn instance_url(url: &str) -> Result<String, String> {
         },
     };
     Ok(format!("http://{host}:{port}"))
+}
+
+/// `url` in its canonical form ([`instance_url`]), or as given when it is not an instance
+/// URL, for [`pool_problems`] (or the state machine) to refuse with its reason: how every
+/// input surface normalises before it validates.
+pub fn canonical_instance_url(url: &str) -> String {
+    instance_url(url).unwrap_or_else(|_| url.to_string())
 }
 
 /// Checks that `url` is an instance URL in its canonical form ([`instance_url`]), as the

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use warmpath_membership::raft::state::{
-    instance_url, is_key_hash, Command, CommandResult, CommandV1, ConfigState, PoolSpec,
+    canonical_instance_url, is_key_hash, Command, CommandResult, CommandV1, ConfigState, PoolSpec,
     TenantSpec, MAX_WRITE_KEY_BYTES,
 };
 use warmpath_membership::raft::{RaftNode, ReadError, WriteError};
@@ -832,13 +832,6 @@ async fn get_pool(
     )
 }
 
-/// An instance URL in its canonical form ([`instance_url`]: `http://host` is
-/// `http://host:80`, a trailing `/` goes), or as given when it is not one, for the state
-/// machine to refuse with its reason.
-fn canonical(url: &str) -> String {
-    instance_url(url).unwrap_or_else(|_| url.to_string())
-}
-
 async fn put_pool(
     State(d): State<Arc<AdminDeps>>,
     model: Result<Path<String>, PathRejection>,
@@ -849,7 +842,11 @@ async fn put_pool(
     let model = path(model)?;
     let expected_version = precondition(&uri, &headers)?;
     let mut spec: PoolSpec = parse_strict(body, "pool")?;
-    spec.instances = spec.instances.iter().map(|u| canonical(u)).collect();
+    spec.instances = spec
+        .instances
+        .iter()
+        .map(|u| canonical_instance_url(u))
+        .collect();
     // The state machine checks the tokenizer's name; whether it loads (a tokenizer.json
     // here, a template that compiles) is checked on the router taking the write, so that a
     // typo is a 400 now rather than a pool tokenized with the built-in tokenizer later.
@@ -908,7 +905,7 @@ async fn add_instance(
         "instance",
         CommandV1::AddInstance {
             model,
-            url: canonical(&input.url),
+            url: canonical_instance_url(&input.url),
             expected_version,
         },
     )
@@ -936,7 +933,7 @@ async fn remove_instance(
         "instance",
         CommandV1::RemoveInstance {
             model,
-            url: canonical(&url),
+            url: canonical_instance_url(&url),
             expected_version,
         },
     )

@@ -28,8 +28,8 @@ use std::time::Duration;
 use warmpath_index::policy::Strategy;
 pub use warmpath_membership::raft::state::Pool;
 use warmpath_membership::raft::state::{
-    api_key_hash, check_plain_key, check_tenant_id, instance_url, pool_problems, validate_tenant,
-    PoolSpec, TenantSpec,
+    api_key_hash, canonical_instance_url, check_plain_key, check_tenant_id, instance_url,
+    pool_problems, validate_tenant, PoolSpec, TenantSpec,
 };
 
 /// The only config file version this build reads.
@@ -432,19 +432,6 @@ impl FileConfig {
             if !models.insert(p.model.clone()) {
                 problems.push(format!("pools[{i}].model {:?} is listed twice", p.model));
             }
-            // Instance URLs in their canonical form, then the state machine's own pool
-            // validator: a file that validates here seeds a cluster that accepts it.
-            let mut instances = Vec::new();
-            let mut bad_url = false;
-            for (j, url) in p.instances.iter().enumerate() {
-                match instance_url(url) {
-                    Ok(u) => instances.push(u),
-                    Err(e) => {
-                        bad_url = true;
-                        problems.push(format!("pools[{i}].instances[{j}] {url:?}: {e}"))
-                    }
-                }
-            }
             let chat_template = match &p.chat_template_file {
                 Some(path) if p.chat_template.is_empty() => std::fs::read_to_string(path)
                     .unwrap_or_else(|e| {
@@ -465,18 +452,22 @@ impl FileConfig {
             if let Err(e) = crate::prompt::PoolText::load(&p.tokenizer, &chat_template) {
                 problems.push(format!("pools[{i}]: {e}"));
             }
+            // Instance URLs in their canonical form, then the state machine's own pool
+            // validator (which says what is wrong with a URL that has none): a file that
+            // validates here seeds a cluster that accepts it.
             let spec = PoolSpec {
-                instances,
+                instances: p
+                    .instances
+                    .iter()
+                    .map(|u| canonical_instance_url(u))
+                    .collect(),
                 agents: p.agents.clone(),
                 tokenizer: p.tokenizer.clone(),
                 chat_template,
                 block_tokens: p.block_tokens,
             };
             for problem in pool_problems(&p.model, &spec) {
-                // What is wrong with a URL was said above, with the URL as written.
-                if !(bad_url && problem.starts_with("instances")) {
-                    problems.push(format!("pools[{i}].{problem}"));
-                }
+                problems.push(format!("pools[{i}].{problem}"));
             }
             pools.push(Pool {
                 model: p.model.clone(),
