@@ -20,11 +20,11 @@ use crate::config::{AgentConfig, L2Config, WritePolicy};
 use crate::ingest::{Ingest, Tenants};
 use crate::l1::{own, Evicted, L1};
 use crate::l2::{AnyL2, DirL2, L2Backend, L2Error, RedisL2};
-use crate::policy::{BlockId, Refused};
 use crate::proto::{
     AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
 };
 use warmpath_residency::{Change, L2Window, Publisher, Scope};
+use warmpath_tiers::{BlockId, Refused};
 
 /// Counters kept here as well as in metrics, for `Stats` and the tests.
 #[derive(Debug, Default)]

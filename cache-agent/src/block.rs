@@ -17,7 +17,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::policy::BlockId;
+use warmpath_tiers::BlockId;
 
 /// The checksum of a payload.
 pub fn checksum(payload: &[u8]) -> u64 {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-use crate::policy::Eviction;
+use warmpath_tiers::Eviction;
 
 /// When L1 writes to L2.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use bytes::Bytes;
 
 use crate::block::Block;
-use crate::policy::{BlockId, Eviction, LeaseId, Ledger, LedgerStats, Refused};
+use warmpath_tiers::{BlockId, Eviction, LeaseId, Ledger, LedgerStats, Refused};
 
 /// The L1 store.
 #[derive(Debug)]

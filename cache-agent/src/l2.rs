@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::policy::{BlockId, Eviction, Ledger};
+use warmpath_tiers::{BlockId, Eviction, Ledger};
 
 /// Why an L2 operation failed (a miss is not a failure).
 #[derive(Debug, thiserror::Error)]

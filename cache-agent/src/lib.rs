@@ -4,8 +4,8 @@
 //!
 //! A map of the crate, pure core first:
 //!
-//! - [`policy`]: the tier policy, a byte-bounded ledger of block ids with LRU or S3-FIFO
-//!   eviction, pins and leases. No I/O, time passed in; the simulator's tiers use it too.
+//! - The tier policy (which blocks L1 and L2 hold, evict, or must keep) is
+//!   `warmpath-tiers`' `Ledger`: no I/O, time passed in; the simulator's tiers use it too.
 //! - [`block`]: checksums and the self-checking L2 object format.
 //! - [`proto`]: the block API's wire format (handshake, frames), encode and decode only.
 //! - [`kv_events`]: engines' KV events in vLLM's msgpack format, decode and encode.
@@ -29,6 +29,5 @@ pub mod kv_subscribe;
 pub mod l1;
 pub mod l2;
 pub mod metric_names;
-pub mod policy;
 pub mod proto;
 pub mod server;

@@ -31,7 +31,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
-use crate::policy::LedgerStats;
+use warmpath_tiers::LedgerStats;
 
 /// The protocol version this build speaks.
 pub const VERSION: u16 = 1;

@@ -26,7 +26,7 @@ use common::{free_addr, percentile, start};
 use warmpath_cache_agent::block::{encode_object, Block};
 use warmpath_cache_agent::client::{AgentAddr, AgentClient};
 use warmpath_cache_agent::l2::{DirL2, L2Backend, RedisL2};
-use warmpath_cache_agent::policy::BlockId;
+use warmpath_tiers::BlockId;
 
 const ROUNDS: usize = 5;
 const MIB: usize = 1 << 20;

@@ -13,9 +13,9 @@ use warmpath_cache_agent::agent::Agent;
 use warmpath_cache_agent::config::{
     parse_bytes, read_token, AgentConfig, FileConfig, L2Config, WritePolicy,
 };
-use warmpath_cache_agent::policy::Eviction;
 use warmpath_cache_agent::server;
 use warmpath_residency::tls::TlsFiles;
+use warmpath_tiers::Eviction;
 
 use crate::router::listener;
 

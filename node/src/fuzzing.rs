@@ -383,10 +383,10 @@ fn serve(state: &ConfigState) {
 pub fn agent_frame(data: &[u8]) {
     use warmpath_cache_agent::block::decode_object;
     use warmpath_cache_agent::l1::{own, L1};
-    use warmpath_cache_agent::policy::{BlockId, Eviction};
     use warmpath_cache_agent::proto::{
         decode_body, decode_hello_prefix, frame_len, split_payloads, Request, Response,
     };
+    use warmpath_tiers::{BlockId, Eviction};
     if let Ok(prefix) = <[u8; 8]>::try_from(data.get(..8).unwrap_or_default()) {
         if let Ok((_, len)) = decode_hello_prefix(&prefix) {
             assert!(len <= warmpath_cache_agent::proto::MAX_TOKEN_BYTES);
@@ -576,10 +576,10 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     }
     {
         use warmpath_cache_agent::block::{encode_object, Block};
-        use warmpath_cache_agent::policy::BlockId;
         use warmpath_cache_agent::proto::{
             encode_frame, encode_hello, GotBlock, PutItem, Request, Response, StoreTier,
         };
+        use warmpath_tiers::BlockId;
         let frame = |o: warmpath_cache_agent::proto::Outgoing| {
             let mut v = o.head[4..].to_vec();
             for p in o.payloads {

@@ -8,9 +8,9 @@
 //!
 //! Both are token-weighted: hit tokens (whole blocks) over prompt tokens.
 
-use crate::tiers::BlockLru;
 use crate::workload::Workload;
 use std::collections::HashSet;
+use warmpath_tiers::BlockLru;
 
 /// With an infinite cache: per request, how many leading blocks an earlier request of the
 /// workload already held (keys name whole prefixes, so that is the run of leading keys

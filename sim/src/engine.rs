@@ -104,8 +104,9 @@ use std::collections::{HashMap, VecDeque};
 
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::keys::BlockKey;
+use warmpath_tiers::BlockLru;
 
-use crate::tiers::{BlockLru, TierSet};
+use crate::tiers::TierSet;
 
 /// Shape and limits of one engine.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,8 +1,9 @@
 //! The tier policy: which blocks a byte-bounded tier holds, which it evicts, and which it
 //! must keep (pinned or leased).
 //!
-//! A [`Ledger`] tracks block ids and their sizes, never their bytes: the L1 store keeps the
-//! payloads beside it, the simulator keeps nothing else. Two eviction policies:
+//! A [`Ledger`] tracks block ids and their sizes, never their bytes: the agent's L1 and L2
+//! keep the payloads beside it, the simulator keeps nothing else. Its queues are lists
+//! through one [`Slab`](crate::list::Slab). Two eviction policies:
 //!
 //! - [`Eviction::Lru`]: least recently used first.
 //! - [`Eviction::S3Fifo`]: S3-FIFO (Yang et al., SOSP 2023), scan-resistant. New blocks enter
@@ -30,6 +31,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
+use crate::list::{List, Slab};
 use serde::{Deserialize, Serialize};
 use warmpath_index::keys::BlockKey;
 
@@ -87,28 +89,24 @@ pub enum Refused {
 /// A lease's handle.
 pub type LeaseId = u64;
 
-/// Slab index meaning "no slot".
-const NIL: usize = usize::MAX;
 /// The queues: LRU keeps everything in MAIN; S3-FIFO uses both.
 const SMALL: usize = 0;
 const MAIN: usize = 1;
 /// S3-FIFO's use counter saturates here.
 const MAX_FREQ: u8 = 3;
 
+/// A held block, in its slot of the slab.
 #[derive(Clone, Debug)]
 struct Node {
     id: BlockId,
     bytes: u64,
+    /// The queue (SMALL or MAIN) whose list holds this slot.
     queue: usize,
     /// Uses since insertion (S3-FIFO), saturating at MAX_FREQ.
     freq: u8,
     pinned: bool,
     /// Leases holding this block.
     leases: u32,
-    /// Towards the front (most recently inserted or used).
-    newer: usize,
-    /// Towards the back (next to evict).
-    older: usize,
 }
 
 impl Node {
@@ -116,20 +114,6 @@ impl Node {
         self.pinned || self.leases > 0
     }
 }
-
-/// A doubly linked list threaded through the slab.
-#[derive(Clone, Copy, Debug)]
-struct List {
-    front: usize,
-    back: usize,
-    bytes: u64,
-}
-
-const EMPTY: List = List {
-    front: NIL,
-    back: NIL,
-    bytes: 0,
-};
 
 #[derive(Clone, Debug)]
 struct Lease {
@@ -155,9 +139,12 @@ pub struct Ledger {
     policy: Eviction,
     /// Block to its slot in `nodes`: lookups only, never iterated.
     slots: HashMap<BlockId, usize>,
-    nodes: Vec<Node>,
-    vacant: Vec<usize>,
+    /// Every held block; `queues` thread through it.
+    nodes: Slab<Node>,
+    /// The small and main queues, front (newest) to back (next to evict).
     queues: [List; 2],
+    /// Bytes of the blocks on each queue.
+    queue_bytes: [u64; 2],
     /// S3-FIFO's ghost list: ids recently evicted from the small queue, oldest first,
     /// bounded in count by the number of blocks held.
     ghost: VecDeque<BlockId>,
@@ -180,9 +167,9 @@ impl Ledger {
             capacity: capacity_bytes,
             policy,
             slots: HashMap::new(),
-            nodes: Vec::new(),
-            vacant: Vec::new(),
-            queues: [EMPTY; 2],
+            nodes: Slab::new(),
+            queues: [List::new(); 2],
+            queue_bytes: [0; 2],
             ghost: VecDeque::new(),
             ghost_set: HashSet::new(),
             leases: HashMap::new(),
@@ -205,7 +192,7 @@ impl Ledger {
 
     /// Bytes of the blocks held now; never above the capacity.
     pub fn used_bytes(&self) -> u64 {
-        self.queues[SMALL].bytes + self.queues[MAIN].bytes
+        self.queue_bytes[SMALL] + self.queue_bytes[MAIN]
     }
 
     pub fn len(&self) -> usize {
@@ -222,7 +209,7 @@ impl Ledger {
 
     /// The size of a held block.
     pub fn bytes_of(&self, id: &BlockId) -> Option<u64> {
-        self.slots.get(id).map(|&s| self.nodes[s].bytes)
+        self.slots.get(id).map(|&s| self.nodes.get(s).bytes)
     }
 
     pub fn stats(&self) -> LedgerStats {
@@ -248,7 +235,7 @@ impl Ledger {
                 self.link_front(MAIN, slot);
             }
             Eviction::S3Fifo => {
-                let n = &mut self.nodes[slot];
+                let n = self.nodes.get_mut(slot);
                 n.freq = (n.freq + 1).min(MAX_FREQ);
             }
         }
@@ -274,7 +261,7 @@ impl Ledger {
     ) -> Result<(), Refused> {
         if let Some(&slot) = self.slots.get(&id) {
             self.touch(&id);
-            if pin && !self.nodes[slot].pinned {
+            if pin && !self.nodes.get(slot).pinned {
                 self.update_hold(slot, |n| n.pinned = true);
             }
             return Ok(());
@@ -311,19 +298,8 @@ impl Ledger {
             freq: 0,
             pinned: pin,
             leases: 0,
-            newer: NIL,
-            older: NIL,
         };
-        let slot = match self.vacant.pop() {
-            Some(slot) => {
-                self.nodes[slot] = node;
-                slot
-            }
-            None => {
-                self.nodes.push(node);
-                self.nodes.len() - 1
-            }
-        };
+        let slot = self.nodes.alloc(node);
         self.slots.insert(id, slot);
         self.link_front(queue, slot);
         if pin {
@@ -351,7 +327,7 @@ impl Ledger {
     /// Drops `id` unless it is held; true when it was dropped.
     pub fn remove(&mut self, id: &BlockId) -> bool {
         match self.slots.get(id) {
-            Some(&slot) if !self.nodes[slot].held() => {
+            Some(&slot) if !self.nodes.get(slot).held() => {
                 self.drop_slot(slot);
                 true
             }
@@ -362,7 +338,7 @@ impl Ledger {
     /// Unpins `id`; false when it was not pinned.
     pub fn unpin(&mut self, id: &BlockId) -> bool {
         match self.slots.get(id) {
-            Some(&slot) if self.nodes[slot].pinned => {
+            Some(&slot) if self.nodes.get(slot).pinned => {
                 self.update_hold(slot, |n| n.pinned = false);
                 true
             }
@@ -426,9 +402,8 @@ impl Ledger {
                 Eviction::Lru => MAIN,
                 Eviction::S3Fifo => {
                     let small_target = self.capacity / 10;
-                    if self.queues[SMALL].back != NIL
-                        && (self.queues[SMALL].bytes > small_target
-                            || self.queues[MAIN].back == NIL)
+                    if !self.queues[SMALL].is_empty()
+                        && (self.queue_bytes[SMALL] > small_target || self.queues[MAIN].is_empty())
                     {
                         SMALL
                     } else {
@@ -436,14 +411,13 @@ impl Ledger {
                     }
                 }
             };
-            let slot = self.queues[queue].back;
-            if slot == NIL {
+            let Some(slot) = self.queues[queue].back() else {
                 return false;
-            }
+            };
             if self.all_held() {
                 return false;
             }
-            let n = &self.nodes[slot];
+            let n = self.nodes.get(slot);
             if n.held() {
                 // Kept: back to the front of its queue.
                 self.unlink(slot);
@@ -454,8 +428,7 @@ impl Ledger {
                 (Eviction::S3Fifo, SMALL) if n.freq > 0 => {
                     // Used again while on probation: into the main queue.
                     self.unlink(slot);
-                    self.nodes[slot].queue = MAIN;
-                    self.nodes[slot].freq = 0;
+                    self.nodes.get_mut(slot).freq = 0;
                     self.link_front(MAIN, slot);
                 }
                 (Eviction::S3Fifo, SMALL) => {
@@ -466,7 +439,7 @@ impl Ledger {
                     return true;
                 }
                 (Eviction::S3Fifo, _) if n.freq > 0 => {
-                    self.nodes[slot].freq -= 1;
+                    self.nodes.get_mut(slot).freq -= 1;
                     self.unlink(slot);
                     self.link_front(MAIN, slot);
                 }
@@ -487,10 +460,10 @@ impl Ledger {
 
     /// Applies `f` to a node's pin or lease count and keeps the hold counters in step.
     fn update_hold(&mut self, slot: usize, f: impl FnOnce(&mut Node)) {
-        let n = &mut self.nodes[slot];
+        let n = self.nodes.get_mut(slot);
         let (pinned, leased, held) = (n.pinned, n.leases > 0, n.held());
         f(n);
-        let n = &self.nodes[slot];
+        let n = self.nodes.get(slot);
         let bytes = n.bytes;
         match (pinned, n.pinned) {
             (false, true) => self.pinned += 1,
@@ -530,49 +503,26 @@ impl Ledger {
     fn drop_slot(&mut self, slot: usize) {
         self.unlink(slot);
         // Only unheld blocks are dropped (remove and evict check), so no hold counter moves.
-        let n = &self.nodes[slot];
+        let n = self.nodes.get(slot);
         debug_assert!(!n.held());
         self.slots.remove(&n.id);
-        self.vacant.push(slot);
+        self.nodes.free(slot);
     }
 
+    /// Takes `slot` off its queue.
     fn unlink(&mut self, slot: usize) {
-        let Node {
-            newer,
-            older,
-            queue,
-            bytes,
-            ..
-        } = self.nodes[slot];
-        let list = &mut self.queues[queue];
-        if newer == NIL {
-            list.front = older;
-        } else {
-            self.nodes[newer].older = older;
-        }
-        let list = &mut self.queues[queue];
-        if older == NIL {
-            list.back = newer;
-        } else {
-            self.nodes[older].newer = newer;
-        }
-        self.queues[queue].bytes -= bytes;
-        self.nodes[slot].newer = NIL;
-        self.nodes[slot].older = NIL;
+        let Node { queue, bytes, .. } = *self.nodes.get(slot);
+        self.nodes.unlink(&mut self.queues[queue], slot);
+        self.queue_bytes[queue] -= bytes;
     }
 
+    /// Links an unlinked `slot` at the front of `queue`.
     fn link_front(&mut self, queue: usize, slot: usize) {
-        let front = self.queues[queue].front;
-        self.nodes[slot].queue = queue;
-        self.nodes[slot].older = front;
-        self.nodes[slot].newer = NIL;
-        if front == NIL {
-            self.queues[queue].back = slot;
-        } else {
-            self.nodes[front].newer = slot;
-        }
-        self.queues[queue].front = slot;
-        self.queues[queue].bytes += self.nodes[slot].bytes;
+        let n = self.nodes.get_mut(slot);
+        n.queue = queue;
+        let bytes = n.bytes;
+        self.nodes.push_front(&mut self.queues[queue], slot);
+        self.queue_bytes[queue] += bytes;
     }
 
     /// Held ids in eviction order as the policy stands now (the back of the small queue
@@ -580,11 +530,11 @@ impl Ledger {
     pub fn eviction_order(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.len());
         for q in [SMALL, MAIN] {
-            let mut slot = self.queues[q].back;
-            while slot != NIL {
-                out.push(self.nodes[slot].id);
-                slot = self.nodes[slot].newer;
-            }
+            out.extend(
+                self.nodes
+                    .iter_back_to_front(&self.queues[q])
+                    .map(|(_, n)| n.id),
+            );
         }
         out
     }
@@ -727,7 +677,7 @@ mod tests {
         // 0 leaves the small queue unused and is remembered.
         assert_eq!(put(&mut l, 20), vec![0]);
         put(&mut l, 0);
-        assert_eq!(l.nodes[l.slots[&b(0)]].queue, MAIN);
+        assert_eq!(l.nodes.get(l.slots[&b(0)]).queue, MAIN);
     }
 
     #[derive(Clone, Debug)]
@@ -765,7 +715,7 @@ mod tests {
                 now += 10;
                 let mut ev = Vec::new();
                 let held_before: HashSet<BlockId> = l.slots.iter()
-                    .filter(|(_, &s)| l.nodes[s].held()).map(|(id, _)| *id).collect();
+                    .filter(|(_, &s)| l.nodes.get(s).held()).map(|(id, _)| *id).collect();
                 match op {
                     Op::Put(k, s, p) => { let _ = l.insert(b(k.into()), s.into(), p, &mut ev); }
                     Op::Touch(k) => { l.touch(&b(k.into())); }
@@ -780,15 +730,15 @@ mod tests {
                 }
                 prop_assert!(l.used_bytes() <= l.capacity_bytes());
                 for e in &ev { prop_assert!(!held_before.contains(e), "evicted held block {e:?}"); }
-                let sum: u64 = l.slots.values().map(|&s| l.nodes[s].bytes).sum();
+                let sum: u64 = l.slots.values().map(|&s| l.nodes.get(s).bytes).sum();
                 prop_assert_eq!(sum, l.used_bytes());
                 prop_assert_eq!(l.eviction_order().len(), l.len());
-                let pinned = l.slots.values().filter(|&&s| l.nodes[s].pinned).count() as u64;
-                let leased = l.slots.values().filter(|&&s| l.nodes[s].leases > 0).count() as u64;
+                let pinned = l.slots.values().filter(|&&s| l.nodes.get(s).pinned).count() as u64;
+                let leased = l.slots.values().filter(|&&s| l.nodes.get(s).leases > 0).count() as u64;
                 prop_assert_eq!(pinned, l.stats().pinned_blocks);
                 prop_assert_eq!(leased, l.stats().leased_blocks);
-                let held: Vec<u64> = l.slots.values().filter(|&&s| l.nodes[s].held())
-                    .map(|&s| l.nodes[s].bytes).collect();
+                let held: Vec<u64> = l.slots.values().filter(|&&s| l.nodes.get(s).held())
+                    .map(|&s| l.nodes.get(s).bytes).collect();
                 prop_assert_eq!(held.len() as u64, l.held);
                 prop_assert_eq!(held.iter().sum::<u64>(), l.held_bytes);
             }
