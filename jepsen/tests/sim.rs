@@ -40,11 +40,11 @@ use warmpath_membership::decisions::Decision;
 use warmpath_membership::gossip::{
     Cursor, Datagrams, Gossip, GossipConfig, RecvDatagram, SendDatagram, DEFAULT_GOSSIP_INTERVAL,
 };
-use warmpath_membership::raft::network::{
-    LeaderReply, PeerTransport, SendError, SendFuture, MAX_BODY_BYTES, PATH_WRITE,
-    WRITE_DEADLINE_HEADER,
-};
+use warmpath_membership::raft::client::{PeerTransport, SendError, SendFuture};
 use warmpath_membership::raft::state::{Command, CommandResult, CommandV1, PoolSpec, TenantSpec};
+use warmpath_membership::raft::wire::{
+    LeaderReply, MAX_BODY_BYTES, PATH_WRITE, WRITE_DEADLINE_HEADER,
+};
 use warmpath_membership::raft::{enter_simulation, unix_ms, NodeConfig, RaftNode, WriteError};
 
 /// Voters in the simulated group.

@@ -16,7 +16,7 @@
 //! a real vote inside it, so a pre-vote granted under that rule is not refused later), is
 //! not itself a leader with a live quorum, and holds no longer log than the candidate.
 
-use super::network::HttpClient;
+use super::client::HttpClient;
 use super::store::{self, NodeId, TypeConfig};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use openraft::{LogId, Raft, ServerState};

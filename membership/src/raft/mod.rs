@@ -2,8 +2,9 @@
 //!
 //! - [`state`]: the pure state machine (tenants, pools, API key hashes, config version).
 //! - [`store`]: the durable log, vote and snapshot in redb; the openraft type config.
-//! - [`network`]: Raft RPCs over HTTP (`/raft/…` routes and the peer client, over TCP or a
-//!   simulated network).
+//! - [`wire`]: the `/raft/…` HTTP contract (paths, limits, warmpath's own bodies).
+//! - [`client`]: the peer client, over TCP or a simulated network.
+//! - [`network`]: Raft RPCs over HTTP (`/raft/…` routes and openraft's peer connections).
 //! - [`elect`]: the election timer and its pre-vote.
 //! - this module: [`RaftNode`], the handle the router uses.
 //!
@@ -23,17 +24,18 @@
 //! a node with a fast clock or a one-way partition cannot depose a healthy leader. A lost
 //! leader is replaced in about one second, well inside the 3 s target.
 
+pub mod client;
 pub mod elect;
 pub mod network;
 pub mod state;
 pub mod store;
+pub mod wire;
 
 #[cfg(test)]
 mod tests;
 
-use network::{
-    HttpClient, HttpError, JoinRequest, LeaderReply, NetworkFactory, PeerTransport, ServerState,
-};
+use client::{HttpClient, HttpError, PeerTransport};
+use network::{NetworkFactory, ServerState};
 use openraft::error::{CheckIsLeaderError, ClientWriteError, InitializeError, RaftError};
 use openraft::{BasicNode, ChangeMembers, Raft, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
@@ -45,6 +47,7 @@ use std::time::Duration;
 use store::{NodeId, Store, TypeConfig};
 use tokio::sync::watch;
 use tokio::time::Instant;
+use wire::{JoinRequest, LeaderReply};
 
 /// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it); under
 /// [`enter_simulation`], the simulated clock. Forwarded writes' deadlines are on it.
@@ -1028,7 +1031,7 @@ impl RaftNode {
             Target::Local => leader_read_index(&self.raft(), remaining).await,
             Target::Remote(url) => match self
                 .client
-                .post_json::<(), LeaderReply<u64>>(url, network::PATH_READ_INDEX, &(), remaining)
+                .post_json::<(), LeaderReply<u64>>(url, wire::PATH_READ_INDEX, &(), remaining)
                 .await
             {
                 Ok(r) => r,
@@ -1222,7 +1225,7 @@ impl RaftNode {
         tracing::info!(node_id = self.node_id, to = %url, "stopping: handing the raft leadership off");
         if let Err(e) = self
             .client
-            .post_json::<(), LeaderReply<()>>(&url, network::PATH_STAND, &(), within)
+            .post_json::<(), LeaderReply<()>>(&url, wire::PATH_STAND, &(), within)
             .await
         {
             tracing::warn!(to = %url, error = %e, "the leadership hand-off was not taken; the voters elect a leader themselves");
@@ -1481,7 +1484,7 @@ async fn join_loop(client: HttpClient, voters: Vec<String>, req: JoinRequest, ti
             }
         };
         match client
-            .post_json::<_, LeaderReply<()>>(&url, network::PATH_JOIN, &req, timeout)
+            .post_json::<_, LeaderReply<()>>(&url, wire::PATH_JOIN, &req, timeout)
             .await
         {
             Ok(LeaderReply::Ok(())) => {

@@ -259,7 +259,8 @@ async fn follower_write_is_forwarded_and_cas_conflicts() {
 /// deadline the forwarder sent, and says so; one in time is applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_refuses_a_forwarded_write_past_its_deadline() {
-    use super::network::{HttpClient, LeaderReply};
+    use super::client::HttpClient;
+    use super::wire::LeaderReply;
     let mut c = Cluster::start(1, 0).await;
     let leader = c.leader().await;
     let base = url(c.addrs[&leader]);
