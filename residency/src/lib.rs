@@ -6,16 +6,22 @@
 //! - The session (the crate root, `session.rs`): a snapshot, then sequenced deltas, resync
 //!   and expiry, as two state machines ([`Publisher`] on the agent, [`Subscriber`] on a
 //!   router). Pure: no I/O, time passed in; the simulator drives the same code.
-//! - [`net`]: the session over QUIC (quinn), one bidirectional stream per router, and
-//!   [`net::AgentTarget`], where a router reaches an agent (the address syntax itself is
+//! - `net`: the session over QUIC (quinn), one bidirectional stream per router, and
+//!   `net::AgentTarget`, where a router reaches an agent (the address syntax itself is
 //!   `warmpath_spec::AgentAddress`).
-//! - [`tls`]: mutual TLS from one cluster CA, and the development CA (`warmpath certs`).
+//! - `tls`: mutual TLS from one cluster CA, and the development CA (`warmpath certs`).
 //! - [`metric_names`]: the metrics the link exports, on both ends.
+//!
+//! Cargo feature `net` (on by default) builds `net` and `tls` and brings in tokio, quinn,
+//! rustls, rcgen, metrics and tracing. The simulator turns it off (`default-features =
+//! false`) and gets the session alone: serde and postcard, no runtime, no sockets.
 
 mod session;
 
 pub mod metric_names;
+#[cfg(feature = "net")]
 pub mod net;
+#[cfg(feature = "net")]
 pub mod tls;
 
 pub use session::*;
