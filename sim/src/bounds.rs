@@ -9,29 +9,11 @@
 //! Both are token-weighted: hit tokens (whole blocks) over prompt tokens.
 
 use crate::workload::Workload;
-use std::collections::HashSet;
 use warmpath_tiers::BlockLru;
-
-/// With an infinite cache: per request, how many leading blocks an earlier request of the
-/// workload already held (keys name whole prefixes, so that is the run of leading keys
-/// already seen); and how many distinct blocks the workload has.
-pub fn ideal_matches(workload: &Workload) -> (Vec<u32>, usize) {
-    let mut seen = HashSet::new();
-    let matched = workload
-        .requests
-        .iter()
-        .map(|r| {
-            let m = r.keys.iter().take_while(|k| seen.contains(*k)).count() as u32;
-            seen.extend(r.keys.iter().copied());
-            m
-        })
-        .collect();
-    (matched, seen.len())
-}
 
 /// Token-weighted hit ratio with an infinite cache.
 pub fn ideal_hit_rate(workload: &Workload) -> f64 {
-    let (matched, _) = ideal_matches(workload);
+    let (matched, _) = workload.ideal_matches();
     let hit: u64 = matched
         .iter()
         .map(|&m| u64::from(m) * u64::from(workload.block_tokens))

@@ -6,6 +6,7 @@
 //! [`WorkloadError`]; [`Workload::stats`] gives the figures a report prints about a
 //! workload, among them the ideal prefix-hit ratio (an infinite cache, no routing loss).
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 
 use warmpath_index::keys::BlockKey;
@@ -63,7 +64,7 @@ impl Workload {
     /// Counts, means and the ideal prefix-hit ratio of this workload.
     pub fn stats(&self) -> WorkloadStats {
         // Keys are per tenant, so tenants never match each other's blocks.
-        let (matched, unique) = crate::bounds::ideal_matches(self);
+        let (matched, unique) = self.ideal_matches();
         let hits: u64 = matched.iter().map(|&m| u64::from(m)).sum();
         let mut blocks = 0u64;
         let mut prompt_sum = 0u64;
@@ -93,6 +94,24 @@ impl Workload {
                 hits as f64 / blocks as f64
             },
         }
+    }
+
+    /// With an infinite cache: per request, how many leading blocks an earlier request of
+    /// the workload already held (keys name whole prefixes, so that is the run of leading
+    /// keys already seen); and how many distinct blocks the workload has. The ideal bound
+    /// (`bounds::ideal_hit_rate`) and [`Workload::stats`] both count from it.
+    pub fn ideal_matches(&self) -> (Vec<u32>, usize) {
+        let mut seen = HashSet::new();
+        let matched = self
+            .requests
+            .iter()
+            .map(|r| {
+                let m = r.keys.iter().take_while(|k| seen.contains(*k)).count() as u32;
+                seen.extend(r.keys.iter().copied());
+                m
+            })
+            .collect();
+        (matched, seen.len())
     }
 }
 
