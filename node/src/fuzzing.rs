@@ -11,8 +11,9 @@ use crate::admin::api::{
 };
 use crate::router::config::Tenant;
 use crate::router::engines::kv_capacity_tokens;
-use crate::router::proxy::{parse, with_cache_salt, Endpoint, TenantTable};
+use crate::router::proxy::{parse, with_cache_salt, Endpoint};
 use crate::router::ratelimit::TokenBucket;
+use crate::router::tenants::TenantTable;
 use bytes::Bytes;
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
@@ -27,11 +28,11 @@ use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore, Sha
 use warmpath_index::text::Tokenizer;
 use warmpath_membership::decisions::{instance_key, BatchWire};
 use warmpath_membership::gossip::{DatagramGate, Rejected, MAC_KEY_CONTEXT};
-use warmpath_membership::raft::network::JoinRequest;
 use warmpath_membership::raft::state::{
     validate_tenant, Command, CommandResult, CommandV1, ConfigState, PoolSpec, TenantSpec,
 };
 use warmpath_membership::raft::store::{NodeId, TypeConfig};
+use warmpath_membership::raft::wire::JoinRequest;
 use warmpath_membership::schema::{decode_applied, decode_batch, decode_load, parse_decision_key};
 
 /// A fuzz target: arbitrary bytes in, a panic when a property fails.

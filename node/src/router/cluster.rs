@@ -7,7 +7,7 @@
 //! batches and latest loads are applied. Routing never waits on any of this: a router
 //! cut off from its peers keeps routing on its own view.
 
-use super::proxy::App;
+use super::app::App;
 use super::state::{now_ms, SharedDecision};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,9 +1,11 @@
 //! `warmpath router`: the OpenAI-compatible gateway.
 //!
 //! [`serve`] takes an already bound listener and a shutdown future, so tests start whole
-//! routers on port 0 and stop them cleanly. The request path is in [`proxy`], the
-//! routing state in [`state`], configuration in [`config`].
+//! routers on port 0 and stop them cleanly. The request path is in [`proxy`], the shared
+//! state it reads in [`app`], the tenant table in [`tenants`], the routing state in
+//! [`state`], configuration in [`config`].
 
+pub mod app;
 pub mod cluster;
 pub mod config;
 pub mod engines;
@@ -13,8 +15,10 @@ pub mod ratelimit;
 pub mod residency;
 pub mod state;
 pub mod tenancy;
+pub mod tenants;
 
 use anyhow::{Context, Result};
+use app::App;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
@@ -22,7 +26,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use config::{FileConfig, PoolSection, RouterConfig, TenantSection};
-use proxy::App;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -683,7 +686,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
             (Some(dir), Some(name)) => {
                 let tls = warmpath_residency::tls::TlsFiles::in_dir(dir, name);
                 let r = residency::Residency::start(
-                    app.clone(),
+                    app.core.clone(),
                     &args.residency_agents,
                     &tls,
                     Duration::from_millis(args.residency_expiry_ms),

@@ -6,8 +6,9 @@
 //! 413, no healthy instance 503 with `Retry-After`, an unreachable upstream 502, a
 //! deadline 504. Every error body is OpenAI's `{"error": {"message", "type"}}`.
 
-use super::config::{hash_api_key, RouterConfig, Tenant};
-use super::state::{Chosen, NoRoute, RouterState};
+use super::app::App;
+use super::state::{Chosen, NoRoute};
+use super::tenants::{TenantCounters, TenantEntry};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
@@ -15,17 +16,13 @@ use axum::response::IntoResponse;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use warmpath_index::keys::{token_block_keys, TenantKey};
+use warmpath_index::keys::token_block_keys;
 use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody, PromptInput};
 use warmpath_index::InstanceId;
-use warmpath_membership::raft::state::TenantSpec;
 
 /// Header that asks for the routing decision to be explained in the response.
 pub const EXPLAIN_HEADER: &str = "x-warmpath-explain";
@@ -34,382 +31,50 @@ pub const CONFIG_VERSION_HEADER: &str = "x-warmpath-config-version";
 /// Header naming the tenant when no API key does (if allowed).
 pub const TENANT_HEADER: &str = "x-tenant-id";
 
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-/// Shared state of the gateway.
-pub struct App {
-    pub config: RouterConfig,
-    pub core: Mutex<RouterState>,
-    pub client: HttpClient,
-    /// The tenant table, swapped whole on every configuration change (Raft), read by
-    /// every request (a read lock held for a clone of an `Arc`).
-    tenants: std::sync::RwLock<Arc<TenantTable>>,
-    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
-    /// Gossip with the other replicas, once started (absent when running alone).
-    pub gossip: std::sync::OnceLock<Arc<warmpath_membership::gossip::Gossip>>,
-    /// Each pool's tokenizer and chat template, by model (absent: the built-in ones).
-    tokenizers: std::sync::RwLock<Arc<HashMap<String, PoolTokenizer>>>,
-    /// The cache-agents this router follows, once started (absent without mutual TLS).
-    pub residency: std::sync::OnceLock<Arc<super::residency::Residency>>,
-    /// Peer routers rate limits are shared among (see [`super::ratelimit::PeerCount`]).
-    pub peers: std::sync::atomic::AtomicUsize,
-    /// The peers gossip showed, and when: a cut-off router keeps counting them a while.
-    pub peer_count: Mutex<super::ratelimit::PeerCount>,
-    /// The live peers as the admin API shows them, refreshed by the gossip loop.
-    pub peer_list: Mutex<Vec<serde_json::Value>>,
-    /// Counts instances the health checks found down: requests waiting on an instance
-    /// watch it, so a hung engine costs them a failover, not their timeouts.
-    pub downs: tokio::sync::watch::Sender<u64>,
-    /// Whether this router follows the cluster's configuration (always without Raft): a
-    /// router that does not serves no tenant and is not ready.
-    pub following: super::tenancy::FollowGate,
-}
-
-pub struct TenantEntry {
-    pub tenant: Tenant,
-    key: TenantKey,
-    /// Admission for the tenant's rate limit on this router.
-    /// Shared with the next table while the tenant's rate is unchanged, so a
-    /// configuration change never refills a bucket.
-    limiter: Option<Arc<Mutex<super::ratelimit::TokenBucket>>>,
-    /// The configuration version of the table holding this entry (responses carry it).
-    config_version: u64,
-    /// Its counters, resolved once per table: no label lookup or copy of the id per
-    /// request, and one reference count for each attempt that holds them.
-    counters: Arc<TenantCounters>,
-}
-
-/// A tenant's labelled counters.
-struct TenantCounters {
-    /// Prompt tokens of its answered requests as the engines counted them (by strategy).
-    prompt_tokens: metrics::Counter,
-    /// Of those, tokens the engines found cached.
-    cached_tokens: metrics::Counter,
-    /// Requests its rate limit refused; only a limited tenant has one. Registered with
-    /// the table, so it is exported (at 0) before the first refusal.
-    rate_limited: Option<metrics::Counter>,
-}
-
-impl TenantCounters {
-    fn new(t: &Tenant) -> TenantCounters {
-        let strategy = t.strategy.name();
-        TenantCounters {
-            prompt_tokens: metrics::counter!(crate::metric_names::ROUTER_PROMPT_TOKENS_TOTAL, "tenant" => t.id.clone(), "strategy" => strategy),
-            cached_tokens: metrics::counter!(crate::metric_names::ROUTER_CACHED_TOKENS_TOTAL, "tenant" => t.id.clone(), "strategy" => strategy),
-            rate_limited: t.rate_limit_rps.map(|_| {
-                metrics::counter!(crate::metric_names::ROUTER_RATE_LIMITED_TOTAL, "tenant" => t.id.clone())
-            }),
+/// The tenant of a request:
+/// - an `Authorization: Bearer <key>` naming a tenant's key selects that tenant; an
+///   unknown key is refused (401), unless no tenant has any key, when every request is
+///   the default tenant's (clients such as `openai` always send some key);
+/// - otherwise `x-tenant-id`, only when `allow_tenant_header` is on, and only for a
+///   tenant without API keys (a keyed tenant is never reachable without its key);
+/// - otherwise the default tenant, if it has no API keys.
+fn identify(app: &App, headers: &HeaderMap) -> Result<Arc<TenantEntry>, ProxyError> {
+    if let Some(why) = app.following.refusal() {
+        return Err(ProxyError::NotFollowing(why));
+    }
+    let table = app.tenants();
+    if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
+        let auth = auth
+            .to_str()
+            .map_err(|_| ProxyError::Unauthorized("the Authorization header is not text".into()))?;
+        let key = auth.strip_prefix("Bearer ").ok_or_else(|| {
+            ProxyError::Unauthorized("Authorization must be `Bearer <api key>`".into())
+        })?;
+        if let Some(entry) = table.by_api_key(key.trim()) {
+            return Ok(entry.clone());
+        }
+        if table.keyed() {
+            return Err(ProxyError::Unauthorized("unknown API key".into()));
         }
     }
-}
-
-impl std::fmt::Debug for TenantEntry {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TenantEntry")
-            .field("tenant", &self.tenant.id)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Tenants by id and by API key, with their key material derived once; each entry carries
-/// the configuration version it comes from.
-pub struct TenantTable {
-    by_id: HashMap<String, Arc<TenantEntry>>,
-    by_key: HashMap<[u8; 32], String>,
-    default_tenant: Option<String>,
-}
-
-impl std::fmt::Debug for TenantTable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TenantTable")
-            .field("tenants", &self.by_id.len())
-            .field("default_tenant", &self.default_tenant)
-            .finish_non_exhaustive()
-    }
-}
-
-impl TenantTable {
-    /// Whether any tenant has an API key: without any, every request is the default
-    /// tenant's whatever key it sends (as vLLM without `--api-key` behaves).
-    fn keyed(&self) -> bool {
-        !self.by_key.is_empty()
-    }
-
-    /// Every tenant's (cache salt, id): what agents need to key their engines' chains.
-    pub fn salts(&self) -> Vec<(String, String)> {
-        self.by_id
-            .values()
-            .map(|e| (e.tenant.cache_salt.clone(), e.tenant.id.clone()))
-            .collect()
-    }
-}
-
-/// A pool's loaded tokenizer and what it was loaded from (a change reloads it).
-#[derive(Debug, Clone)]
-struct PoolTokenizer {
-    from: (String, String),
-    tokenizer: warmpath_index::text::Tokenizer,
-}
-
-impl App {
-    /// The tokenizer of `model`'s pool.
-    pub fn tokenizer(&self, model: &str) -> warmpath_index::text::Tokenizer {
-        self.tokenizers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(model)
-            .map_or_else(warmpath_index::text::Tokenizer::builtin, |t| {
-                t.tokenizer.clone()
-            })
-    }
-
-    /// Loads the pools' tokenizers and templates (at start and after every configuration
-    /// change; unchanged ones are kept). One that does not load on this router (a
-    /// tokenizer.json missing here) is logged and counted, and its pool is tokenized with
-    /// the built-in tokenizer: its keys then miss the engines' blocks (fewer hits, never a
-    /// wrong answer).
-    pub fn set_tokenizers(&self, pools: &[super::config::Pool]) {
-        let previous = self
-            .tokenizers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let mut next = HashMap::new();
-        let mut failed = 0;
-        for p in pools {
-            let from = (p.spec.tokenizer.clone(), p.spec.chat_template.clone());
-            if from.0.is_empty() && from.1.is_empty() {
-                continue;
-            }
-            if let Some(kept) = previous.get(&p.model).filter(|t| t.from == from) {
-                next.insert(p.model.clone(), kept.clone());
-                continue;
-            }
-            match crate::prompt::PoolText::load(&from.0, &from.1) {
-                Ok(t) => {
-                    next.insert(
-                        p.model.clone(),
-                        PoolTokenizer {
-                            from,
-                            tokenizer: t.into_tokenizer(),
-                        },
-                    );
-                }
-                Err(error) => {
-                    failed += 1;
-                    tracing::error!(model = %p.model, %error, "the pool's tokenizer does not load on this router; its prompts are tokenized with the built-in tokenizer");
-                }
-            }
+    if let Some(id) = headers.get(TENANT_HEADER) {
+        if !app.config.allow_tenant_header {
+            return Err(ProxyError::Unauthorized(format!(
+                "{TENANT_HEADER} is not accepted here: send `Authorization: Bearer <api key>`"
+            )));
         }
-        metrics::gauge!(crate::metric_names::ROUTER_TOKENIZER_ERRORS).set(f64::from(failed));
-        *self.tokenizers.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
+        let id = id.to_str().unwrap_or_default();
+        return table.keyless(id).ok_or_else(|| {
+            ProxyError::Unauthorized(format!(
+                "no tenant {id:?} without API keys: send `Authorization: Bearer <api key>`"
+            ))
+        });
     }
-
-    /// Points residency at the configuration's agents and tenants (at start and after
-    /// every configuration change).
-    pub fn configure_residency(&self, pools: &[super::config::Pool]) {
-        let agents: Vec<String> = pools.iter().flat_map(|p| p.spec.agents.clone()).collect();
-        match self.residency.get() {
-            Some(r) => {
-                r.set_agents(&agents);
-                r.set_tenants(self.tenants().salts());
-            }
-            None if !agents.is_empty() => tracing::warn!(
-                agents = agents.len(),
-                "the configuration names cache-agents, but this router has no --tls-dir and --tls-name: it does not follow them and routes on predictions only"
-            ),
-            None => {}
-        }
-    }
-}
-
-impl TenantTable {
-    pub fn new(
-        tenants: &[(String, TenantSpec)],
-        pools: &[super::config::Pool],
-        default_tenant: Option<String>,
-        version: u64,
-    ) -> Self {
-        Self::next(None, tenants, pools, default_tenant, version)
-    }
-
-    /// The table after a configuration change, keeping `previous`'s rate-limit buckets of
-    /// tenants whose rate did not change. Each tenant is compiled once, here.
-    /// A pool that names its engines' block size sets its tenants' `block_tokens`.
-    pub fn next(
-        previous: Option<&TenantTable>,
-        tenants: &[(String, TenantSpec)],
-        pools: &[super::config::Pool],
-        default_tenant: Option<String>,
-        version: u64,
-    ) -> Self {
-        let mut by_id = HashMap::new();
-        let mut by_key = HashMap::new();
-        for (id, spec) in tenants {
-            let mut t = Tenant::compile(id, spec);
-            if let Some(p) = pools
-                .iter()
-                .find(|p| p.model == spec.pool && p.spec.block_tokens > 0)
-            {
-                t.block_tokens = p.spec.block_tokens;
-            }
-            let t = &t;
-            for h in &t.api_key_hashes {
-                by_key.insert(*h, t.id.clone());
-            }
-            let kept = previous
-                .and_then(|p| p.by_id.get(&t.id))
-                .filter(|e| e.tenant.rate_limit_rps == t.rate_limit_rps)
-                .and_then(|e| e.limiter.clone());
-            let limiter = kept.or_else(|| {
-                t.rate_limit_rps
-                    .map(|rps| Arc::new(Mutex::new(super::ratelimit::TokenBucket::new(rps))))
-            });
-            by_id.insert(
-                t.id.clone(),
-                Arc::new(TenantEntry {
-                    key: TenantKey::derive(&t.id, &t.cache_salt),
-                    tenant: t.clone(),
-                    limiter,
-                    config_version: version,
-                    counters: Arc::new(TenantCounters::new(t)),
-                }),
-            );
-        }
-        let default_tenant = default_tenant.filter(|d| by_id.contains_key(d));
-        TenantTable {
-            by_id,
-            by_key,
-            default_tenant,
-        }
-    }
-
-    pub fn get(&self, id: &str) -> Option<&Arc<TenantEntry>> {
-        self.by_id.get(id)
-    }
-}
-
-impl std::fmt::Debug for App {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("App")
-            .field("listen", &self.config.listen)
-            .finish_non_exhaustive()
-    }
-}
-
-impl App {
-    pub fn new(
-        config: RouterConfig,
-        core: RouterState,
-        metrics: metrics_exporter_prometheus::PrometheusHandle,
-    ) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(hyper_util::rt::TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build(connector);
-        let tenants = TenantTable::new(
-            &config.tenants,
-            &config.pools,
-            config.default_tenant.clone(),
-            0,
-        );
-        let tokenizers = std::sync::RwLock::new(Arc::new(HashMap::new()));
-        let app = App {
-            config,
-            core: Mutex::new(core),
-            client,
-            tenants: std::sync::RwLock::new(Arc::new(tenants)),
-            metrics,
-            gossip: std::sync::OnceLock::new(),
-            residency: std::sync::OnceLock::new(),
-            tokenizers,
-            peers: std::sync::atomic::AtomicUsize::new(0),
-            peer_count: Mutex::new(Default::default()),
-            peer_list: Mutex::new(Vec::new()),
-            downs: tokio::sync::watch::Sender::new(0),
-            following: Default::default(),
-        };
-        app.set_tokenizers(&app.config.pools);
-        app
-    }
-
-    fn core(&self) -> std::sync::MutexGuard<'_, RouterState> {
-        // A panic while holding the lock cannot leave the routing state half-written in
-        // a way that matters more than stopping the gateway would.
-        self.core.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The current tenant table.
-    pub fn tenants(&self) -> Arc<TenantTable> {
-        self.tenants
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Swaps in a new tenant table (a configuration change).
-    pub fn set_tenants(&self, table: TenantTable) {
-        *self.tenants.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
-    }
-
-    /// The tenant of a request:
-    /// - an `Authorization: Bearer <key>` naming a tenant's key selects that tenant; an
-    ///   unknown key is refused (401), unless no tenant has any key, when every request is
-    ///   the default tenant's (clients such as `openai` always send some key);
-    /// - otherwise `x-tenant-id`, only when `allow_tenant_header` is on, and only for a
-    ///   tenant without API keys (a keyed tenant is never reachable without its key);
-    /// - otherwise the default tenant, if it has no API keys.
-    fn identify(&self, headers: &HeaderMap) -> Result<Arc<TenantEntry>, ProxyError> {
-        if let Some(why) = self.following.refusal() {
-            return Err(ProxyError::NotFollowing(why));
-        }
-        let table = self.tenants();
-        let keyless = |id: &str| {
-            table
-                .by_id
-                .get(id)
-                .filter(|e| e.tenant.api_key_hashes.is_empty())
-                .cloned()
-        };
-        if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION) {
-            let auth = auth.to_str().map_err(|_| {
-                ProxyError::Unauthorized("the Authorization header is not text".into())
-            })?;
-            let key = auth.strip_prefix("Bearer ").ok_or_else(|| {
-                ProxyError::Unauthorized("Authorization must be `Bearer <api key>`".into())
-            })?;
-            if let Some(entry) = table
-                .by_key
-                .get(&hash_api_key(key.trim()))
-                .and_then(|id| table.by_id.get(id))
-            {
-                return Ok(entry.clone());
-            }
-            if table.keyed() {
-                return Err(ProxyError::Unauthorized("unknown API key".into()));
-            }
-        }
-        if let Some(id) = headers.get(TENANT_HEADER) {
-            if !self.config.allow_tenant_header {
-                return Err(ProxyError::Unauthorized(format!(
-                    "{TENANT_HEADER} is not accepted here: send `Authorization: Bearer <api key>`"
-                )));
-            }
-            let id = id.to_str().unwrap_or_default();
-            return keyless(id).ok_or_else(|| {
-                ProxyError::Unauthorized(format!(
-                    "no tenant {id:?} without API keys: send `Authorization: Bearer <api key>`"
-                ))
-            });
-        }
-        match table.default_tenant.as_deref().and_then(keyless) {
-            Some(entry) => Ok(entry),
-            None => Err(ProxyError::Unauthorized(
-                "no API key: send `Authorization: Bearer <api key>`".into(),
-            )),
-        }
+    match table.default_tenant().and_then(|d| table.keyless(d)) {
+        Some(entry) => Ok(entry),
+        None => Err(ProxyError::Unauthorized(
+            "no API key: send `Authorization: Bearer <api key>`".into(),
+        )),
     }
 }
 
@@ -590,7 +255,7 @@ pub async fn dry_run(
     req: Request<Body>,
 ) -> Result<Response<Body>, ProxyError> {
     let (parts, body) = req.into_parts();
-    let tenant = app.identify(&parts.headers)?;
+    let tenant = identify(&app, &parts.headers)?;
     let body = read_body(&app, body).await?;
     Ok(axum::Json(explain_with(&app, &tenant, &body)?).into_response())
 }
@@ -733,7 +398,7 @@ async fn handle(
 ) -> Result<Response<Body>, ProxyError> {
     let started = Instant::now();
     let (parts, body) = req.into_parts();
-    let tenant = app.identify(&parts.headers)?;
+    let tenant = identify(&app, &parts.headers)?;
     if let (Some(limiter), Some(rps)) = (&tenant.limiter, tenant.tenant.rate_limit_rps) {
         let peers = app.peers.load(std::sync::atomic::Ordering::Relaxed);
         let mut bucket = limiter.lock().unwrap_or_else(|e| e.into_inner());

@@ -25,7 +25,7 @@ use warmpath_residency::net::{endpoint, follow, AgentTarget};
 use warmpath_residency::tls::TlsFiles;
 use warmpath_residency::Outcome;
 
-use super::proxy::App;
+use super::state::RouterState;
 
 /// Residency changes applied under one hold of the routing core's lock.
 const APPLY_CHUNK: usize = 256;
@@ -55,9 +55,9 @@ pub struct Residency {
 
 impl Residency {
     /// Starts following `fixed` (HOST:PORT; the name in their certificates is HOST) and
-    /// applying what every followed agent reports to `app`'s routing core.
+    /// applying what every followed agent reports to the routing core `core`.
     pub fn start(
-        app: Arc<App>,
+        core: Arc<Mutex<RouterState>>,
         fixed: &[String],
         tls: &TlsFiles,
         expiry: Duration,
@@ -69,7 +69,7 @@ impl Residency {
         let bind: SocketAddr = "0.0.0.0:0".parse()?;
         let quic = endpoint(bind, None, Some(client)).map_err(anyhow::Error::msg)?;
         let (out, rx) = mpsc::channel::<Outcome>(1024);
-        tokio::spawn(apply(app, rx));
+        tokio::spawn(apply(core, rx));
         let residency = Arc::new(Residency {
             quic,
             expiry,
@@ -192,7 +192,7 @@ fn reconcile<K: Clone + Ord + std::hash::Hash, T>(
 }
 
 /// Applies every follower's outcomes to the routing core.
-async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
+async fn apply(core: Arc<Mutex<RouterState>>, mut rx: mpsc::Receiver<Outcome>) {
     while let Some(outcome) = rx.recv().await {
         // Between a reset and the next snapshot an agent's engines are not observed: their
         // predictions then live out their time as without an agent.
@@ -217,13 +217,11 @@ async fn apply(app: Arc<App>, mut rx: mpsc::Receiver<Outcome>) {
         // The routing core's lock is taken per chunk, not for a whole snapshot or burst:
         // requests routed meanwhile wait for at most one chunk.
         let mut applied = 0;
-        app.core
-            .lock()
+        core.lock()
             .unwrap_or_else(|e| e.into_inner())
             .set_observed(&instances, observed);
         for chunk in changes.chunks(APPLY_CHUNK) {
-            applied += app
-                .core
+            applied += core
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .apply_residency(&instances, chunk);

@@ -2,8 +2,9 @@
 //! empty cluster from the config file, following every applied change (tenant table and
 //! pools swapped in place, no restart), and the router facts the admin API serves.
 
+use super::app::App;
 use super::config::{hash_api_key, Pool, RaftSettings};
-use super::proxy::{App, TenantTable};
+use super::tenants::TenantTable;
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,78 +22,6 @@ pub const FOLLOW_BOUND: Duration = Duration::from_secs(5);
 
 /// How often [`watch_following`] looks.
 const FOLLOW_CHECK: Duration = Duration::from_millis(100);
-
-/// Whether the router follows the cluster's configuration: read on every request
-/// (one atomic load while it does), set by [`watch_following`]. While it refuses, each
-/// refusal asks the Raft node again, so a router that has just caught up serves at once
-/// rather than at the watcher's next look.
-#[derive(Default)]
-pub struct FollowGate {
-    /// Set while the router does not follow.
-    refusing: std::sync::atomic::AtomicBool,
-    /// Why, while it does not.
-    cause: std::sync::Mutex<String>,
-    /// Asks the Raft node now (absent without Raft).
-    check: std::sync::OnceLock<Box<dyn Fn() -> Result<(), String> + Send + Sync>>,
-}
-
-impl std::fmt::Debug for FollowGate {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FollowGate")
-            .field("refusal", &self.refusal())
-            .finish()
-    }
-}
-
-impl FollowGate {
-    /// Why the router does not follow, while it does not.
-    pub fn refusal(&self) -> Option<String> {
-        use std::sync::atomic::Ordering;
-        if !self.refusing.load(Ordering::Acquire) {
-            return None;
-        }
-        if let Some(check) = self.check.get() {
-            let now = check();
-            let why = now.clone().err();
-            self.set(now);
-            return why;
-        }
-        Some(self.cause.lock().unwrap_or_else(|e| e.into_inner()).clone())
-    }
-
-    /// Refuses from now on, without a log line: a router whose Raft is starting.
-    pub fn refuse_quietly(&self, cause: &str) {
-        *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = cause.to_string();
-        self.refusing
-            .store(true, std::sync::atomic::Ordering::Release);
-    }
-
-    /// Records whether the router follows (`Err`: why not), in its gauge, and logs each
-    /// change.
-    fn set(&self, state: Result<(), String>) {
-        use std::sync::atomic::Ordering;
-        let refusing = state.is_err();
-        metrics::gauge!(crate::metric_names::ROUTER_CONFIG_FOLLOWED).set(if refusing {
-            0.0
-        } else {
-            1.0
-        });
-        if let Err(cause) = &state {
-            *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = cause.clone();
-        }
-        if self.refusing.swap(refusing, Ordering::AcqRel) == refusing {
-            return;
-        }
-        match state {
-            Err(why) => {
-                tracing::error!(%why, "this router no longer follows the cluster's configuration: it serves no tenant and is not ready")
-            }
-            Ok(()) => {
-                tracing::info!("this router follows the cluster's configuration again: ready")
-            }
-        }
-    }
-}
 
 /// Keeps `app.following` up to date with the Raft node (see [`FOLLOW_BOUND`]) until the
 /// task is aborted.
