@@ -14,8 +14,8 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use warmpath::admin::api::PREFIX;
 use warmpath::admin::cli::AdminClient;
+use warmpath::admin::wire::PREFIX;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 

@@ -6,9 +6,8 @@
 //! A target panics when a property fails; a decoder that refuses input returns an error,
 //! which is the expected outcome for almost every fuzz input.
 
-use crate::admin::api::{
-    decode_body, decode_strict, ExplainInput, InstanceInput, KeyInput, TenantInput,
-};
+use crate::admin::api::{decode_body, decode_strict};
+use crate::admin::wire::{ExplainInput, InstanceInput, KeyInput, TenantInput};
 use crate::router::config::Tenant;
 use crate::router::engines::kv_capacity_tokens;
 use crate::router::proxy::{parse, with_cache_salt, Endpoint};

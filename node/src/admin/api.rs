@@ -15,6 +15,7 @@
 //! Plain API keys never reach Raft: they are hashed (blake3, lowercase hex) on arrival.
 
 use super::openapi;
+use super::wire::{ExplainInput, InstanceInput, KeyInput, TenantInput, PREFIX};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, Query, Request, State};
@@ -29,35 +30,9 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use warmpath_membership::raft::state::{
     canonical_instance_url, is_key_hash, Command, CommandResult, CommandV1, ConfigState, PoolSpec,
-    TenantSpec, MAX_WRITE_KEY_BYTES,
+    MAX_WRITE_KEY_BYTES,
 };
 use warmpath_membership::raft::{RaftNode, ReadError, WriteError};
-
-/// Where the API lives.
-pub const PREFIX: &str = "/admin/v1";
-
-/// Every operation, as (method, path under [`PREFIX`]); a test holds the OpenAPI document
-/// and this list equal, both ways.
-#[cfg(test)]
-pub const ROUTES: &[(&str, &str)] = &[
-    ("get", "/openapi.json"),
-    ("get", "/tenants"),
-    ("get", "/tenants/{id}"),
-    ("put", "/tenants/{id}"),
-    ("delete", "/tenants/{id}"),
-    ("post", "/tenants/{id}/api-keys"),
-    ("delete", "/tenants/{id}/api-keys/{hash}"),
-    ("get", "/pools"),
-    ("get", "/pools/{model}"),
-    ("put", "/pools/{model}"),
-    ("delete", "/pools/{model}"),
-    ("post", "/pools/{model}/instances"),
-    ("delete", "/pools/{model}/instances"),
-    ("get", "/cluster"),
-    ("delete", "/cluster/learners/{id}"),
-    ("get", "/index"),
-    ("post", "/route/explain"),
-];
 
 /// Seconds a client should wait before retrying a 503.
 pub const RETRY_AFTER_S: u64 = 1;
@@ -601,72 +576,6 @@ fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, AdminError> {
 pub use warmpath_membership::raft::state::api_key_hash as hash_key;
 use warmpath_membership::raft::state::check_plain_key;
 
-/// A tenant as clients send it: a [`TenantSpec`] (any field may be left out and takes its
-/// default), plus plain `api_keys` to hash. Unknown fields are refused here, at the edge.
-#[derive(Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
-#[schema(
-    description = "A tenant to create or replace: a TenantSpec (new tenants must name their pool) plus plain API keys to hash."
-)]
-pub struct TenantInput {
-    /// Plain API keys; hashed before they are stored, never kept.
-    #[serde(default)]
-    api_keys: Vec<String>,
-    #[serde(flatten)]
-    spec: TenantSpec,
-}
-
-impl TenantInput {
-    pub(crate) fn into_spec(self, id: &str) -> Result<TenantSpec, AdminError> {
-        let mut spec = self.spec.complete(id);
-        spec.api_key_hashes = spec
-            .api_key_hashes
-            .into_iter()
-            .map(|h| h.to_ascii_lowercase())
-            .collect();
-        let mut problems = Vec::new();
-        for (i, key) in self.api_keys.iter().enumerate() {
-            match check_plain_key(key) {
-                Ok(()) => spec.api_key_hashes.push(hash_key(key)),
-                Err(why) => problems.push(format!("api_keys[{i}]: {why}")),
-            }
-        }
-        if problems.is_empty() {
-            Ok(spec)
-        } else {
-            Err(AdminError::Invalid {
-                what: "tenant",
-                problems,
-            })
-        }
-    }
-}
-
-/// An API key to add to a tenant.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct KeyInput {
-    /// The plain API key; only its hash is stored.
-    pub(crate) key: String,
-}
-
-/// An instance to add to a pool.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct InstanceInput {
-    /// `http://host:port`.
-    pub(crate) url: String,
-}
-
-/// A routing dry run.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExplainInput {
-    tenant: String,
-    /// An OpenAI completions or chat request body.
-    #[schema(value_type = Object)]
-    request: Value,
-}
-
 async fn openapi_doc() -> Response {
     json_response(StatusCode::OK, None, &openapi::document())
 }
@@ -713,7 +622,12 @@ async fn put_tenant(
             problems: vec![why],
         });
     }
-    let spec = parse_strict::<TenantInput>(body, "tenant")?.into_spec(&id)?;
+    let spec = parse_strict::<TenantInput>(body, "tenant")?
+        .into_spec(&id)
+        .map_err(|problems| AdminError::Invalid {
+            what: "tenant",
+            problems,
+        })?;
     // Created or replaced, as far as this node had seen before the write.
     let created = !d.raft.local_state().tenants.contains_key(&id);
     let version = write(

@@ -9,7 +9,7 @@
 //! their fields (its keys, salt and temperature are kept, `--api-key` adds keys) and the write
 //! is a compare-and-set on the version read, unless `--expected-version` names another.
 
-use super::api::PREFIX;
+use super::wire::PREFIX;
 use anyhow::{anyhow, bail, Context, Result};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use bytes::Bytes;

@@ -4,10 +4,13 @@
 //!   over the tenant configuration in Raft and the router's own facts.
 //! - [`openapi`]: the hand-written OpenAPI 3.0 document the API serves.
 //! - [`cli`]: the command-line client, printing aligned tables or raw JSON.
+//! - [`wire`]: the HTTP contract as data (prefix, operations, request bodies), which the
+//!   other three read.
 
 pub mod api;
 pub mod cli;
 pub mod openapi;
+pub mod wire;
 
 pub use api::{routes, AdminDeps, RouterInfo};
 pub use cli::{run, AdminArgs};

@@ -3,7 +3,7 @@
 //! The schemas of what the API stores and takes (`TenantSpec`, `PoolSpec`, the inputs) are
 //! generated from the Rust types by utoipa, so the document cannot drift from them; the
 //! operations (paths, parameters, status codes, the small answer envelopes) are the HTTP
-//! contract and are written here. Every operation of [`super::api::ROUTES`] is in the
+//! contract and are written here. Every operation of [`super::wire::ROUTES`] is in the
 //! document (a test checks both ways, and that every `$ref` resolves); paths are relative
 //! to the server URL `/admin/v1`.
 
@@ -225,10 +225,10 @@ fn components() -> Value {
     let mut schemas = Map::new();
     generated::<TenantSpec>(&mut schemas);
     generated::<PoolSpec>(&mut schemas);
-    generated::<super::api::TenantInput>(&mut schemas);
-    generated::<super::api::KeyInput>(&mut schemas);
-    generated::<super::api::InstanceInput>(&mut schemas);
-    generated::<super::api::ExplainInput>(&mut schemas);
+    generated::<super::wire::TenantInput>(&mut schemas);
+    generated::<super::wire::KeyInput>(&mut schemas);
+    generated::<super::wire::InstanceInput>(&mut schemas);
+    generated::<super::wire::ExplainInput>(&mut schemas);
     let mut components = json!({
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         "parameters": {
@@ -310,7 +310,7 @@ fn components() -> Value {
 
 #[cfg(test)]
 mod tests {
-    use super::super::api::ROUTES;
+    use super::super::wire::ROUTES;
     use super::*;
 
     #[test]
