@@ -15,6 +15,12 @@
 //!
 //! Same configuration, same workload, same seed: same report, bit for bit. Event ties are
 //! broken by insertion order, never by a hash map's iteration order.
+//!
+//! How a run reads: [`simulate`] pops events in time order from an `EventQueue` and hands
+//! each to the run's state, `Run`, which has one method per kind of event (`arrival`,
+//! which routes and shares the decision; `step_end`; `residency`); `Run::account` then
+//! turns what the stepped engine produced into figures, router load and the agent's next
+//! delta (`publish`), and `Run::report` sums the figures up.
 
 use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use crate::stats::Samples;
@@ -200,8 +206,562 @@ pub fn simulate(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<RunReport, SimError> {
     validate(config, workload)?;
-    let mut rng = Rng::new(config.seed);
-    let mut lb_rng = rng.fork(1);
+    let mut run = Run::new(config, workload);
+    let mut handled = 0u64;
+    while let Some((now, event)) = run.queue.pop() {
+        run.advance_clock(now);
+        let Some(event) = event else {
+            continue;
+        };
+        handled += 1;
+        if handled.is_multiple_of(20_000) {
+            progress(run.progress());
+        }
+        if let Some(host) = run.handle(now, event) {
+            run.account(now, host);
+        }
+    }
+    progress(run.progress());
+    Ok(run.report())
+}
+
+/// The pending events of a run, earliest first; ties in insertion order.
+#[derive(Debug, Default)]
+struct EventQueue {
+    /// (time, insertion number, index in `events`).
+    heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    /// Every event ever pushed, taken out when it is popped.
+    events: Vec<Option<Event>>,
+    /// Insertion number of the next push: breaks ties between events at the same time.
+    seq: u64,
+}
+
+impl EventQueue {
+    fn push(&mut self, at: u64, event: Event) {
+        self.events.push(Some(event));
+        self.heap
+            .push(Reverse((at, self.seq, self.events.len() - 1)));
+        self.seq += 1;
+    }
+
+    /// The earliest event and its time (`None` as the event if it was already taken).
+    fn pop(&mut self) -> Option<(u64, Option<Event>)> {
+        let Reverse((at, _, slot)) = self.heap.pop()?;
+        Some((at, self.events[slot].take()))
+    }
+}
+
+/// The agents' residency feed: one [`Publisher`] per host, and per replica a
+/// [`Subscriber`] following each host.
+#[derive(Debug)]
+struct Feed {
+    /// Host to its agent's session.
+    publishers: Vec<Publisher>,
+    /// Router, then host, to the router's view of that agent.
+    subscribers: Vec<Vec<Subscriber>>,
+    /// Parent of each key of the workload, for the changes' chains (the index keeps trees).
+    parent_of: HashMap<BlockKey, BlockKey>,
+}
+
+impl Feed {
+    /// One agent per host, every replica following each from its (empty) first snapshot;
+    /// nothing is lost on the way, so an agent never expires.
+    fn new(config: &ClusterConfig, workload: &Workload) -> Self {
+        let publishers: Vec<Publisher> = (0..config.instances)
+            .map(|i| Publisher::new(u64::from(i) + 1, vec![format!("i{i}")]))
+            .collect();
+        let subscribers = (0..config.routers)
+            .map(|_| {
+                publishers
+                    .iter()
+                    .map(|p| {
+                        let mut s = Subscriber::new(u64::MAX);
+                        for m in p.snapshot() {
+                            s.handle(0, m);
+                        }
+                        s
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut parent_of = HashMap::new();
+        for r in &workload.requests {
+            for w in r.keys.windows(2) {
+                parent_of.insert(w[1], w[0]);
+            }
+        }
+        Feed {
+            publishers,
+            subscribers,
+            parent_of,
+        }
+    }
+}
+
+/// Per-request latencies and counts, for the report.
+#[derive(Debug)]
+struct Tally {
+    ttft: Samples,
+    itl: Samples,
+    e2e: Samples,
+    completed: u64,
+    rejected: u64,
+    /// Output tokens produced, the first of each request included.
+    output_tokens: u64,
+}
+
+/// Each instance's load over the run (see [`Curves::load`]).
+#[derive(Debug)]
+struct LoadSampler {
+    first_us: u64,
+    every_us: u64,
+    next_us: u64,
+    samples: Vec<(f64, Vec<u32>)>,
+}
+
+impl LoadSampler {
+    fn new(workload: &Workload) -> Self {
+        let first_us = workload.requests.first().map_or(0, |r| r.arrival_us);
+        let arrivals_us = workload
+            .requests
+            .last()
+            .map_or(0, |r| r.arrival_us.saturating_sub(first_us));
+        LoadSampler {
+            first_us,
+            every_us: (arrivals_us / LOAD_SAMPLES).max(1),
+            next_us: first_us,
+            samples: Vec::new(),
+        }
+    }
+
+    /// Samples the engines' load at every sampling time up to `now`.
+    fn advance(&mut self, now: u64, engines: &[Engine]) {
+        while now >= self.next_us && self.samples.len() < 4 * LOAD_SAMPLES as usize {
+            let at_s = (self.next_us - self.first_us) as f64 / 1e6;
+            self.samples
+                .push((at_s, engines.iter().map(Engine::in_flight).collect()));
+            self.next_us += self.every_us;
+        }
+    }
+}
+
+/// One run's state: the cluster, its pending events and what it measured so far. Each
+/// kind of event has its method; [`Run::account`] then handles what the engine did.
+struct Run<'a> {
+    config: &'a ClusterConfig,
+    workload: &'a Workload,
+    /// The load balancer's choice of replica.
+    lb_rng: Rng,
+    /// The router replicas, by index.
+    replicas: Vec<RouterCore>,
+    /// Each replica's name, as its peers know its loads.
+    router_names: Vec<String>,
+    /// Tenant index to the name the replicas know it by (made on first use).
+    tenant_names: HashMap<u32, String>,
+    /// One engine per instance (and host).
+    engines: Vec<Engine>,
+    /// The global L2 store.
+    l2: TierSet,
+    /// Whether replicas see each other's load (every mode but isolated).
+    shared_load: bool,
+    queue: EventQueue,
+    feed: Feed,
+    /// Per request: where it went and how far it got.
+    tracks: Vec<Track>,
+    /// What the last engine call produced; drained by `account`.
+    engine_events: Vec<EngineEvent>,
+    tally: Tally,
+    load: LoadSampler,
+    /// The time of the latest event.
+    last_us: u64,
+}
+
+impl<'a> Run<'a> {
+    /// The cluster at time 0, every arrival queued.
+    fn new(config: &'a ClusterConfig, workload: &'a Workload) -> Self {
+        let mut queue = EventQueue::default();
+        for (i, r) in workload.requests.iter().enumerate() {
+            queue.push(r.arrival_us, Event::Arrival(i));
+        }
+        Run {
+            config,
+            workload,
+            lb_rng: Rng::new(config.seed).fork(1),
+            replicas: replicas(config),
+            router_names: (0..config.routers).map(|r| format!("router-{r}")).collect(),
+            tenant_names: HashMap::new(),
+            engines: (0..config.instances)
+                .map(|_| Engine::new(config.engine.clone(), config.profile.clone()))
+                .collect(),
+            l2: TierSet::lru(config.l2_blocks),
+            shared_load: !matches!(config.sharing, Sharing::Isolated),
+            queue,
+            feed: Feed::new(config, workload),
+            tracks: vec![Track::default(); workload.requests.len()],
+            engine_events: Vec::new(),
+            tally: Tally {
+                ttft: Samples::new(),
+                itl: Samples::new(),
+                e2e: Samples::new(),
+                completed: 0,
+                rejected: 0,
+                output_tokens: 0,
+            },
+            load: LoadSampler::new(workload),
+            last_us: 0,
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            done: self.tally.completed + self.tally.rejected,
+            total: self.workload.requests.len() as u64,
+        }
+    }
+
+    /// Moves the clock to `now`, sampling the load on the way.
+    fn advance_clock(&mut self, now: u64) {
+        self.last_us = self.last_us.max(now);
+        self.load.advance(now, &self.engines);
+    }
+
+    /// Handles one event; returns the engine it stepped, whose events are then to account.
+    fn handle(&mut self, now: u64, event: Event) -> Option<u32> {
+        match event {
+            Event::Arrival(i) => Some(self.arrival(now, i)),
+            Event::StepEnd(inst) => {
+                self.step_end(now, inst);
+                Some(inst)
+            }
+            Event::Decisions { router, batch } => {
+                self.replicas[router as usize].apply_shared(&batch, now);
+                None
+            }
+            Event::Residency { router, host, msg } => {
+                self.residency(now, router, host, &msg);
+                None
+            }
+        }
+    }
+
+    /// Request `i` arrives: a replica routes it, shares the decision, and the chosen engine
+    /// takes it. Returns that engine.
+    fn arrival(&mut self, now: u64, i: usize) -> u32 {
+        let workload = self.workload;
+        let req = &workload.requests[i];
+        let r = self.lb_rng.below(u64::from(self.config.routers)) as u32;
+        let decision = self.route(now, r, i);
+        let inst = decision.instance.0;
+        if self.config.policy.strategy.uses_index() {
+            self.share(now, r, inst, &req.keys);
+        }
+        self.tracks[i] = Track {
+            router: r,
+            instance: inst,
+            first_token_us: None,
+            last_token_us: now,
+            pending: decision.uncached_tokens,
+            decided_at: decision.decided_at,
+            decision: Some(decision),
+        };
+        let engine = &mut self.engines[inst as usize];
+        engine.submit(
+            now,
+            EngineRequest {
+                id: i as u64,
+                keys: req.keys.clone(),
+                prompt_tokens: req.prompt_tokens,
+                output_tokens: req.output_tokens,
+                offered: Vec::new(),
+                offered_from: 0,
+            },
+        );
+        if !engine.step_running() {
+            if let Some(end) = engine.start_step(now, &mut self.l2, &mut self.engine_events) {
+                self.queue.push(end, Event::StepEnd(inst));
+            }
+        }
+        inst
+    }
+
+    /// Replica `r` decides where request `i` goes.
+    fn route(&mut self, now: u64, r: u32, i: usize) -> Decision {
+        let config = self.config;
+        let req = &self.workload.requests[i];
+        if self.shared_load && config.routers > 1 {
+            // Every replica routes on the exact cluster-wide load.
+            let peers = (0..config.routers)
+                .filter(|&o| o != r)
+                .map(|o| {
+                    (
+                        self.router_names[o as usize].clone(),
+                        self.replicas[o as usize].own_loads(),
+                    )
+                })
+                .collect();
+            self.replicas[r as usize].set_peer_loads(peers);
+        }
+        let tenant = self
+            .tenant_names
+            .entry(req.tenant)
+            .or_insert_with(|| format!("tenant-{}", req.tenant));
+        let rr = RouteRequest {
+            keys: &req.keys,
+            prompt_tokens: req.prompt_tokens,
+        };
+        self.replicas[r as usize]
+            .route(tenant, &config.policy, MODEL, &rr, &[], false, now)
+            .expect("the simulated pool is never empty or down")
+    }
+
+    /// Replica `r`'s decision to send `keys` to `inst` reaches the others as `Sharing` says.
+    fn share(&mut self, now: u64, r: u32, inst: u32, keys: &[BlockKey]) {
+        match self.config.sharing {
+            Sharing::Isolated => {}
+            Sharing::Perfect => {
+                let whole = [SharedDecision {
+                    instance: u64::from(inst),
+                    keys: keys.to_vec(),
+                }];
+                for (o, other) in self.replicas.iter_mut().enumerate() {
+                    if o as u32 != r {
+                        other.apply_shared(&whole, now);
+                    }
+                }
+            }
+            // As the live routers do: what the core queued for its peers.
+            Sharing::Delayed(d) => {
+                let (batch, _) = self.replicas[r as usize].take_outbox();
+                if batch.is_empty() {
+                    return;
+                }
+                let batch = Rc::new(batch);
+                for o in (0..self.config.routers).filter(|&o| o != r) {
+                    let event = Event::Decisions {
+                        router: o,
+                        batch: batch.clone(),
+                    };
+                    self.queue.push(now + d, event);
+                }
+            }
+        }
+    }
+
+    /// Engine `inst` ends a step and starts the next, if it has work.
+    fn step_end(&mut self, now: u64, inst: u32) {
+        let engine = &mut self.engines[inst as usize];
+        engine.complete_step(now, &mut self.l2, &mut self.engine_events);
+        if let Some(end) = engine.start_step(now, &mut self.l2, &mut self.engine_events) {
+            self.queue.push(end, Event::StepEnd(inst));
+        }
+    }
+
+    /// A residency message of `host`'s agent reaches `router`, whose index learns the
+    /// changes.
+    fn residency(&mut self, now: u64, router: u32, host: u32, msg: &Msg) {
+        let subscriber = &mut self.feed.subscribers[router as usize][host as usize];
+        let changes = match subscriber.handle(now, msg.clone()) {
+            Outcome::Apply { changes, .. } => changes,
+            Outcome::Reset { removed, .. } => removed,
+            Outcome::Nothing => Vec::new(),
+        };
+        let replica = &mut self.replicas[router as usize];
+        for c in changes {
+            replica.observe(
+                InstanceId(host),
+                BlockKey(c.key),
+                c.parent.map(BlockKey),
+                tier_of(c.scope),
+                c.present,
+                now,
+            );
+        }
+    }
+
+    /// Accounts for what engine `host` just produced: tokens and completions to the tally
+    /// and the routers' load, block changes to its agent, whose next delta goes out.
+    fn account(&mut self, now: u64, host: u32) {
+        let mut observed = false;
+        let mut events = std::mem::take(&mut self.engine_events);
+        for e in events.drain(..) {
+            match e {
+                EngineEvent::FirstToken {
+                    id,
+                    at_us,
+                    gpu_hit_tokens,
+                    l1_hit_tokens,
+                    l2_hit_tokens,
+                } => {
+                    let cached = gpu_hit_tokens + l1_hit_tokens + l2_hit_tokens;
+                    self.first_token(id as usize, at_us, cached);
+                }
+                EngineEvent::Token { id, at_us } => {
+                    let t = &mut self.tracks[id as usize];
+                    self.tally.itl.push((at_us - t.last_token_us) as f64 / 1e3);
+                    t.last_token_us = at_us;
+                    self.tally.output_tokens += 1;
+                }
+                EngineEvent::Finished { id, at_us } => {
+                    let i = id as usize;
+                    self.tally.completed += 1;
+                    let arrival_us = self.workload.requests[i].arrival_us;
+                    self.tally.e2e.push((at_us - arrival_us) as f64 / 1e3);
+                    self.finish(i, true);
+                }
+                EngineEvent::Rejected { id, .. } => {
+                    self.tally.rejected += 1;
+                    self.finish(id as usize, false);
+                }
+                EngineEvent::Stored { key, tier } | EngineEvent::Removed { key, tier }
+                    if self.config.agent_feed_delay_us.is_some() =>
+                {
+                    self.feed.publishers[host as usize].record(Change {
+                        scope: scope_of(tier),
+                        key: key.0,
+                        parent: self.feed.parent_of.get(&key).map(|p| p.0),
+                        present: matches!(e, EngineEvent::Stored { .. }),
+                    });
+                    observed = true;
+                }
+                EngineEvent::Stored { .. } | EngineEvent::Removed { .. } => {}
+            }
+        }
+        // Hand the (empty) buffer back, to keep its capacity.
+        self.engine_events = events;
+        if let (Some(delay), true) = (self.config.agent_feed_delay_us, observed) {
+            self.publish(now, host, delay);
+        }
+    }
+
+    /// Request `i`'s first token, at `at_us`, after the engine found `cached` prompt tokens.
+    fn first_token(&mut self, i: usize, at_us: u64, cached: u32) {
+        let req = &self.workload.requests[i];
+        let t = &mut self.tracks[i];
+        t.first_token_us = Some(at_us);
+        t.last_token_us = at_us;
+        self.tally.output_tokens += 1;
+        self.tally.ttft.push((at_us - req.arrival_us) as f64 / 1e3);
+        let replica = &mut self.replicas[t.router as usize];
+        replica.first_token(InstanceId(t.instance), t.pending);
+        // The engine's usage reports what it found cached, as a live one does.
+        if let Some(decision) = t.decision.take() {
+            replica.report_cached(
+                &decision,
+                self.workload.block_tokens,
+                req.prompt_tokens,
+                CacheReport {
+                    prompt_tokens: req.prompt_tokens,
+                    cached_tokens: cached,
+                },
+            );
+        }
+    }
+
+    /// Request `i` leaves its engine, completed or (not `prefilled`) rejected.
+    fn finish(&mut self, i: usize, prefilled: bool) {
+        let t = &self.tracks[i];
+        self.replicas[t.router as usize].finish(
+            InstanceId(t.instance),
+            t.pending,
+            prefilled,
+            t.decided_at,
+        );
+    }
+
+    /// `host`'s agent sends what it recorded; every router gets it `delay` later.
+    fn publish(&mut self, now: u64, host: u32, delay: u64) {
+        let Some(msg) = self.feed.publishers[host as usize].next(false, now / 1000) else {
+            return;
+        };
+        let msg = Rc::new(msg);
+        for router in 0..self.config.routers {
+            let event = Event::Residency {
+                router,
+                host,
+                msg: msg.clone(),
+            };
+            self.queue.push(now + delay, event);
+        }
+    }
+
+    /// The figures of the finished run.
+    fn report(self) -> RunReport {
+        let config = self.config;
+        let Tally {
+            mut ttft,
+            mut itl,
+            mut e2e,
+            completed,
+            rejected,
+            output_tokens,
+        } = self.tally;
+        let mut busy = Vec::new();
+        let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
+            (0u64, 0u64, 0u64, 0u64, 0u64);
+        for e in &self.engines {
+            let s = e.stats();
+            busy.push(s.busy_us as f64);
+            prompt_tokens += s.prompt_tokens;
+            gpu_hits += s.gpu_hit_tokens;
+            l1_hits += s.l1_hit_tokens;
+            l2_hits += s.l2_hit_tokens;
+            preemptions += s.preemptions;
+        }
+        let mean_busy = busy.iter().sum::<f64>() / busy.len() as f64;
+        let max_busy = busy.iter().copied().fold(0.0, f64::max);
+        let makespan_s = (self.last_us.saturating_sub(self.load.first_us)) as f64 / 1e6;
+        let frac = |x: u64| {
+            if prompt_tokens == 0 {
+                0.0
+            } else {
+                x as f64 / prompt_tokens as f64
+            }
+        };
+        let per_s = |x: f64| {
+            if makespan_s > 0.0 {
+                x / makespan_s
+            } else {
+                0.0
+            }
+        };
+        RunReport {
+            policy: config.policy.strategy.name().to_string(),
+            requests: self.workload.requests.len() as u64,
+            completed,
+            rejected,
+            hit_rate: frac(gpu_hits + l1_hits + l2_hits),
+            hit_rate_gpu: frac(gpu_hits),
+            hit_rate_l1: frac(l1_hits),
+            hit_rate_l2: frac(l2_hits),
+            ttft_ms_p50: ttft.quantile(0.5),
+            ttft_ms_p90: ttft.quantile(0.9),
+            ttft_ms_p99: ttft.quantile(0.99),
+            itl_ms_p50: itl.quantile(0.5),
+            itl_ms_p99: itl.quantile(0.99),
+            e2e_ms_p50: e2e.quantile(0.5),
+            throughput_rps: per_s(completed as f64),
+            throughput_tokens_per_s: per_s((prompt_tokens + output_tokens) as f64),
+            imbalance: if mean_busy > 0.0 {
+                max_busy / mean_busy
+            } else {
+                1.0
+            },
+            preemptions,
+            makespan_s,
+            curves: Curves {
+                ttft_cdf_ms: if ttft.is_empty() {
+                    Vec::new()
+                } else {
+                    crate::stats::cdf(|q| ttft.quantile(q))
+                },
+                load: self.load.samples,
+            },
+        }
+    }
+}
+
+/// The router replicas of a run, each serving the one pool of every instance.
+fn replicas(config: &ClusterConfig) -> Vec<RouterCore> {
     let pool = [CorePool {
         model: MODEL.to_string(),
         instances: (0..config.instances)
@@ -211,7 +771,7 @@ pub fn simulate(
             })
             .collect(),
     }];
-    let mut replicas: Vec<RouterCore> = (0..config.routers)
+    (0..config.routers)
         .map(|r| {
             let mut core = RouterCore::new(
                 CoreConfig {
@@ -234,380 +794,7 @@ pub fn simulate(
             }
             core
         })
-        .collect();
-    let router_names: Vec<String> = (0..config.routers).map(|r| format!("router-{r}")).collect();
-    let mut tenant_names: HashMap<u32, String> = HashMap::new();
-    let mut engines: Vec<Engine> = (0..config.instances)
-        .map(|_| Engine::new(config.engine.clone(), config.profile.clone()))
-        .collect();
-    let mut l2 = TierSet::lru(config.l2_blocks);
-    // Parent of each key, for placing observed blocks in the index tree.
-    let mut parent_of: HashMap<BlockKey, BlockKey> = HashMap::new();
-    for r in &workload.requests {
-        for w in r.keys.windows(2) {
-            parent_of.insert(w[1], w[0]);
-        }
-    }
-    let shared_load = !matches!(config.sharing, Sharing::Isolated);
-
-    let mut queue: BinaryHeap<Reverse<(u64, u64, usize)>> = BinaryHeap::new();
-    let mut events: Vec<Option<Event>> = Vec::new();
-    let mut seq = 0u64;
-    let mut push = |queue: &mut BinaryHeap<Reverse<(u64, u64, usize)>>,
-                    events: &mut Vec<Option<Event>>,
-                    at: u64,
-                    e: Event| {
-        events.push(Some(e));
-        queue.push(Reverse((at, seq, events.len() - 1)));
-        seq += 1;
-    };
-    for (i, r) in workload.requests.iter().enumerate() {
-        push(&mut queue, &mut events, r.arrival_us, Event::Arrival(i));
-    }
-
-    // One agent per host, every replica following each from its (empty) first snapshot;
-    // nothing is lost on the way, so an agent never expires.
-    let mut publishers: Vec<Publisher> = (0..config.instances)
-        .map(|i| Publisher::new(u64::from(i) + 1, vec![format!("i{i}")]))
-        .collect();
-    let mut subscribers: Vec<Vec<Subscriber>> = (0..config.routers)
-        .map(|_| {
-            publishers
-                .iter()
-                .map(|p| {
-                    let mut s = Subscriber::new(u64::MAX);
-                    for m in p.snapshot() {
-                        s.handle(0, m);
-                    }
-                    s
-                })
-                .collect()
-        })
-        .collect();
-
-    let mut tracks = vec![Track::default(); workload.requests.len()];
-    let (mut ttft, mut itl, mut e2e) = (Samples::new(), Samples::new(), Samples::new());
-    let (mut completed, mut rejected, mut output_tokens) = (0u64, 0u64, 0u64);
-    let mut engine_events = Vec::new();
-    let total = workload.requests.len() as u64;
-    let mut last_us = 0u64;
-    let mut handled = 0u64;
-    let first_us = workload.requests.first().map_or(0, |r| r.arrival_us);
-    let arrivals_us = workload
-        .requests
-        .last()
-        .map_or(0, |r| r.arrival_us.saturating_sub(first_us));
-    let sample_every_us = (arrivals_us / LOAD_SAMPLES).max(1);
-    let mut next_sample_us = first_us;
-    let mut load = Vec::new();
-
-    while let Some(Reverse((now, _, slot))) = queue.pop() {
-        last_us = last_us.max(now);
-        while now >= next_sample_us && load.len() < 4 * LOAD_SAMPLES as usize {
-            let at_s = (next_sample_us - first_us) as f64 / 1e6;
-            load.push((at_s, engines.iter().map(Engine::in_flight).collect()));
-            next_sample_us += sample_every_us;
-        }
-        let Some(event) = events[slot].take() else {
-            continue;
-        };
-        // The engine whose events this iteration produces (block events name no engine).
-        let mut stepped = 0u32;
-        handled += 1;
-        if handled.is_multiple_of(20_000) {
-            progress(Progress {
-                done: completed + rejected,
-                total,
-            });
-        }
-        match event {
-            Event::Arrival(i) => {
-                let req = &workload.requests[i];
-                let r = lb_rng.below(u64::from(config.routers)) as u32;
-                if shared_load && config.routers > 1 {
-                    // Every replica routes on the exact cluster-wide load.
-                    let peers = (0..config.routers)
-                        .filter(|&o| o != r)
-                        .map(|o| {
-                            (
-                                router_names[o as usize].clone(),
-                                replicas[o as usize].own_loads(),
-                            )
-                        })
-                        .collect();
-                    replicas[r as usize].set_peer_loads(peers);
-                }
-                let tenant = tenant_names
-                    .entry(req.tenant)
-                    .or_insert_with(|| format!("tenant-{}", req.tenant));
-                let rr = RouteRequest {
-                    keys: &req.keys,
-                    prompt_tokens: req.prompt_tokens,
-                };
-                let decision = replicas[r as usize]
-                    .route(tenant, &config.policy, MODEL, &rr, &[], false, now)
-                    .expect("the simulated pool is never empty or down");
-                let inst = decision.instance;
-                if config.policy.strategy.uses_index() {
-                    match config.sharing {
-                        Sharing::Isolated => {}
-                        Sharing::Perfect => {
-                            let whole = [SharedDecision {
-                                instance: u64::from(inst.0),
-                                keys: req.keys.clone(),
-                            }];
-                            for (o, other) in replicas.iter_mut().enumerate() {
-                                if o as u32 != r {
-                                    other.apply_shared(&whole, now);
-                                }
-                            }
-                        }
-                        // As the live routers do: what the core queued for its peers.
-                        Sharing::Delayed(d) => {
-                            let (batch, _) = replicas[r as usize].take_outbox();
-                            if !batch.is_empty() {
-                                let batch = Rc::new(batch);
-                                for o in 0..config.routers {
-                                    if o != r {
-                                        push(
-                                            &mut queue,
-                                            &mut events,
-                                            now + d,
-                                            Event::Decisions {
-                                                router: o,
-                                                batch: batch.clone(),
-                                            },
-                                        );
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-                let pending = decision.uncached_tokens;
-                let decided_at = decision.decided_at;
-                tracks[i] = Track {
-                    router: r,
-                    instance: inst.0,
-                    first_token_us: None,
-                    last_token_us: now,
-                    pending,
-                    decision: Some(decision),
-                    decided_at,
-                };
-                stepped = inst.0;
-                let engine = &mut engines[inst.0 as usize];
-                engine.submit(
-                    now,
-                    EngineRequest {
-                        id: i as u64,
-                        keys: req.keys.clone(),
-                        prompt_tokens: req.prompt_tokens,
-                        output_tokens: req.output_tokens,
-                        offered: Vec::new(),
-                        offered_from: 0,
-                    },
-                );
-                if !engine.step_running() {
-                    if let Some(end) = engine.start_step(now, &mut l2, &mut engine_events) {
-                        push(&mut queue, &mut events, end, Event::StepEnd(inst.0));
-                    }
-                }
-            }
-            Event::StepEnd(inst) => {
-                stepped = inst;
-                let engine = &mut engines[inst as usize];
-                engine.complete_step(now, &mut l2, &mut engine_events);
-                if let Some(end) = engine.start_step(now, &mut l2, &mut engine_events) {
-                    push(&mut queue, &mut events, end, Event::StepEnd(inst));
-                }
-            }
-            Event::Decisions { router, batch } => {
-                replicas[router as usize].apply_shared(&batch, now);
-            }
-            Event::Residency { router, host, msg } => {
-                let subscriber = &mut subscribers[router as usize][host as usize];
-                let changes = match subscriber.handle(now, (*msg).clone()) {
-                    Outcome::Apply { changes, .. } => changes,
-                    Outcome::Reset { removed, .. } => removed,
-                    Outcome::Nothing => Vec::new(),
-                };
-                let replica = &mut replicas[router as usize];
-                for c in changes {
-                    replica.observe(
-                        InstanceId(host),
-                        BlockKey(c.key),
-                        c.parent.map(BlockKey),
-                        tier_of(c.scope),
-                        c.present,
-                        now,
-                    );
-                }
-            }
-        }
-
-        // Account for what the engines produced.
-        let mut observed = false;
-        for e in engine_events.drain(..) {
-            match e {
-                EngineEvent::FirstToken {
-                    id,
-                    at_us,
-                    gpu_hit_tokens,
-                    l1_hit_tokens,
-                    l2_hit_tokens,
-                } => {
-                    let i = id as usize;
-                    let t = &mut tracks[i];
-                    t.first_token_us = Some(at_us);
-                    t.last_token_us = at_us;
-                    output_tokens += 1;
-                    ttft.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    let replica = &mut replicas[t.router as usize];
-                    replica.first_token(InstanceId(t.instance), t.pending);
-                    // The engine's usage reports what it found cached, as a live one does.
-                    if let Some(decision) = t.decision.take() {
-                        let prompt = workload.requests[i].prompt_tokens;
-                        let cached = gpu_hit_tokens + l1_hit_tokens + l2_hit_tokens;
-                        replica.report_cached(
-                            &decision,
-                            workload.block_tokens,
-                            prompt,
-                            CacheReport {
-                                prompt_tokens: prompt,
-                                cached_tokens: cached,
-                            },
-                        );
-                    }
-                }
-                EngineEvent::Token { id, at_us } => {
-                    let t = &mut tracks[id as usize];
-                    itl.push((at_us - t.last_token_us) as f64 / 1e3);
-                    t.last_token_us = at_us;
-                    output_tokens += 1;
-                }
-                EngineEvent::Finished { id, at_us } => {
-                    let i = id as usize;
-                    let t = &tracks[i];
-                    completed += 1;
-                    e2e.push((at_us - workload.requests[i].arrival_us) as f64 / 1e3);
-                    replicas[t.router as usize].finish(
-                        InstanceId(t.instance),
-                        t.pending,
-                        true,
-                        t.decided_at,
-                    );
-                }
-                EngineEvent::Rejected { id, .. } => {
-                    let i = id as usize;
-                    let t = &tracks[i];
-                    rejected += 1;
-                    replicas[t.router as usize].finish(
-                        InstanceId(t.instance),
-                        t.pending,
-                        false,
-                        t.decided_at,
-                    );
-                }
-                EngineEvent::Stored { key, tier } | EngineEvent::Removed { key, tier }
-                    if config.agent_feed_delay_us.is_some() =>
-                {
-                    publishers[stepped as usize].record(Change {
-                        scope: scope_of(tier),
-                        key: key.0,
-                        parent: parent_of.get(&key).map(|p| p.0),
-                        present: matches!(e, EngineEvent::Stored { .. }),
-                    });
-                    observed = true;
-                }
-                EngineEvent::Stored { .. } | EngineEvent::Removed { .. } => {}
-            }
-        }
-        if let (Some(delay), true) = (config.agent_feed_delay_us, observed) {
-            if let Some(msg) = publishers[stepped as usize].next(false, now / 1000) {
-                let msg = Rc::new(msg);
-                for router in 0..config.routers {
-                    push(
-                        &mut queue,
-                        &mut events,
-                        now + delay,
-                        Event::Residency {
-                            router,
-                            host: stepped,
-                            msg: msg.clone(),
-                        },
-                    );
-                }
-            }
-        }
-    }
-    progress(Progress {
-        done: completed + rejected,
-        total,
-    });
-
-    let mut busy = Vec::new();
-    let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
-        (0u64, 0u64, 0u64, 0u64, 0u64);
-    for e in &engines {
-        let s = e.stats();
-        busy.push(s.busy_us as f64);
-        prompt_tokens += s.prompt_tokens;
-        gpu_hits += s.gpu_hit_tokens;
-        l1_hits += s.l1_hit_tokens;
-        l2_hits += s.l2_hit_tokens;
-        preemptions += s.preemptions;
-    }
-    let mean_busy = busy.iter().sum::<f64>() / busy.len() as f64;
-    let max_busy = busy.iter().copied().fold(0.0, f64::max);
-    let makespan_s = (last_us.saturating_sub(first_us)) as f64 / 1e6;
-    let frac = |x: u64| {
-        if prompt_tokens == 0 {
-            0.0
-        } else {
-            x as f64 / prompt_tokens as f64
-        }
-    };
-    let per_s = |x: f64| {
-        if makespan_s > 0.0 {
-            x / makespan_s
-        } else {
-            0.0
-        }
-    };
-    Ok(RunReport {
-        policy: config.policy.strategy.name().to_string(),
-        requests: total,
-        completed,
-        rejected,
-        hit_rate: frac(gpu_hits + l1_hits + l2_hits),
-        hit_rate_gpu: frac(gpu_hits),
-        hit_rate_l1: frac(l1_hits),
-        hit_rate_l2: frac(l2_hits),
-        ttft_ms_p50: ttft.quantile(0.5),
-        ttft_ms_p90: ttft.quantile(0.9),
-        ttft_ms_p99: ttft.quantile(0.99),
-        itl_ms_p50: itl.quantile(0.5),
-        itl_ms_p99: itl.quantile(0.99),
-        e2e_ms_p50: e2e.quantile(0.5),
-        throughput_rps: per_s(completed as f64),
-        throughput_tokens_per_s: per_s((prompt_tokens + output_tokens) as f64),
-        imbalance: if mean_busy > 0.0 {
-            max_busy / mean_busy
-        } else {
-            1.0
-        },
-        preemptions,
-        makespan_s,
-        curves: Curves {
-            ttft_cdf_ms: if ttft.is_empty() {
-                Vec::new()
-            } else {
-                crate::stats::cdf(|q| ttft.quantile(q))
-            },
-            load,
-        },
-    })
+        .collect()
 }
 
 fn validate(config: &ClusterConfig, workload: &Workload) -> Result<(), SimError> {
