@@ -277,7 +277,7 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             let key = BlockKey((state >> 33) % 12);
             let id = BlockId { layout: 0, key };
-            if (state >> 20) % 3 == 0 {
+            if (state >> 20).is_multiple_of(3) {
                 assert_eq!(lru.touch(key), ledger.touch(&id));
             } else {
                 let (mut a, mut b) = (Vec::new(), Vec::new());
