@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use warmpath::admin::api::PREFIX;
 use warmpath::admin::cli::AdminClient;
+use warmpath::admin::wire::PREFIX;
 use warmpath_index::rng::Rng;
 
 /// The register: this tenant's `prefix_length`.
