@@ -58,10 +58,10 @@ use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::keys::BlockKey;
 use warmpath_index::keys::{token_block_keys, TenantKey};
 use warmpath_index::openai::{
-    ChatRequest, CompletionRequest, ErrorBody, PromptInput, PromptTokensDetails, RequestError,
-    Usage,
+    ChatRequest, CompletionRequest, ErrorBody, PromptInput, RequestError,
 };
 use warmpath_index::text;
+use warmpath_openai::{PromptTokensDetails, Usage};
 
 use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats};
 use warmpath_sim::tiers::TierSet;
@@ -1182,7 +1182,7 @@ impl Reply {
             completion_tokens: self.output_tokens,
             total_tokens: self.prompt_tokens.saturating_add(self.output_tokens),
             prompt_tokens_details: Some(PromptTokensDetails {
-                cached_tokens: cached.total(),
+                cached_tokens: Some(cached.total()),
             }),
         };
         let mut v = serde_json::to_value(usage).unwrap_or(Value::Null);

@@ -8,7 +8,7 @@
 //! - [`profiles`]: the built-in model profiles, JSON data under `profiles/`.
 //! - [`router`]: the router core, the whole decision path of one router replica.
 //! - [`rng`]: the seeded generator behind every random choice.
-//! - [`openai`]: the parts of the OpenAI wire format warmpath reads and writes.
+//! - [`openai`]: OpenAI requests as routing reads them, and the error body.
 //! - [`text`]: the built-in tokenizer and chat rendering shared by router and engine-sim.
 //!
 //! **Architecture invariant:** this crate does no I/O. No tokio, no sockets, no clock

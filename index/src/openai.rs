@@ -1,7 +1,8 @@
-//! The parts of OpenAI's completions and chat-completions wire format that warmpath reads
-//! and writes. Requests keep unknown fields out of the way (serde ignores them): the router
+//! The request side of OpenAI's completions and chat-completions wire format, and its error
+//! body. Requests keep unknown fields out of the way (serde ignores them): the router
 //! forwards the client's original bytes and only needs the model, the prompt and the
-//! stream flag; the engine simulator also reads the generation limits.
+//! stream flag; the engine simulator also reads the generation limits. What warmpath reads
+//! of responses (event streams, `usage`) is the `warmpath-openai` crate.
 
 use crate::text::{render_chat, ChatMessage};
 use serde::{Deserialize, Serialize};
@@ -139,22 +140,6 @@ impl ChatRequest {
     }
 }
 
-/// `prompt_tokens_details` of a response's usage.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PromptTokensDetails {
-    pub cached_tokens: u32,
-}
-
-/// `usage` of a response (and of the last streamed chunk).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    pub prompt_tokens: u32,
-    pub completion_tokens: u32,
-    pub total_tokens: u32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompt_tokens_details: Option<PromptTokensDetails>,
-}
-
 /// OpenAI's error body: `{"error": {"message", "type", "code"}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -182,72 +167,9 @@ impl ErrorBody {
     }
 }
 
-/// The `usage` of a response that says how many prompt tokens were cached, from a whole
-/// JSON body or from SSE frames (with `stream_options.include_usage`, the last streamed
-/// chunk carries it). `None` when there is none: engines report cached tokens only when
-/// configured to (vLLM: `--enable-prompt-tokens-details`).
-pub fn cached_usage(bytes: &[u8]) -> Option<Usage> {
-    const NEEDLE: &[u8] = b"\"cached_tokens\"";
-    if !bytes.windows(NEEDLE.len()).any(|w| w == NEEDLE) {
-        return None;
-    }
-    #[derive(Deserialize)]
-    struct WithUsage {
-        usage: Option<Usage>,
-    }
-    let parse = |json: &[u8]| {
-        serde_json::from_slice::<WithUsage>(json)
-            .ok()
-            .and_then(|w| w.usage)
-            .filter(|u| u.prompt_tokens_details.is_some())
-    };
-    let body = bytes.trim_ascii_start();
-    if body.first() == Some(&b'{') {
-        return parse(body);
-    }
-    bytes
-        .split(|&b| b == b'\n')
-        .filter_map(|line| line.strip_prefix(b"data:"))
-        .map(<[u8]>::trim_ascii)
-        .filter(|json| json.first() == Some(&b'{'))
-        .find_map(parse)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cached_usage_cases() {
-        let usage = |prompt, cached| Usage {
-            prompt_tokens: prompt,
-            completion_tokens: 2,
-            total_tokens: prompt + 2,
-            prompt_tokens_details: Some(PromptTokensDetails {
-                cached_tokens: cached,
-            }),
-        };
-        let cases: &[(&str, Option<Usage>)] = &[
-            (
-                r#"{"id":"x","usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":4}}}"#,
-                Some(usage(10, 4)),
-            ),
-            (
-                "data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2,\"total_tokens\":11,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\ndata: [DONE]\n\n",
-                Some(usage(9, 8)),
-            ),
-            // No details, no usage, not JSON: nothing to learn.
-            (
-                r#"{"usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12}}"#,
-                None,
-            ),
-            ("data: {\"choices\":[]}\n\n", None),
-            ("data: \"cached_tokens\" {\n\n", None),
-        ];
-        for (input, want) in cases {
-            assert_eq!(&cached_usage(input.as_bytes()), want, "{input}");
-        }
-    }
 
     #[test]
     fn prompt_forms() {

@@ -90,8 +90,8 @@ pub fn openai_request(data: &[u8]) {
 /// An engine's response (whole or streamed) and its `/metrics` text, as the router reads
 /// them.
 pub fn engine_response(data: &[u8]) {
-    if let Some(usage) = warmpath_index::openai::cached_usage(data) {
-        assert!(usage.prompt_tokens_details.is_some());
+    if let Some(usage) = warmpath_openai::cached_usage(data) {
+        assert!(usage.cached_tokens().is_some());
     }
     if let Ok(text) = std::str::from_utf8(data) {
         if let Some(tokens) = kv_capacity_tokens(text) {

@@ -581,6 +581,7 @@ async fn attempt_once(
         done: false,
         decided_at: chosen.decision.decided_at,
         chosen: Some(chosen.clone()),
+        stream_usage: warmpath_openai::UsageReader::new(),
         counters: counters.clone(),
     };
     let first_byte = deadline.min(Instant::now() + app.config.first_byte_timeout);
@@ -632,7 +633,9 @@ async fn attempt_once(
             }
             Ok(Ok(b)) => b.to_bytes(),
         };
-        guard.usage(&bytes);
+        if let Some(usage) = warmpath_openai::cached_usage(&bytes) {
+            guard.usage(usage);
+        }
         guard.first_byte();
         guard.finish();
         return Ok(builder.body(Body::from(bytes)).unwrap_or_default());
@@ -660,27 +663,43 @@ struct LoadGuard {
     done: bool,
     /// The decision, until the engine's `usage` has been checked against it.
     chosen: Option<Chosen>,
+    /// Looks for the engine's `usage` in a streamed response.
+    stream_usage: warmpath_openai::UsageReader,
     decided_at: u64,
     /// The tenant's counters, for the engine's account of prompt and cached tokens.
     counters: Arc<TenantCounters>,
 }
 
 impl LoadGuard {
-    /// Checks the engine's account of cached tokens, if `bytes` carry it, against the
-    /// prediction the request was routed on.
-    fn usage(&mut self, bytes: &[u8]) {
+    /// Reads the next chunk of a streamed response for the engine's `usage`, until found.
+    fn stream_chunk(&mut self, chunk: &[u8]) {
         if self.chosen.is_none() {
             return;
         }
-        let Some(usage) = warmpath_index::openai::cached_usage(bytes) else {
+        if let Some(usage) = self.stream_usage.push(chunk) {
+            self.usage(usage);
+        }
+    }
+
+    /// The end of a streamed response: its last event may carry the `usage` unterminated.
+    fn stream_end(&mut self) {
+        if self.chosen.is_none() {
             return;
-        };
+        }
+        if let Some(usage) = self.stream_usage.finish() {
+            self.usage(usage);
+        }
+    }
+
+    /// Checks the engine's account of cached tokens against the prediction the request was
+    /// routed on (once).
+    fn usage(&mut self, usage: warmpath_openai::Usage) {
         let Some(chosen) = self.chosen.take() else {
             return;
         };
         let report = warmpath_index::router::CacheReport {
             prompt_tokens: usage.prompt_tokens,
-            cached_tokens: usage.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
+            cached_tokens: usage.cached_tokens().unwrap_or(0),
         };
         // The engines' own account of what routing saved: hit rate per tenant and policy.
         let c = &self.counters;
@@ -787,7 +806,7 @@ impl hyper::body::Body for Tracked {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     self.guard.first_byte();
-                    self.guard.usage(data);
+                    self.guard.stream_chunk(data);
                 }
                 let next = tokio::time::Instant::now() + self.idle_for;
                 self.idle.as_mut().reset(next);
@@ -805,6 +824,7 @@ impl hyper::body::Body for Tracked {
             }
             Poll::Ready(None) => {
                 self.ended = true;
+                self.guard.stream_end();
                 self.guard.finish();
                 Poll::Ready(None)
             }
