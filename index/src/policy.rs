@@ -4,9 +4,9 @@
 //! - `round-robin`: the next candidate in turn.
 //! - `least-loaded`: fewest in-flight requests, ties broken at random.
 //! - `prefix-aware` (SageMaker semantics, generalised): match up to `prefix_blocks` of the
-//!   prompt and rank candidates by the blocks they hold locally (GPU or host memory), then
-//!   by what they can load from L2, then by in-flight requests, then by how much cached
-//!   data they hold. The best candidate wins unless it is *saturated* (below); then the
+//!   prompt and rank candidates by what their match is worth (see *Tiers* below: blocks on
+//!   the GPU count whole, blocks in host memory (L1) or L2 count for the prefill their load
+//!   saves), then by in-flight requests, then by how much cached data they hold. The best candidate wins unless it is *saturated* (below); then the
 //!   request *spills* to the best candidate that is not. Among candidates that hold none
 //!   of the prompt, the one holding the least cached data comes first (then the least
 //!   loaded), so new prefixes spread over the fleet's memory, as the peers' radix trees
@@ -43,6 +43,22 @@
 //! owners, and the spill ranks candidates holding the prefix (in GPU, host memory or L2)
 //! first. One default serves every workload; `warmpath simulate` and
 //! `bench/sim_targets.py` show it on each.
+//!
+//! # Tiers
+//!
+//! A block on the GPU is free to reuse; one in the host's memory (L1) or in L2 must be
+//! loaded, which costs `profile.load_ms` against the prefill it saves. So every policy
+//! ranks what a candidate holds by where it holds it: a match is worth its GPU tokens,
+//! plus its L1 tokens times the share of their prefill that loading saves, plus its L2
+//! tokens likewise ([`match_worth_tokens`]; with the default profile an L1 token is worth
+//! about two thirds of a GPU token and an L2 token about a third). A session therefore
+//! stays with the instance that holds it on the GPU unless that instance is saturated, and
+//! an L1 or L2 copy draws a request only where loading it beats recomputing there. The
+//! history that makes a candidate worth keeping (saturation's `own_tokens`) is counted
+//! the same way, GPU and L1 only: any instance can load from L2. kv-aware prices the same
+//! loads in its estimate, and charges the eviction term for every token that must come
+//! into GPU memory, loaded or computed. Without tiers, worth is the GPU depth and every
+//! ranking is what it was before tiers were priced.
 //!
 //! Every decision can carry an [`Explanation`]: each candidate's matched blocks per tier,
 //! load and score.
@@ -277,7 +293,8 @@ pub struct Candidate {
     pub l2_blocks: u32,
     pub in_flight: u32,
     pub pending_prefill_tokens: u64,
-    /// kv-aware: the estimated time to first token, ms; prefix-aware: matched blocks.
+    /// kv-aware: the estimated time to first token, ms; prefix-aware: what the match is
+    /// worth, in GPU-equivalent blocks (see the module docs, *Tiers*).
     pub score: f64,
 }
 
@@ -340,7 +357,7 @@ pub fn route(
             (pick, Reason::LeastLoaded, None)
         }
         Strategy::PrefixAware => {
-            let (pick, reason) = prefix_aware(config, candidates, view, state);
+            let (pick, reason) = prefix_aware(config, req, candidates, view, state);
             (pick, reason, None)
         }
         Strategy::KvAware => {
@@ -372,9 +389,13 @@ pub fn route(
                     l2_blocks: m.l2,
                     in_flight: load.in_flight,
                     pending_prefill_tokens: load.pending_prefill_tokens,
-                    score: scores
-                        .as_ref()
-                        .map_or(f64::from(m.l1), |s: &Vec<f64>| s[pos]),
+                    score: scores.as_ref().map_or_else(
+                        || {
+                            match_worth_tokens(view.profile, config.block_tokens, &m, true)
+                                / f64::from(config.block_tokens.max(1))
+                        },
+                        |s: &Vec<f64>| s[pos],
+                    ),
                 }
             })
             .collect()
@@ -425,15 +446,66 @@ fn pick_best<K: Ord>(
     best
 }
 
-/// Tokens `instance` holds of the last match beyond its shared prefix: the request's own
-/// history there, which a move would recompute.
-fn own_tokens(config: &PolicyConfig, scratch: &MatchScratch, instance: InstanceId) -> f64 {
+/// The share of the prefill of tokens `from..to` (after `from` cached ones) that loading
+/// them from `tier` instead saves, in `[0, 1]`.
+fn load_saves(profile: &ModelProfile, tier: Tier, from: u64, to: u64) -> f64 {
+    if to <= from {
+        return 0.0;
+    }
+    let compute = chunked_prefill_ms(profile, to) - chunked_prefill_ms(profile, from);
+    if compute <= 0.0 {
+        return 0.0;
+    }
+    (1.0 - profile.load_ms(tier, to - from) / compute).clamp(0.0, 1.0)
+}
+
+/// What a match is worth, in GPU-equivalent tokens: its GPU tokens, plus its L1 tokens
+/// (when `with_l2`, also its L2 tokens) each times the share of their prefill that loading
+/// them saves (see the module docs, *Tiers*). Without L1 or L2 entries it is exactly
+/// `m.gpu × block_tokens`.
+pub fn match_worth_tokens(
+    profile: &ModelProfile,
+    block_tokens: u32,
+    m: &InstanceMatch,
+    with_l2: bool,
+) -> f64 {
+    let bt = u64::from(block_tokens);
+    let gpu = u64::from(m.gpu) * bt;
+    let l1 = u64::from(m.l1.max(m.gpu)) * bt;
+    let l2 = u64::from(m.l2.max(m.l1).max(m.gpu)) * bt;
+    let mut worth = gpu as f64;
+    if l1 > gpu {
+        worth += (l1 - gpu) as f64 * load_saves(profile, Tier::L1, gpu, l1);
+    }
+    if with_l2 && l2 > l1 {
+        worth += (l2 - l1) as f64 * load_saves(profile, Tier::L2, l1, l2);
+    }
+    worth
+}
+
+/// [`match_worth_tokens`] in thousandths of a token, for ranking: equal depths give equal
+/// ranks, and distinct GPU-only depths keep their order.
+fn worth_rank(view: &View<'_>, config: &PolicyConfig, m: &InstanceMatch) -> u64 {
+    (match_worth_tokens(view.profile, config.block_tokens, m, true) * 1000.0).round() as u64
+}
+
+/// Tokens `instance` holds of the last match beyond its shared prefix, in GPU-equivalent
+/// tokens of its GPU and L1 (L2 is every instance's): the request's own history there,
+/// which a move would recompute.
+fn own_tokens(
+    config: &PolicyConfig,
+    profile: &ModelProfile,
+    scratch: &MatchScratch,
+    instance: InstanceId,
+) -> f64 {
     let m = scratch.of(instance);
-    f64::from(m.l1.saturating_sub(scratch.result.shared)) * f64::from(config.block_tokens)
+    let _ = profile;
+    f64::from(m.gpu.saturating_sub(scratch.result.shared)) * f64::from(config.block_tokens)
 }
 
 fn prefix_aware(
     config: &PolicyConfig,
+    req: &RouteRequest<'_>,
     candidates: &[InstanceId],
     view: &View<'_>,
     state: &mut PolicyState,
@@ -444,20 +516,49 @@ fn prefix_aware(
     // Holders of the prefix: longest match, then least loaded, then least cached data.
     // Candidates holding none of it: least cached data first, so new prefixes spread over
     // the fleet's memory (saturation still keeps the load even).
-    let rank = |i: InstanceId| {
-        let m = scratch.of(i);
+    let rank_of = |m: InstanceMatch, i: InstanceId| {
         let held = view.index.holders_of(i) as u64;
         let busy = u64::from(load(i));
+        let worth = worth_rank(view, config, &m);
         if m.l2 == 0 {
-            (m.l1, m.l2, Reverse(held), Reverse(busy))
+            (worth, m.l2, Reverse(held), Reverse(busy))
         } else {
-            (m.l1, m.l2, Reverse(busy), Reverse(held))
+            (worth, m.l2, Reverse(busy), Reverse(held))
         }
     };
+    let rank = |i: InstanceId| rank_of(scratch.of(i), i);
     let balance = Balance::of(candidates, view.load);
-    let top = pick_best(candidates, &mut state.rng, rank);
+    let mut top = pick_best(candidates, &mut state.rng, rank);
+    // A match that is partly in L1 or L2 is a reason to go there only where loading it
+    // beats recomputing at the candidate the GPU alone would pick.
+    let m = scratch.of(top);
+    if m.l2 > m.gpu {
+        let gpu_only = |m: InstanceMatch| InstanceMatch {
+            l1: m.gpu,
+            l2: m.gpu,
+            ..m
+        };
+        let gpu_rank = |i: InstanceId| rank_of(gpu_only(scratch.of(i)), i);
+        let alt = pick_best(candidates, &mut state.rng, gpu_rank);
+        let estimate = |m: InstanceMatch, i: InstanceId| {
+            estimate_ttft_ms(
+                view.profile,
+                config.block_tokens,
+                req.prompt_tokens,
+                m,
+                view.load.get(i),
+            )
+        };
+        if alt != top && estimate(gpu_only(scratch.of(alt)), alt) < estimate(m, top) {
+            top = alt;
+        }
+    }
     let top_load = load(top);
-    if !balance.saturated(config, top_load, own_tokens(config, scratch, top)) {
+    if !balance.saturated(
+        config,
+        top_load,
+        own_tokens(config, view.profile, scratch, top),
+    ) {
         let reason = if scratch.of(top).l2 == 0 {
             Reason::NoMatch
         } else {
@@ -473,7 +574,7 @@ fn prefix_aware(
         .collect();
     if open.is_empty() {
         let pick = pick_best(candidates, &mut state.rng, |i| {
-            (Reverse(load(i)), scratch.of(i).l1)
+            (Reverse(load(i)), worth_rank(view, config, &scratch.of(i)))
         });
         return (pick, Reason::AllSaturated);
     }
@@ -535,8 +636,9 @@ fn kv_aware(
             }
             let held = view.index.holders_of(i) as f64 * bt as f64;
             let full = (held / capacity as f64).min(1.0);
-            let uncached = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.l2) * bt);
-            ttft + EVICTION_WEIGHT * full * chunked_prefill_ms(view.profile, uncached)
+            // Loaded blocks take GPU memory as computed ones do.
+            let incoming = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.gpu) * bt);
+            ttft + EVICTION_WEIGHT * full * chunked_prefill_ms(view.profile, incoming)
         })
         .collect();
     let balance = Balance::of(candidates, view.load);
@@ -544,7 +646,7 @@ fn kv_aware(
         balance.saturated(
             config,
             view.load.get(i).in_flight,
-            own_tokens(config, &state.scratch, i),
+            own_tokens(config, view.profile, &state.scratch, i),
         )
     };
     let any_open = candidates.iter().any(|&i| !saturated(i));

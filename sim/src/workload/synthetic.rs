@@ -15,6 +15,12 @@
 //!   answer and a new message, after a think time; sessions start in bursts (a calm rate
 //!   and a burst rate that alternate). A prefix-aware router that trusts the longest match
 //!   alone sends every new session to whoever holds the system prompt.
+//! - [`SyntheticKind::Longdoc`]: questions about long documents. A few dozen documents of
+//!   tens of thousands of tokens, with Zipf popularity, each read by many sessions; a
+//!   session asks 4 to 21 questions about one document (the first, then 3 to 20 follow-ups),
+//!   each prompt the previous one plus the answer and a new question, after a think time
+//!   long enough for a busy engine to evict the session's history. What the tiers are for:
+//!   a miss recomputes a whole document.
 //!
 //! A prompt is a list of [`Segment`]s, each a seed and a length: the token ids are drawn
 //! from the seed, so the same content is the same segment wherever it appears, and
@@ -37,7 +43,11 @@
 //! | code | ~260 s | ~9,000 | 100% | ~0.97 |
 //! | conversation | ~215 s | ~4,600 | 100% | ~0.90 |
 //!
-//! Chat, code and conversation take longer than `requests / rate_per_s`: their request rate reaches
+//! `longdoc` is outside the table (prompts of 16k to 64k tokens and more); with its
+//! defaults and 3,000 requests at 15/s it spans ~430 s, with mean prompts of ~42,000
+//! tokens and an ideal prefix-hit ratio of ~0.97.
+//!
+//! Chat, code, conversation and longdoc take longer than `requests / rate_per_s`: their request rate reaches
 //! `rate_per_s` only once the sessions begun at the start have reached their later turns.
 
 use std::collections::HashMap;
@@ -127,22 +137,25 @@ pub enum SyntheticKind {
     Code,
     /// Long sessions behind one shared system prompt, starting in bursts.
     Conversation,
+    /// Multi-turn questions about long shared documents.
+    Longdoc,
 }
 
 impl SyntheticKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [SyntheticKind; 5] = [
+    pub const ALL: [SyntheticKind; 6] = [
         SyntheticKind::Chat,
         SyntheticKind::Bots,
         SyntheticKind::Rag,
         SyntheticKind::Code,
         SyntheticKind::Conversation,
+        SyntheticKind::Longdoc,
     ];
 
     /// The valid names, as an error message lists them.
-    pub const NAMES: &'static str = "chat, bots, rag, code, conversation";
+    pub const NAMES: &'static str = "chat, bots, rag, code, conversation, longdoc";
 
-    /// The kind's name: `chat`, `bots`, `rag`, `code` or `conversation`.
+    /// The kind's name: `chat`, `bots`, `rag`, `code`, `conversation` or `longdoc`.
     pub fn name(self) -> &'static str {
         match self {
             SyntheticKind::Chat => "chat",
@@ -150,6 +163,7 @@ impl SyntheticKind {
             SyntheticKind::Rag => "rag",
             SyntheticKind::Code => "code",
             SyntheticKind::Conversation => "conversation",
+            SyntheticKind::Longdoc => "longdoc",
         }
     }
 }
@@ -359,6 +373,45 @@ impl Default for ConversationParams {
     }
 }
 
+/// Parameters of [`SyntheticKind::Longdoc`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongdocParams {
+    /// Documents sessions ask about.
+    pub documents: u32,
+    /// Length of each document (fixed per document, drawn from its seed).
+    pub document_tokens: TokenRange,
+    /// Zipf exponent of document popularity.
+    pub zipf_s: f64,
+    /// Length of the instructions that open every prompt, before the document.
+    pub preamble_tokens: u32,
+    /// Fewest questions of one session (the first and its follow-ups).
+    pub min_turns: u32,
+    /// Most questions of one session; the count is uniform in `[min_turns, max_turns]`.
+    pub max_turns: u32,
+    /// Length of each question.
+    pub question_tokens: TokenRange,
+    /// Length of each answer (the request's output, appended to the next turn's prompt).
+    pub answer_tokens: TokenRange,
+    /// Mean pause between an answer and the next question, in seconds (exponential).
+    pub mean_think_s: f64,
+}
+
+impl Default for LongdocParams {
+    fn default() -> Self {
+        LongdocParams {
+            documents: 120,
+            document_tokens: TokenRange::new(16_000, 64_000),
+            zipf_s: 0.8,
+            preamble_tokens: 300,
+            min_turns: 4,
+            max_turns: 21,
+            question_tokens: TokenRange::new(20, 200),
+            answer_tokens: TokenRange::new(100, 600),
+            mean_think_s: 30.0,
+        }
+    }
+}
+
 /// Parameters of every synthetic workload; each pattern reads its own section.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SyntheticParams {
@@ -381,6 +434,8 @@ pub struct SyntheticParams {
     pub code: CodeParams,
     /// [`SyntheticKind::Conversation`] parameters.
     pub conversation: ConversationParams,
+    /// [`SyntheticKind::Longdoc`] parameters.
+    pub longdoc: LongdocParams,
 }
 
 impl Default for SyntheticParams {
@@ -395,6 +450,7 @@ impl Default for SyntheticParams {
             rag: RagParams::default(),
             code: CodeParams::default(),
             conversation: ConversationParams::default(),
+            longdoc: LongdocParams::default(),
         }
     }
 }
@@ -424,11 +480,19 @@ impl SyntheticParams {
                 "conversation.session.max_turns",
                 self.conversation.session.max_turns,
             ),
+            ("longdoc.documents", self.longdoc.documents),
+            ("longdoc.min_turns", self.longdoc.min_turns),
         ];
         for (name, n) in counts {
             if n == 0 {
                 return bad(format!("{name} is 0"));
             }
+        }
+        if self.longdoc.min_turns > self.longdoc.max_turns {
+            return bad(format!(
+                "longdoc.min_turns {} exceeds longdoc.max_turns {}",
+                self.longdoc.min_turns, self.longdoc.max_turns
+            ));
         }
         if self.rag.docs_per_prompt > self.rag.documents {
             return bad(format!(
@@ -461,6 +525,8 @@ impl SyntheticParams {
                 self.conversation.session.mean_think_s,
             ),
             ("conversation.mean_burst_s", self.conversation.mean_burst_s),
+            ("longdoc.zipf_s", self.longdoc.zipf_s),
+            ("longdoc.mean_think_s", self.longdoc.mean_think_s),
         ];
         for (name, x) in non_negative {
             if !(x.is_finite() && x >= 0.0) {
@@ -496,6 +562,9 @@ impl SyntheticParams {
                 "conversation.session.answer_tokens",
                 self.conversation.session.answer_tokens,
             ),
+            ("longdoc.document_tokens", self.longdoc.document_tokens),
+            ("longdoc.question_tokens", self.longdoc.question_tokens),
+            ("longdoc.answer_tokens", self.longdoc.answer_tokens),
         ];
         for (name, r) in ranges {
             if r.min > r.max {
@@ -530,6 +599,7 @@ pub fn generate(kind: SyntheticKind, params: &SyntheticParams) -> Vec<SyntheticR
         SyntheticKind::Rag => g.rag(),
         SyntheticKind::Code => g.code(),
         SyntheticKind::Conversation => g.conversation(),
+        SyntheticKind::Longdoc => g.longdoc(),
     };
     out.sort_by_key(|r| r.arrival_us);
     out.truncate(params.requests as usize);
@@ -610,6 +680,8 @@ const RAG_DOCUMENT: u64 = 4;
 const CODE_REPO: u64 = 5;
 const CODE_FILE: u64 = 6;
 const CONVERSATION_SYSTEM: u64 = 7;
+const LONGDOC_PREAMBLE: u64 = 8;
+const LONGDOC_DOCUMENT: u64 = 9;
 
 /// The SplitMix64 finaliser.
 fn mix64(x: u64) -> u64 {
@@ -910,6 +982,50 @@ impl<'a> Generator<'a> {
         out
     }
 
+    fn longdoc(&mut self) -> Vec<SyntheticRequest> {
+        let d = self.p.longdoc.clone();
+        let zipf = Zipf::new(d.documents, d.zipf_s);
+        let min_turns = d.min_turns.max(1);
+        let max_turns = d.max_turns.max(min_turns);
+        let mean_turns = f64::from(min_turns + max_turns) / 2.0;
+        let mean_start_gap = mean_turns / self.p.rate();
+        let preamble_len = TokenRange::new(d.preamble_tokens, d.preamble_tokens);
+        let preamble = self.fixed(LONGDOC_PREAMBLE, 0, 0, preamble_len);
+        let mut out = Vec::with_capacity(self.wanted());
+        let mut start = 0.0;
+        while !enough(&out, self.wanted(), start) {
+            start += self.time.exp(mean_start_gap);
+            let tenant = self.tenant();
+            let doc = u64::from(zipf.sample(&mut self.draws));
+            let turns = self.draws.range(u64::from(min_turns), u64::from(max_turns)) as u32;
+            let mut segments = vec![
+                preamble,
+                self.fixed(LONGDOC_DOCUMENT, doc, 0, d.document_tokens),
+            ];
+            let mut at = start;
+            for turn in 1..=turns {
+                segments.push(self.unique(d.question_tokens));
+                let output_tokens = d.answer_tokens.draw(&mut self.draws).max(1);
+                out.push(SyntheticRequest {
+                    arrival_us: to_us(at),
+                    tenant,
+                    segments: segments.clone(),
+                    output_tokens,
+                });
+                if turn == turns {
+                    break;
+                }
+                // The answer becomes history; the user reads it, then asks again.
+                segments.push(Segment {
+                    seed: self.draws.next_u64(),
+                    tokens: output_tokens,
+                });
+                at += self.time.exp(non_negative(d.mean_think_s));
+            }
+        }
+        out
+    }
+
     fn conversation(&mut self) -> Vec<SyntheticRequest> {
         let c = self.p.conversation.clone();
         let mean_turns = mean_at_least_one(c.session.mean_turns);
@@ -1008,7 +1124,8 @@ mod tests {
             Err(e @ WorkloadError::UnknownSynthetic { .. }) => {
                 assert_eq!(
                     e.to_string(),
-                    "unknown synthetic workload `agents` (valid: chat, bots, rag, code, conversation)"
+                    "unknown synthetic workload `agents` (valid: chat, bots, rag, code, conversation, \
+                         longdoc)"
                 )
             }
             other => panic!("{other:?}"),
@@ -1153,6 +1270,41 @@ mod tests {
                 .iter()
                 .all(|r| r.keys.len() as u32 == r.prompt_tokens / BLOCK));
         }
+    }
+
+    #[test]
+    fn longdoc_sessions_ask_several_questions_about_long_documents() {
+        let params = SyntheticParams {
+            requests: 600,
+            ..SyntheticParams::default()
+        };
+        let d = &params.longdoc;
+        let requests = generate(SyntheticKind::Longdoc, &params);
+        assert_eq!(requests.len(), 600);
+        let mut documents = HashSet::new();
+        let mut follow_ups = 0;
+        for r in &requests {
+            let doc = r.segments[1];
+            assert!((d.document_tokens.min..=d.document_tokens.max).contains(&doc.tokens));
+            documents.insert(doc);
+            // preamble, document, then question (answer, question)*
+            assert_eq!(r.segments.len() % 2, 1, "{r:?}");
+            let turn = (r.segments.len() - 1) / 2;
+            assert!(turn as u32 <= d.max_turns);
+            follow_ups += usize::from(turn > 1);
+        }
+        // Many sessions share each popular document.
+        assert!(documents.len() <= d.documents as usize);
+        assert!(documents.len() >= 10, "{}", documents.len());
+        assert!(follow_ups > 400, "{follow_ups}");
+        let w = to_workload("longdoc", &requests, BLOCK);
+        let stats = w.stats();
+        assert!(
+            (25_000.0..60_000.0).contains(&stats.mean_prompt_tokens),
+            "{}",
+            stats.mean_prompt_tokens
+        );
+        assert!(stats.ideal_hit_ratio > 0.9, "{}", stats.ideal_hit_ratio);
     }
 
     #[test]
