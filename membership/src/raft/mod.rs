@@ -4,7 +4,10 @@
 //! - [`store`]: the durable log, vote and snapshot in redb; the openraft type config.
 //! - [`wire`]: the `/raft/…` HTTP contract (paths, limits, warmpath's own bodies).
 //! - [`client`]: the peer client, over TCP or a simulated network.
+//! - `leader`: what a node does as the leader (writes, read indexes, joins) and what the
+//!   `/raft/…` handlers share of the running Raft.
 //! - [`network`]: Raft RPCs over HTTP (`/raft/…` routes and openraft's peer connections).
+//! - [`clock`]: the wall clock that bounds forwarded writes ([`unix_ms`]).
 //! - [`elect`]: the election timer and its pre-vote.
 //! - this module: [`RaftNode`], the handle the router uses.
 //!
@@ -25,7 +28,9 @@
 //! leader is replaced in about one second, well inside the 3 s target.
 
 pub mod client;
+pub mod clock;
 pub mod elect;
+mod leader;
 pub mod network;
 pub mod state;
 pub mod store;
@@ -35,8 +40,10 @@ pub mod wire;
 mod tests;
 
 use client::{HttpClient, HttpError, PeerTransport};
-use network::{NetworkFactory, ServerState};
-use openraft::error::{CheckIsLeaderError, ClientWriteError, InitializeError, RaftError};
+pub use clock::unix_ms;
+use leader::{leader_read_index, leader_write, ServerState};
+use network::NetworkFactory;
+use openraft::error::{ClientWriteError, InitializeError, RaftError};
 use openraft::{BasicNode, ChangeMembers, Raft, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
 use state::{Command, CommandResult, ConfigState};
@@ -47,23 +54,7 @@ use std::time::Duration;
 use store::{NodeId, Store, TypeConfig};
 use tokio::sync::watch;
 use tokio::time::Instant;
-use wire::{JoinRequest, LeaderReply};
-
-/// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it); under
-/// [`enter_simulation`], the simulated clock. Forwarded writes' deadlines are on it.
-pub fn unix_ms() -> u64 {
-    if let Some((wall_ms, at)) = SIM_WALL.with(std::cell::Cell::get) {
-        return wall_ms + at.elapsed().as_millis() as u64;
-    }
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-thread_local! {
-    /// Set by [`enter_simulation`]: the wall clock at that moment and tokio's clock then.
-    static SIM_WALL: std::cell::Cell<Option<(u64, Instant)>> = const { std::cell::Cell::new(None) };
-}
+use wire::{normalise_base, JoinRequest, LeaderReply};
 
 /// For the deterministic simulation, called on the thread that runs it, inside its
 /// single-threaded runtime with paused time: storage work runs on this thread (see
@@ -72,7 +63,7 @@ thread_local! {
 /// by those seconds.
 pub fn enter_simulation() {
     store::run_storage_inline();
-    SIM_WALL.with(|w| w.set(Some((unix_ms(), Instant::now()))));
+    clock::follow_tokio();
 }
 
 /// A leader that has heard from no quorum for this long refuses writes at once (twice the
@@ -356,7 +347,7 @@ pub struct RaftStatus {
     pub replication_lag: Option<BTreeMap<NodeId, u64>>,
     /// On the leader: ms since a quorum last acknowledged it.
     pub millis_since_quorum_ack: Option<u64>,
-    /// On the leader: no quorum has acknowledged it for over [`STALE_QUORUM_MS`], so it
+    /// On the leader: no quorum has acknowledged it for over `STALE_QUORUM_MS` (2 s), so it
     /// is cut off (openraft 0.9 keeps such a node in the leader role): it refuses writes
     /// and linearizable reads, and another leader may already be serving the majority.
     pub quorum_lost: bool,
@@ -377,7 +368,7 @@ pub struct RaftNode {
     /// The applied configuration (one channel across restarts of Raft).
     state_rx: watch::Receiver<ConfigState>,
     /// The running Raft and what the `/raft/` handlers need of it; swapped on a restart.
-    server: network::ServerCell,
+    server: leader::ServerCell,
     /// The tasks of the running Raft, and its database.
     running: Arc<Mutex<Running>>,
     /// Deadline of writes and reads.
@@ -456,15 +447,6 @@ impl std::fmt::Debug for RaftNode {
         f.debug_struct("RaftNode")
             .field("node_id", &self.node_id)
             .finish()
-    }
-}
-
-fn normalise_base(url: &str) -> String {
-    let u = url.trim_end_matches('/');
-    if u.contains("://") {
-        u.to_string()
-    } else {
-        format!("http://{u}")
     }
 }
 
@@ -632,7 +614,7 @@ struct Keeper {
     config: NodeConfig,
     client: HttpClient,
     state_tx: watch::Sender<ConfigState>,
-    server: network::ServerCell,
+    server: leader::ServerCell,
     running: Arc<Mutex<Running>>,
 }
 
@@ -650,7 +632,7 @@ impl Keeper {
         metrics::counter!(crate::metric_names::RAFT_STOPS_TOTAL).increment(0);
         loop {
             metrics::gauge!(crate::metric_names::RAFT_RUNNING).set(1.0);
-            let raft = network::current(&self.server).raft;
+            let raft = leader::current(&self.server).raft;
             let cause = stopped_cause(&raft).await;
             metrics::counter!(crate::metric_names::RAFT_STOPS_TOTAL).increment(1);
             metrics::gauge!(crate::metric_names::RAFT_RUNNING).set(0.0);
@@ -765,7 +747,7 @@ impl RaftNode {
 
     /// The running Raft (the one started last, which may have stopped).
     fn raft(&self) -> Raft<TypeConfig> {
-        network::current(&self.server).raft
+        leader::current(&self.server).raft
     }
 
     /// Why this node's Raft is stopped, while it is: the stopped Raft's metrics say so
@@ -782,7 +764,7 @@ impl RaftNode {
     /// again after a stop follows only once it has heard a leader since.
     pub fn following(&self, bound: Duration) -> Result<(), NotFollowing> {
         let bound_ms = bound.as_millis() as u64;
-        let server = network::current(&self.server);
+        let server = leader::current(&self.server);
         let metrics = server.raft.metrics();
         let m = metrics.borrow();
         if let Err(fatal) = &m.running_state {
@@ -917,7 +899,7 @@ impl RaftNode {
                     if let Some(since_ms) = since.filter(|&ms| ms > STALE_QUORUM_MS) {
                         return Err(WriteError::NoQuorum { since_ms });
                     }
-                    leader_write(&network::current(&self.server), cmd.clone(), remaining).await
+                    leader_write(&leader::current(&self.server), cmd.clone(), remaining).await
                 }
                 Target::Remote(url) => {
                     // The leader must not submit it once this node has answered.
@@ -1187,7 +1169,7 @@ impl RaftNode {
     /// (at most `within`) until a newer leader is known. Returns whether one is. A node
     /// that does not lead, or leads alone, does nothing.
     pub async fn hand_off(&self, within: Duration) -> bool {
-        let server = network::current(&self.server);
+        let server = leader::current(&self.server);
         let m = server.raft.metrics().borrow().clone();
         if m.state != openraft::ServerState::Leader || m.running_state.is_err() {
             return false;
@@ -1374,97 +1356,6 @@ enum Target {
     Local,
     /// At the leader's base URL.
     Remote(String),
-}
-
-fn not_leader<E>(f: &openraft::error::ForwardToLeader<NodeId, BasicNode>) -> LeaderReply<E> {
-    LeaderReply::NotLeader {
-        leader_id: f.leader_id,
-        leader_url: f.leader_node.as_ref().map(|n| n.addr.clone()),
-    }
-}
-
-/// Proposes `cmd` on this node, which should be the leader. A leader handing its
-/// leadership off (see [`RaftNode::hand_off`]) takes no write: it answers "not the
-/// leader" naming none, so the writer waits for the next leader, as in an election.
-pub(crate) async fn leader_write(
-    server: &ServerState,
-    cmd: Command,
-    timeout: Duration,
-) -> LeaderReply<CommandResult> {
-    if server
-        .handing_off
-        .load(std::sync::atomic::Ordering::Acquire)
-    {
-        return LeaderReply::NotLeader {
-            leader_id: None,
-            leader_url: None,
-        };
-    }
-    match tokio::time::timeout(timeout, server.raft.client_write(cmd)).await {
-        Err(_) => LeaderReply::Timeout,
-        Ok(Ok(resp)) => LeaderReply::Ok(resp.data),
-        Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => not_leader(&f),
-        Ok(Err(RaftError::APIError(e))) => LeaderReply::Failed(e.to_string()),
-        // Raft stopped or failed with the write possibly in its log.
-        Ok(Err(RaftError::Fatal(f))) => LeaderReply::Unknown(f.to_string()),
-    }
-}
-
-/// Confirms leadership with a quorum and returns the index a reader must have applied.
-pub(crate) async fn leader_read_index(
-    raft: &Raft<TypeConfig>,
-    timeout: Duration,
-) -> LeaderReply<u64> {
-    match tokio::time::timeout(timeout, raft.get_read_log_id()).await {
-        Err(_) => LeaderReply::Timeout,
-        Ok(Ok((read_log_id, _))) => LeaderReply::Ok(read_log_id.map(|l| l.index).unwrap_or(0)),
-        Ok(Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)))) => not_leader(&f),
-        Ok(Err(RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(q)))) => {
-            LeaderReply::NoQuorum(q.to_string())
-        }
-        Ok(Err(e)) => LeaderReply::Failed(e.to_string()),
-    }
-}
-
-/// Adds a learner on this node, which should be the leader.
-pub(crate) async fn leader_join(
-    raft: &Raft<TypeConfig>,
-    req: JoinRequest,
-    timeout: Duration,
-) -> LeaderReply<()> {
-    let url = normalise_base(&req.url);
-    if let Err(e) = state::check_instance_url(&url) {
-        return LeaderReply::Failed(format!("url {:?}: {e}", req.url));
-    }
-    {
-        let m = raft.metrics().borrow().clone();
-        let membership = m.membership_config.membership();
-        if let Some(n) = membership.get_node(&req.node_id) {
-            if n.addr == url {
-                return LeaderReply::Ok(());
-            }
-            if membership.voter_ids().any(|v| v == req.node_id) {
-                return LeaderReply::Failed(format!(
-                    "node {} is a voter at {}; refusing to move it to {url}",
-                    req.node_id, n.addr
-                ));
-            }
-        }
-    }
-    match tokio::time::timeout(
-        timeout,
-        raft.add_learner(req.node_id, BasicNode::new(&url), false),
-    )
-    .await
-    {
-        Err(_) => LeaderReply::Timeout,
-        Ok(Ok(_)) => {
-            tracing::info!(node_id = req.node_id, %url, "raft learner added");
-            LeaderReply::Ok(())
-        }
-        Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => not_leader(&f),
-        Ok(Err(e)) => LeaderReply::Failed(e.to_string()),
-    }
 }
 
 /// A learner asks the voters, in turn, to add it, until one (the leader) does.

@@ -6,7 +6,8 @@
 //! Bodies are JSON. Peer RPCs (`append`, `vote`, `snapshot`) carry openraft's own request
 //! types and answer `Result<response, RaftError>`; `pre-vote` is warmpath's own (see
 //! [`super::elect`]); leader-only operations (`write`,
-//! `read-index`, `join`) answer a [`LeaderReply`]. A node that has shut down answers 503.
+//! `read-index`, `join`) run in `super::leader` and answer a [`LeaderReply`]. A node that
+//! has shut down answers 503.
 //!
 //! Client errors are classified once, here, into openraft's [`RPCError`] kinds: refused
 //! connections and 503 are `Unreachable` (openraft backs off), an expired deadline is
@@ -14,7 +15,11 @@
 //! undecodable body, broken connection) is `Network`.
 
 use super::client::{HttpClient, HttpError};
-use super::elect::{answer, Contact, PreVoteRequest, PATH_PRE_VOTE};
+use super::clock::unix_ms;
+use super::elect::{answer, PreVoteRequest, PATH_PRE_VOTE};
+use super::leader::{
+    current, leader_join, leader_read_index, leader_write, ServerCell, ServerState,
+};
 use super::state::{Command, CommandResult};
 use super::store::{self, NodeId, TypeConfig};
 use super::wire::{
@@ -34,10 +39,8 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::{BasicNode, RPCTypes, Raft, RaftNetwork, RaftNetworkFactory};
+use openraft::{BasicNode, RPCTypes, RaftNetwork, RaftNetworkFactory};
 use serde::{de::DeserializeOwned, Serialize};
-use std::sync::Arc;
-use std::time::Duration;
 
 /// Creates a [`PeerConnection`] per target for openraft.
 #[derive(Debug, Clone)]
@@ -134,45 +137,6 @@ impl RaftNetwork<TypeConfig> for PeerConnection {
     ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
         self.call(PATH_VOTE, RPCTypes::Vote, &rpc, &option).await
     }
-}
-
-/// What the HTTP handlers need.
-#[derive(Clone)]
-pub(crate) struct ServerState {
-    /// The local Raft node.
-    pub(crate) raft: Raft<TypeConfig>,
-    /// blake3 of the expected bearer token, when one is required.
-    pub(crate) auth_hash: Option<blake3::Hash>,
-    /// How long a forwarded write may wait for its commit.
-    pub(crate) write_timeout: Duration,
-    /// When a leader was last heard; the append and snapshot handlers touch it.
-    pub(crate) contact: Contact,
-    /// The leader lease (the top of the election range), for pre-vote answers.
-    pub(crate) lease: Duration,
-    /// Set while this leader hands its leadership off before it stops: it takes no write
-    /// (a write then waits for the next leader).
-    pub(crate) handing_off: Arc<std::sync::atomic::AtomicBool>,
-    /// The store, for this node's last log id in pre-vote answers; weak, so that a
-    /// stopped Raft's database closes (the node's keeper opens it again).
-    pub(crate) db: std::sync::Weak<redb::Database>,
-}
-
-impl std::fmt::Debug for ServerState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerState")
-            .field("auth", &self.auth_hash.is_some())
-            .field("write_timeout", &self.write_timeout)
-            .finish()
-    }
-}
-
-/// The handlers' [`ServerState`], swapped whole when the node's Raft is started again
-/// (see `RaftNode`'s keeper): every request reads the current one.
-pub(crate) type ServerCell = Arc<std::sync::RwLock<ServerState>>;
-
-/// The current state of `cell`.
-pub(crate) fn current(cell: &ServerCell) -> ServerState {
-    cell.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
 /// The `/raft/…` routes of one node. The peer token is checked by a layer that runs
@@ -321,7 +285,7 @@ async fn write(
         .get(WRITE_DEADLINE_HEADER)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if let Some(deadline) = deadline {
-        let now = super::unix_ms();
+        let now = unix_ms();
         if now > deadline {
             let late: LeaderReply<CommandResult> = LeaderReply::Late {
                 late_ms: now - deadline,
@@ -329,7 +293,7 @@ async fn write(
             return Json(late).into_response();
         }
     }
-    let r: LeaderReply<CommandResult> = super::leader_write(&s, cmd, s.write_timeout).await;
+    let r: LeaderReply<CommandResult> = leader_write(&s, cmd, s.write_timeout).await;
     Json(r).into_response()
 }
 
@@ -338,7 +302,7 @@ async fn read_index(State(cell): State<ServerCell>) -> Response {
     if let Some(r) = stopped(&s) {
         return r;
     }
-    Json(super::leader_read_index(&s.raft, s.write_timeout).await).into_response()
+    Json(leader_read_index(&s.raft, s.write_timeout).await).into_response()
 }
 
 async fn join(State(cell): State<ServerCell>, Json(req): Json<JoinRequest>) -> Response {
@@ -346,7 +310,7 @@ async fn join(State(cell): State<ServerCell>, Json(req): Json<JoinRequest>) -> R
     if let Some(r) = stopped(&s) {
         return r;
     }
-    Json(super::leader_join(&s.raft, req, s.write_timeout).await).into_response()
+    Json(leader_join(&s.raft, req, s.write_timeout).await).into_response()
 }
 
 /// The leader asks this voter to take over: it stands for election as soon as it has not

@@ -67,3 +67,14 @@ pub struct JoinRequest {
     /// The learner's base URL.
     pub url: String,
 }
+
+/// A peer's base URL as the cluster stores it: no trailing `/`, `http://` when it names
+/// no scheme.
+pub(crate) fn normalise_base(url: &str) -> String {
+    let u = url.trim_end_matches('/');
+    if u.contains("://") {
+        u.to_string()
+    } else {
+        format!("http://{u}")
+    }
+}
