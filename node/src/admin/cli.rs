@@ -986,7 +986,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn cli_against_a_live_api() {
-        use crate::admin::api::tests::{Harness, TOKEN};
+        use crate::admin::testing::{Harness, TOKEN};
         let h = Harness::start(false).await;
         let token = || TOKEN.to_string();
         let pool_put = AdminCommand::Pools(PoolsCommand::Put {

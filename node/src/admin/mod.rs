@@ -6,11 +6,15 @@
 //! - [`cli`]: the command-line client, printing aligned tables or raw JSON.
 //! - [`wire`]: the HTTP contract as data (prefix, operations, request bodies), which the
 //!   other three read.
+//! - `testing` (tests only): the harness the API's and the CLI's tests share.
 
 pub mod api;
 pub mod cli;
 pub mod openapi;
 pub mod wire;
+
+#[cfg(test)]
+mod testing;
 
 pub use api::{routes, AdminDeps, RouterInfo};
 pub use cli::{run, AdminArgs};
