@@ -99,7 +99,7 @@ impl Proc {
     /// (`unshare`, as the root of a user namespace): a disk that fills up, gone with the
     /// process.
     pub fn start_with_small_disk(dir: &std::path::Path, bytes: u64, args: &[&str]) -> Proc {
-        let mut command = Command::new(crate::system_tool("unshare"));
+        let mut command = Command::new(crate::tools::system_tool("unshare"));
         command
             .args(small_disk_args(dir, bytes, &warmpath_bin()))
             .args(args);

@@ -1,6 +1,6 @@
 //! A real `redis-server` for the cache-agent's tests and the fault harness.
 
-use crate::free_addr;
+use crate::ports::free_addr;
 use std::process::{Child, Command, Stdio};
 
 /// A real `redis-server` (the distribution's package) on a loopback port, without
@@ -18,7 +18,7 @@ impl Redis {
 
     /// Starts on `port` (again, after a stop) and waits until it answers.
     pub fn start_on(port: u16) -> Redis {
-        let child = Command::new(crate::system_tool("redis-server"))
+        let child = Command::new(crate::tools::system_tool("redis-server"))
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args([
                 "--save",
