@@ -86,9 +86,9 @@ const WRITE_BOUND_MS: f64 = 10_000.0;
 /// Issue 12's target: writes succeed through the majority within 3 s of any single fault.
 const HEALTHY_WRITES_MS: f64 = 3_000.0;
 const LIMIT_RPS: f64 = 20.0;
-/// What a rate limit may admit under a partition: its rate (ARCHITECTURE.md, "Rate
-/// limits": at most `rate` cluster-wide during the first 60 s of a partition), plus 5%
-/// for the edges of a window measured at the clients.
+/// What a rate limit may admit under a partition: its rate
+/// (docs/decisions/0040-rate-limits.md: at most `rate` cluster-wide during the first 60 s
+/// of a partition), plus 5% for the edges of a window measured at the clients.
 const RATE_FACTOR: f64 = 1.05;
 
 fn expect(healthy: bool, partition: bool, leaderless_ms: Option<f64>) -> Expect {

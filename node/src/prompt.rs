@@ -25,8 +25,8 @@
 //! BPE (`bpe-openai`'s, or the tokenizer's own model on the piece's byte-level spelling).
 //! A `tokenizer.json` takes the fast path only if warmpath's ids equal the `tokenizers`
 //! crate's on a probe text at load; otherwise the crate encodes the whole text (about
-//! 350 µs per KB here, BENCHMARKS.md). Two caches per thread and tokenizer, both exact
-//! (tests hold the ids equal to the uncached encoders'):
+//! 350 µs per KB here, docs/decisions/0090-tokenizer-fast-path.md). Two caches per thread
+//! and tokenizer, both exact (tests hold the ids equal to the uncached encoders'):
 //! - pieces: BPE works on each pre-tokenized piece (a word, a number, a punctuation run)
 //!   alone, so the ids of each piece seen before are kept, in a direct-mapped table of
 //!   [`PIECE_CACHE_SLOTS`] one-cache-line slots (a piece of up to 22 bytes and 8 ids; a new

@@ -5,10 +5,11 @@
 //!
 //! An operation whose outcome is unknown (a timeout, a 504) is *optional*: it may take
 //! effect at any moment between its invocation and its bound, or never. Its bound is the
-//! write deadline warmpath promises (ARCHITECTURE.md, "What a 504 means"), not infinity:
-//! a write that takes effect after the deadline its client was given is a violation,
-//! which is how defect 2 (a 504'd write applied seconds after the partition healed) is
-//! caught.
+//! write deadline warmpath promises, not infinity
+//! (docs/decisions/0045-unknown-write-bound.md; what a 504 means:
+//! docs/decisions/0036-writes-and-reads.md): a write that takes effect after the deadline
+//! its client was given is a violation, which is how defect 2 (a 504'd write applied
+//! seconds after the partition healed) is caught.
 
 use std::collections::HashSet;
 
