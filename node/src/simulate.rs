@@ -35,7 +35,7 @@ pub struct SimulateArgs {
         required_unless_present = "workload"
     )]
     pub trace: Option<PathBuf>,
-    /// Synthetic workload: chat, bots, rag, code or conversation.
+    /// Synthetic workload: chat, bots, rag, code, conversation or longdoc.
     #[arg(long)]
     pub workload: Option<String>,
     /// Inference instances (one per host).
@@ -66,6 +66,10 @@ pub struct SimulateArgs {
     /// Turn the agents' residency feed off: routers know only their predictions.
     #[arg(long)]
     pub no_agent_feed: bool,
+    /// Tier loads stall the step that admits them, instead of running beside the batch as
+    /// vLLM's KV connectors load (the model before issue 24).
+    #[arg(long)]
+    pub blocking_loads: bool,
     /// GPU KV-cache capacity of each instance, tokens.
     #[arg(long, default_value_t = 400_000)]
     pub gpu_kv_tokens: u64,
@@ -119,6 +123,10 @@ pub struct SimulationOutput {
     pub cluster: ClusterSummary,
     pub bounds: Bounds,
     pub runs: Vec<RunReport>,
+    /// With L1 or L2 on: the same runs without tiers, in the same order, to show what the
+    /// tiers buy (empty without tiers).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs_without_tiers: Vec<RunReport>,
 }
 
 #[derive(Serialize, Debug)]
@@ -236,8 +244,10 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
         gpu_blocks,
         l1_blocks: args.l1_kv_tokens / u64::from(bt),
         offload_to_l2: args.l2_kv_tokens > 0,
+        async_loads: !args.blocking_loads,
         ..EngineConfig::default()
     };
+    let tiered = engine.l1_blocks > 0 || engine.offload_to_l2;
     let configs: Vec<ClusterConfig> = strategies
         .iter()
         .map(|&s| ClusterConfig {
@@ -259,7 +269,21 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             seed: args.seed,
         })
         .collect();
-    let runs = run_all(&configs, &workload, show_progress)?;
+    // With tiers, each policy also runs without them, in the same batch.
+    let mut all = configs.clone();
+    if tiered {
+        all.extend(configs.iter().map(|c| ClusterConfig {
+            engine: EngineConfig {
+                l1_blocks: 0,
+                offload_to_l2: false,
+                ..c.engine.clone()
+            },
+            l2_blocks: 0,
+            ..c.clone()
+        }));
+    }
+    let mut runs = run_all(&all, &workload, show_progress)?;
+    let runs_without_tiers = runs.split_off(configs.len());
     let fleet_blocks = u64::from(gpu_blocks) * u64::from(args.instances);
     Ok(SimulationOutput {
         bounds: Bounds {
@@ -289,6 +313,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             working_set_tokens,
         },
         runs,
+        runs_without_tiers,
     })
 }
 
@@ -412,8 +437,8 @@ pub fn render_table(out: &SimulationOutput) -> String {
         out.bounds.pooled_hit_rate * 100.0
     );
     s += &format!(
-        "{:<13} {:>6} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>7} {:>9} {:>6} {:>7}\n",
-        "policy", "hit%", "gpu%", "l1%", "l2%", "ttft p50", "ttft p90", "ttft p99", "itl p50", "itl p99", "e2e p50", "req/s", "tok/s", "imbal", "ttft/rr"
+        "{:<13} {:>6} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>7} {:>9} {:>6} {:>7} {:>8}\n",
+        "policy", "hit%", "gpu%", "l1%", "l2%", "ttft p50", "ttft p90", "ttft p99", "itl p50", "itl p99", "e2e p50", "req/s", "tok/s", "imbal", "ttft/rr", "prefill"
     );
     let rr = out
         .runs
@@ -422,7 +447,7 @@ pub fn render_table(out: &SimulationOutput) -> String {
         .map(|r| r.ttft_ms_p50);
     for r in &out.runs {
         s += &format!(
-            "{:<13} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>9.1} {:>7.2} {:>9.0} {:>6.2} {:>7}\n",
+            "{:<13} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>9.1} {:>7.2} {:>9.0} {:>6.2} {:>7} {:>8.3}\n",
             r.policy,
             r.hit_rate * 100.0,
             r.hit_rate_gpu * 100.0,
@@ -438,6 +463,7 @@ pub fn render_table(out: &SimulationOutput) -> String {
             r.throughput_tokens_per_s,
             r.imbalance,
             rr.filter(|v| *v > 0.0).map_or("-".to_string(), |v| format!("{:.2}x", r.ttft_ms_p50 / v)),
+            r.prefill_gpu_s_per_request,
         );
         if r.rejected > 0 {
             s += &format!(
@@ -447,7 +473,52 @@ pub fn render_table(out: &SimulationOutput) -> String {
         }
     }
     s +=
-        "times in ms; hit% is token-weighted over all tiers; imbal = max/mean instance busy time\n";
+        "times in ms; hit% is token-weighted over all tiers; imbal = max/mean instance busy time; \
+          prefill = prefill GPU-seconds per request\n";
+    if !out.runs_without_tiers.is_empty() {
+        s += &tiers_table(&out.runs, &out.runs_without_tiers);
+    }
+    s
+}
+
+/// What the tiers buy: each policy with tiers over the same policy without them.
+fn tiers_table(with: &[RunReport], without: &[RunReport]) -> String {
+    let ratio = |a: f64, b: f64| {
+        if b > 0.0 {
+            format!("{:.2}x", a / b)
+        } else {
+            "-".to_string()
+        }
+    };
+    let mut s = String::from("\nwith tiers against the same runs without them:\n");
+    s += &format!(
+        "{:<13} {:>11} {:>9} {:>9} {:>9} {:>15} {:>7}\n",
+        "policy", "hit% no→on", "ttft p50", "ttft p90", "ttft p99", "prefill no→on", "saved"
+    );
+    for (t, n) in with.iter().zip(without) {
+        let saved = if n.prefill_gpu_s_per_request > 0.0 {
+            format!(
+                "{:.0}%",
+                (1.0 - t.prefill_gpu_s_per_request / n.prefill_gpu_s_per_request) * 100.0
+            )
+        } else {
+            "-".to_string()
+        };
+        s += &format!(
+            "{:<13} {:>5.1}→{:<5.1} {:>9} {:>9} {:>9} {:>7.3}→{:<7.3} {:>7}\n",
+            t.policy,
+            n.hit_rate * 100.0,
+            t.hit_rate * 100.0,
+            ratio(t.ttft_ms_p50, n.ttft_ms_p50),
+            ratio(t.ttft_ms_p90, n.ttft_ms_p90),
+            ratio(t.ttft_ms_p99, n.ttft_ms_p99),
+            n.prefill_gpu_s_per_request,
+            t.prefill_gpu_s_per_request,
+            saved,
+        );
+    }
+    s += "ttft columns: with tiers over without (below 1.00x is faster); saved = prefill \
+          GPU-seconds the tiers save\n";
     s
 }
 

@@ -116,6 +116,12 @@ pub struct RunReport {
     /// Max over mean of per-instance busy time.
     pub imbalance: f64,
     pub preemptions: u64,
+    /// GPU seconds of prefill per completed request: the profile's prefill time of the
+    /// tokens actually computed (recomputation after preemption included), what cache
+    /// hits save.
+    pub prefill_gpu_s_per_request: f64,
+    /// Seconds of tier loads (L1 and L2) per completed request.
+    pub load_s_per_request: f64,
     /// Simulated seconds from the first arrival to the last completion.
     pub makespan_s: f64,
     /// What reports plot (long arrays, left out of `--json`).
@@ -698,6 +704,7 @@ impl<'a> Run<'a> {
         let mut busy = Vec::new();
         let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
             (0u64, 0u64, 0u64, 0u64, 0u64);
+        let (mut prefill_us, mut load_us) = (0u64, 0u64);
         for e in &self.engines {
             let s = e.stats();
             busy.push(s.busy_us as f64);
@@ -706,7 +713,10 @@ impl<'a> Run<'a> {
             l1_hits += s.l1_hit_tokens;
             l2_hits += s.l2_hit_tokens;
             preemptions += s.preemptions;
+            prefill_us += s.prefill_us;
+            load_us += s.load_us;
         }
+        let per_request = |us: u64| us as f64 / 1e6 / completed.max(1) as f64;
         let mean_busy = busy.iter().sum::<f64>() / busy.len() as f64;
         let max_busy = busy.iter().copied().fold(0.0, f64::max);
         let makespan_s = (self.last_us.saturating_sub(self.load.first_us)) as f64 / 1e6;
@@ -747,6 +757,8 @@ impl<'a> Run<'a> {
                 1.0
             },
             preemptions,
+            prefill_gpu_s_per_request: per_request(prefill_us),
+            load_s_per_request: per_request(load_us),
             makespan_s,
             curves: Curves {
                 ttft_cdf_ms: if ttft.is_empty() {
@@ -912,8 +924,15 @@ mod tests {
             let r = run(&config(Strategy::RoundRobin, 1, 1, 10_000_000), &w);
             let ideal = ideal_hit_rate(&w);
             assert_eq!(r.completed, 300);
+            // A longdoc session that opens while another still prefills its document
+            // computes it too (an engine hits only computed blocks): a little below.
+            let slack = if kind == SyntheticKind::Longdoc {
+                0.01
+            } else {
+                1e-9
+            };
             assert!(
-                (r.hit_rate - ideal).abs() < 1e-9,
+                r.hit_rate <= ideal + 1e-9 && ideal - r.hit_rate < slack,
                 "{kind}: {} vs ideal {ideal}",
                 r.hit_rate
             );

@@ -40,8 +40,13 @@
 //! Hits are counted at admission. The longest run of leading keys resident on the GPU is
 //! reused (`gpu_hit_tokens`); from there, keys found in L1 (checked first) or L2 are loaded
 //! (`l1_hit_tokens`, `l2_hit_tokens`; touched in their LRU, the copy stays there, and the
-//! loaded blocks become named GPU blocks at once, `Stored{Gpu}`); the load time
-//! `profile.load_ms(tier, tokens)` is added to the admitting step. The first key in neither
+//! loaded blocks become named GPU blocks at once, `Stored{Gpu}`). The load takes
+//! `profile.load_ms(tier, tokens)`. With `async_loads` (the default, as vLLM's KV
+//! connectors load: the request waits for its blocks while the batch goes on) it runs on
+//! the host link, one load after another, and the request's prefill starts in the first
+//! step after its load has landed; an engine with nothing else to do waits in idle steps of
+//! at most [`LOAD_WAIT_SLICE_US`], which count as neither steps nor busy time. Without
+//! `async_loads` the load time is added to the admitting step. The first key in neither
 //! tier ends the run; the rest is computed. As in vLLM, at least the prompt's last token is
 //! always computed: only blocks that end before the last prompt token can hit, so a prompt
 //! of exactly n blocks hits at most n − 1 of them. Keys beyond `prompt_tokens /
@@ -54,7 +59,7 @@
 //! admission first; the rest goes to prefill chunks of prefilling sequences in admission
 //! order, newly admitted ones last. Step time is `prefill_ms(prefill tokens)` plus
 //! `decode_step_ms(kv_usage)` if the step decodes (usage measured after the step's
-//! allocations) plus the admitted loads, rounded to whole microseconds and at least 1 µs.
+//! allocations) plus, without `async_loads`, the admitted loads, rounded to whole microseconds and at least 1 µs.
 //! When a sequence's last chunk completes, its computed complete prompt blocks become named
 //! (`Stored{Gpu}`; if another sequence cached the same key meanwhile, the copy is freed and
 //! the existing block shared) and it emits `FirstToken` at the step's end. Each later step
@@ -108,6 +113,10 @@ use warmpath_tiers::BlockLru;
 
 use crate::tiers::TierSet;
 
+/// Longest idle step of an engine that only waits for loads, microseconds: an arrival
+/// during the wait is admitted at the latest this much later.
+pub const LOAD_WAIT_SLICE_US: u64 = 2_000;
+
 /// Shape and limits of one engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -123,6 +132,11 @@ pub struct EngineConfig {
     pub l1_blocks: u64,
     /// Blocks evicted from L1 (or from GPU when there is no L1) go to the global L2 store.
     pub offload_to_l2: bool,
+    /// Tier loads run beside the batch (vLLM's asynchronous KV-connector loads): an admitted
+    /// request waits for its blocks while the other sequences go on, and the host link
+    /// carries one load at a time. When false, each load is added to the step that admits
+    /// it, stalling every sequence of that step.
+    pub async_loads: bool,
 }
 
 impl Default for EngineConfig {
@@ -137,6 +151,7 @@ impl Default for EngineConfig {
             max_running: 256,
             l1_blocks: 0,
             offload_to_l2: false,
+            async_loads: true,
         }
     }
 }
@@ -203,6 +218,11 @@ pub struct EngineStats {
     pub l2_hit_tokens: u64,
     /// Prefill tokens computed, recomputation after preemption included.
     pub computed_prefill_tokens: u64,
+    /// GPU time of the steps' prefill (the profile's prefill time of each step's prefill
+    /// tokens), microseconds: the compute that cache hits save.
+    pub prefill_us: u64,
+    /// Time spent loading blocks from L1 or L2, microseconds.
+    pub load_us: u64,
     /// Sequences preempted (one per preemption, a sequence may count several times).
     pub preemptions: u64,
     pub finished: u64,
@@ -229,6 +249,9 @@ struct Seq {
     offered: Vec<Tier>,
     offered_from: usize,
     // The current run: reset by preemption.
+    /// With asynchronous loads, when this run's loaded blocks are all on the GPU; its
+    /// prefill waits until then (0: nothing to wait for).
+    ready_us: u64,
     /// Tokens to be in the KV cache before this run's first output: prompt plus tokens
     /// generated before the run began.
     prefill_len: u64,
@@ -255,6 +278,8 @@ impl Seq {
 #[derive(Clone, Copy, Debug)]
 struct Step {
     duration_us: u64,
+    /// Nothing ran: the engine waited for a load to finish.
+    idle: bool,
 }
 
 /// One engine: GPU cache, L1, scheduler. See the module doc for the model.
@@ -277,6 +302,8 @@ pub struct Engine {
     l1: TierSet,
     /// The step in flight, if any.
     step: Option<Step>,
+    /// With asynchronous loads, when the host link is free for the next load.
+    link_free_us: u64,
     /// Rejected at submission, not yet reported: (id, submitted at).
     rejects: Vec<(u64, u64)>,
     stats: EngineStats,
@@ -300,6 +327,7 @@ impl Engine {
             resident: HashMap::new(),
             evictable: BlockLru::new(u64::MAX),
             step: None,
+            link_free_us: 0,
             rejects: Vec::new(),
             stats: EngineStats::default(),
         }
@@ -337,6 +365,7 @@ impl Engine {
             first_hits: None,
             offered: req.offered,
             offered_from: req.offered_from,
+            ready_us: 0,
             prefill_len: 0,
             prefilled: 0,
             named: 0,
@@ -396,13 +425,14 @@ impl Engine {
             i += 1;
         }
 
-        // Prefill chunks of running sequences, in admission order.
+        // Prefill chunks of running sequences, in admission order (not those whose blocks
+        // are still loading).
         let mut prefill = 0u64;
         for seq in &mut self.running {
             if budget == 0 {
                 break;
             }
-            if !seq.decoding() {
+            if !seq.decoding() && seq.ready_us <= now_us {
                 seq.chunk = (seq.prefill_len - seq.prefilled).min(budget);
                 budget -= seq.chunk;
                 prefill += seq.chunk;
@@ -419,6 +449,17 @@ impl Engine {
             let Some(ms) = self.try_admit(l2, events) else {
                 break;
             };
+            // Float-to-int casts saturate and map NaN to 0, so this cannot panic.
+            let load_us = (ms * 1000.0).round() as u64;
+            self.stats.load_us += load_us;
+            if self.config.async_loads && load_us > 0 {
+                let ready = self.link_free_us.max(now_us).saturating_add(load_us);
+                self.link_free_us = ready;
+                if let Some(seq) = self.running.last_mut() {
+                    seq.ready_us = ready;
+                }
+                continue;
+            }
             load_ms += ms;
             if let Some(seq) = self.running.last_mut() {
                 seq.chunk = (seq.prefill_len - seq.prefilled).min(budget);
@@ -428,17 +469,35 @@ impl Engine {
         }
 
         if prefill == 0 && decodes == 0 {
-            // Nothing could be scheduled (cannot happen given the rejection rule): do not
-            // spin on empty steps.
-            return None;
+            // Nothing to compute. Wait for the first load to land, if one is under way;
+            // otherwise nothing could be scheduled (cannot happen given the rejection
+            // rule): do not spin on empty steps.
+            let ready = self
+                .running
+                .iter()
+                .filter(|s| s.ready_us > now_us)
+                .map(|s| s.ready_us)
+                .min()?;
+            // In short waits, so that an arrival meanwhile is admitted without waiting for
+            // the whole load.
+            let duration_us = (ready - now_us).min(LOAD_WAIT_SLICE_US);
+            self.step = Some(Step {
+                duration_us,
+                idle: true,
+            });
+            return Some(now_us + duration_us);
         }
-        let mut ms = self.profile.prefill_ms(prefill) + load_ms;
+        let prefill_ms = self.profile.prefill_ms(prefill);
+        self.stats.prefill_us += (prefill_ms * 1000.0).round() as u64;
+        let mut ms = prefill_ms + load_ms;
         if decodes > 0 {
             ms += self.profile.decode_step_ms(self.kv_usage());
         }
-        // Float-to-int casts saturate and map NaN to 0, so this cannot panic.
         let duration_us = ((ms * 1000.0).round() as u64).max(1);
-        self.step = Some(Step { duration_us });
+        self.step = Some(Step {
+            duration_us,
+            idle: false,
+        });
         Some(now_us.saturating_add(duration_us))
     }
 
@@ -449,6 +508,9 @@ impl Engine {
         let _ = l2; // Completion frees and names blocks but never evicts.
         self.flush_rejects(events);
         let Some(step) = self.step.take() else { return };
+        if step.idle {
+            return;
+        }
         self.stats.steps += 1;
         self.stats.busy_us += step.duration_us;
         let running = std::mem::take(&mut self.running);
@@ -784,6 +846,7 @@ impl Engine {
             return;
         };
         self.release(&seq);
+        seq.ready_us = 0;
         seq.prefill_len = 0;
         seq.prefilled = 0;
         seq.named = 0;
@@ -1218,35 +1281,51 @@ mod tests {
             (1, false, [32, 16, 0]),
         ];
         for (i, (l1_blocks, offload_to_l2, want)) in cases.into_iter().enumerate() {
-            let cfg = EngineConfig {
-                l1_blocks,
-                offload_to_l2,
-                ..config(16, 7)
-            };
-            let workload = one_by_one(vec![
-                req(0, keys(1, 4), 65, 1),
-                req(1, keys(2, 4), 65, 1),
-                req(2, keys(1, 4), 65, 1),
-            ]);
-            let run = drive(cfg, workload.clone(), TierSet::lru(1000));
-            assert_eq!(run.first_token(2).1, want, "case {i}");
-            // B evicts A3, A2; A's return evicts B3, B2 for the blocks it loads or computes.
-            let evicted = [1 << 32 | 3, 1 << 32 | 2, 2 << 32 | 3, 2 << 32 | 2].map(BlockKey);
-            assert_eq!(run.removed(Tier::Gpu), evicted, "case {i}");
-            let s = run.engine.stats();
-            let hits = [s.gpu_hit_tokens, s.l1_hit_tokens, s.l2_hit_tokens];
-            assert_eq!(hits, want.map(u64::from), "case {i}");
-            assert_eq!(
-                hits.iter().sum::<u64>() + s.computed_prefill_tokens,
-                s.prompt_tokens,
-                "case {i}"
-            );
-            // The admitting step computes the rest and pays for the loads.
-            let computed = 65 - want.iter().sum::<u32>();
-            let ms = d.prefill_ms(u64::from(computed))
-                + d.load_ms(Tier::L1, u64::from(want[1]))
-                + d.load_ms(Tier::L2, u64::from(want[2]));
-            assert_eq!(run.step_starting_at(workload[2].0), us(ms), "case {i}");
+            for async_loads in [false, true] {
+                let cfg = EngineConfig {
+                    l1_blocks,
+                    offload_to_l2,
+                    async_loads,
+                    ..config(16, 7)
+                };
+                let workload = one_by_one(vec![
+                    req(0, keys(1, 4), 65, 1),
+                    req(1, keys(2, 4), 65, 1),
+                    req(2, keys(1, 4), 65, 1),
+                ]);
+                let run = drive(cfg, workload.clone(), TierSet::lru(1000));
+                assert_eq!(run.first_token(2).1, want, "case {i}");
+                // B evicts A3, A2; A's return evicts B3, B2 for the blocks it loads or computes.
+                let evicted = [1 << 32 | 3, 1 << 32 | 2, 2 << 32 | 3, 2 << 32 | 2].map(BlockKey);
+                assert_eq!(run.removed(Tier::Gpu), evicted, "case {i}");
+                let s = run.engine.stats();
+                let hits = [s.gpu_hit_tokens, s.l1_hit_tokens, s.l2_hit_tokens];
+                assert_eq!(hits, want.map(u64::from), "case {i}");
+                assert_eq!(
+                    hits.iter().sum::<u64>() + s.computed_prefill_tokens,
+                    s.prompt_tokens,
+                    "case {i}"
+                );
+                let computed = 65 - want.iter().sum::<u32>();
+                let load_ms = d.load_ms(Tier::L1, u64::from(want[1]))
+                    + d.load_ms(Tier::L2, u64::from(want[2]));
+                let submitted = workload[2].0;
+                if !async_loads || load_ms == 0.0 {
+                    // The admitting step computes the rest and pays for the loads.
+                    let ms = d.prefill_ms(u64::from(computed)) + load_ms;
+                    assert_eq!(run.step_starting_at(submitted), us(ms), "case {i}");
+                } else {
+                    // The engine waits for the load (it has nothing else to do), then computes
+                    // the rest; the wait is not busy time.
+                    let loaded_at = submitted + us(load_ms);
+                    assert_eq!(run.step_starting_at(submitted), us(load_ms), "case {i}");
+                    assert_eq!(
+                        run.first_token(2).0,
+                        loaded_at + us(d.prefill_ms(u64::from(computed))),
+                        "case {i}"
+                    );
+                }
+            }
         }
     }
 
