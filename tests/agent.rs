@@ -490,6 +490,91 @@ async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
     .await;
 }
 
+/// Blocks the engine dropped instead of offloading, from its `/metrics`.
+async fn dropped_offloads(engine: &Proc) -> f64 {
+    crate::router::metric(
+        &get_text(&format!("{}/metrics", engine.url)).await,
+        "warmpath_engine_agent_blocks_total{model_name=\"sim-llama\",op=\"dropped\"}",
+    )
+}
+
+/// Issue 24: offload never blocks the engine. An agent stopped (SIGSTOP: connected, reading
+/// nothing) and then killed: every request still completes within the agent call deadline
+/// (2 s) plus its own time, and the blocks the engine could not hand over are counted as
+/// dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine() {
+    let (mut agent_proc, addr) = agent(&["--l1-bytes", "4MiB"]);
+    let engine = crate::engine_sim(
+        "50",
+        &[
+            "--gpu-kv-tokens",
+            "1024",
+            "--agent",
+            &addr.to_string(),
+            "--agent-block-scale",
+            "0.001",
+        ],
+    );
+    let http = client();
+    let mut seed = 0;
+    let mut ask = || {
+        seed += 1;
+        let (http, url) = (http.clone(), engine.url.clone());
+        async move {
+            let started = Instant::now();
+            let r = post(
+                &http,
+                &url,
+                "/v1/completions",
+                completion(&long_prompt(seed), 2, false),
+                &[],
+            )
+            .await;
+            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+            started.elapsed()
+        }
+    };
+    // Offloads land while the agent runs.
+    for _ in 0..4 {
+        ask().await;
+    }
+    let pid = agent_proc.pid().to_string();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .expect("kill runs")
+            .success();
+        assert!(ok, "kill {sig}");
+    };
+    for (what, stop) in [("stopped", true), ("killed", false)] {
+        if stop {
+            signal("-STOP");
+        } else {
+            signal("-CONT");
+            agent_proc.kill();
+        }
+        let before = dropped_offloads(&engine).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            // Each prompt evicts the last one's blocks from the 64-block GPU: offloads.
+            let took = ask().await;
+            assert!(
+                took < Duration::from_secs(5),
+                "a request took {took:?} with the agent {what}"
+            );
+            if dropped_offloads(&engine).await > before {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no offload counted as dropped with the agent {what}"
+            );
+        }
+    }
+}
+
 fn agent_on(at: &str) -> (Proc, AgentAddr) {
     let p = Proc::start(&["agent", "--listen", at, "--l1-bytes", "4MiB"]);
     (p, AgentAddr::Tcp(at.to_string()))

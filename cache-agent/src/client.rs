@@ -80,8 +80,20 @@ pub struct AgentClient {
     waiters: Waiters,
     next_id: AtomicU64,
     timeout: Duration,
-    /// Set when the reader saw the connection end.
+    /// Set when the reader saw the connection end, or a call went unanswered past its
+    /// deadline (a stalled agent: later calls go elsewhere at once instead of waiting too).
     closed: Arc<AtomicBool>,
+    /// The connection's reader and writer tasks, ended with the client: a writer blocked on
+    /// an agent that stopped reading must not outlive the client that gave up on it.
+    tasks: [tokio::task::AbortHandle; 2],
+}
+
+impl Drop for AgentClient {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
 }
 
 /// A block a get returned.
@@ -146,7 +158,7 @@ impl AgentClient {
         let (mut rd, mut wr) = tokio::io::split(s);
         let (tx, mut rx) = mpsc::channel::<Outgoing>(256);
         let waiters: Waiters = Arc::default();
-        tokio::spawn(async move {
+        let writer = tokio::spawn(async move {
             while let Some(out) = rx.recv().await {
                 if write_frame(&mut wr, &out).await.is_err() {
                     return;
@@ -159,7 +171,7 @@ impl AgentClient {
         let w = waiters.clone();
         let closed = Arc::new(AtomicBool::new(false));
         let closed_by_reader = closed.clone();
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             let limit = u64::from(u32::MAX);
             loop {
                 let mut len = [0u8; 4];
@@ -208,6 +220,7 @@ impl AgentClient {
             next_id: AtomicU64::new(1),
             timeout,
             closed,
+            tasks: [writer.abort_handle(), reader.abort_handle()],
         }
     }
 
@@ -224,15 +237,19 @@ impl AgentClient {
             .unwrap_or_else(|p| p.into_inner())
             .insert(id, tx);
         let out = proto::encode_frame(id, request, payloads);
-        let sent = self.tx.send(out).await;
-        let answer = match sent {
-            Err(_) => Err(ClientError::Closed),
-            Ok(()) => match tokio::time::timeout(self.timeout, rx).await {
-                Ok(Ok(a)) => a,
-                Ok(Err(_)) => Err(ClientError::Closed),
-                Err(_) => Err(ClientError::Timeout(self.timeout)),
-            },
-        };
+        // One deadline for queueing the frame and for its answer: a stalled agent fills the
+        // socket and then the queue, and a call must not wait on that longer than on a reply.
+        let answer = tokio::time::timeout(self.timeout, async {
+            if self.tx.send(out).await.is_err() {
+                return Err(ClientError::Closed);
+            }
+            rx.await.unwrap_or(Err(ClientError::Closed))
+        })
+        .await
+        .unwrap_or_else(|_| {
+            self.closed.store(true, Ordering::Release);
+            Err(ClientError::Timeout(self.timeout))
+        });
         if answer.is_err() {
             self.waiters
                 .lock()
@@ -365,22 +382,24 @@ fn unexpected(r: &Response, want: &'static str) -> ClientError {
     ClientError::Unexpected(got, want)
 }
 
-/// A client that reconnects: an engine holds one per agent and never fails on it. While
-/// the agent is unreachable, [`AgentLink::client`] answers None at once (no call waits on
-/// a dead agent) and a reconnect is tried at most once per `retry` interval.
+/// A client that reconnects: an engine holds one per agent and never fails or waits on it.
+/// While there is no live connection, [`AgentLink::client`] answers None at once and, at
+/// most once per `retry` interval, starts a connection attempt in the background; a call
+/// waits only on a connection that was live when it started, and at most its deadline.
 #[derive(Debug)]
 pub struct AgentLink {
     addr: AgentAddr,
     token: String,
     timeout: Duration,
     retry: Duration,
-    state: tokio::sync::Mutex<LinkState>,
+    state: Arc<Mutex<LinkState>>,
 }
 
 #[derive(Debug, Default)]
 struct LinkState {
     client: Option<Arc<AgentClient>>,
     last_try: Option<Instant>,
+    connecting: bool,
 }
 
 impl AgentLink {
@@ -390,7 +409,7 @@ impl AgentLink {
             token,
             timeout,
             retry: Duration::from_millis(500),
-            state: tokio::sync::Mutex::default(),
+            state: Arc::default(),
         }
     }
 
@@ -398,35 +417,44 @@ impl AgentLink {
         &self.addr
     }
 
-    /// A live client, reconnecting if it is time to try.
-    pub async fn client(&self) -> Option<Arc<AgentClient>> {
-        let mut st = self.state.lock().await;
+    fn lock(&self) -> std::sync::MutexGuard<'_, LinkState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The live client, or None at once (starting a connection attempt if it is time to
+    /// try; call inside a tokio runtime).
+    pub fn client(&self) -> Option<Arc<AgentClient>> {
+        let mut st = self.lock();
         if let Some(c) = &st.client {
             if !c.is_closed() {
                 return Some(c.clone());
             }
             st.client = None;
         }
-        if st.last_try.is_some_and(|t| t.elapsed() < self.retry) {
+        if st.connecting || st.last_try.is_some_and(|t| t.elapsed() < self.retry) {
             return None;
         }
         st.last_try = Some(Instant::now());
-        match AgentClient::connect(&self.addr, &self.token, self.timeout).await {
-            Ok(c) => {
-                tracing::info!(agent = %self.addr, "connected to the cache agent");
-                let c = Arc::new(c);
-                st.client = Some(c.clone());
-                Some(c)
+        st.connecting = true;
+        let (addr, token, timeout) = (self.addr.clone(), self.token.clone(), self.timeout);
+        let state = self.state.clone();
+        tokio::spawn(async move {
+            let got = AgentClient::connect(&addr, &token, timeout).await;
+            let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+            st.connecting = false;
+            match got {
+                Ok(c) => {
+                    tracing::info!(agent = %addr, "connected to the cache agent");
+                    st.client = Some(Arc::new(c));
+                }
+                Err(e) => tracing::debug!(agent = %addr, error = %e, "cache agent unreachable"),
             }
-            Err(e) => {
-                tracing::debug!(agent = %self.addr, error = %e, "cache agent unreachable");
-                None
-            }
-        }
+        });
+        None
     }
 
     /// Drops the current connection (after a call failed on it).
-    pub async fn reset(&self) {
-        self.state.lock().await.client = None;
+    pub fn reset(&self) {
+        self.lock().client = None;
     }
 }

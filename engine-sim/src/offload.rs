@@ -11,7 +11,10 @@
 //! block read back is checked byte for byte: a block with other bytes is counted
 //! (`bad_blocks`) and recomputed, never used. An unreachable agent costs recomputation: the
 //! link reconnects in the background and no request waits on a dead agent longer than
-//! the call timeout.
+//! the call timeout. Offloads never wait on the agent: they queue without blocking, and
+//! while the agent is slow, stopped or gone they are dropped and counted
+//! (`warmpath_engine_agent_blocks_total{op="dropped"}`): the queue is full, there is no
+//! live connection, or a put missed its deadline.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -101,7 +104,7 @@ impl AgentSide {
         if keys.is_empty() {
             return Vec::new();
         }
-        let Some(client) = self.link.client().await else {
+        let Some(client) = self.link.client() else {
             return Vec::new();
         };
         let layout = self.settings.layout;
@@ -123,7 +126,7 @@ impl AgentSide {
             Err(e) => {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(error = %e, "cache agent fetch failed; recomputing");
-                self.link.reset().await;
+                self.link.reset();
                 return Vec::new();
             }
         };
@@ -160,7 +163,7 @@ async fn offload_task(
             batch.extend(more);
         }
         for chunk in batch.chunks(OFFLOAD_BATCH) {
-            let Some(client) = link.client().await else {
+            let Some(client) = link.client() else {
                 counters
                     .dropped_offloads
                     .fetch_add(chunk.len() as u64, Ordering::Relaxed);
@@ -184,8 +187,11 @@ async fn offload_task(
                 }
                 Err(e) => {
                     counters.errors.fetch_add(1, Ordering::Relaxed);
+                    counters
+                        .dropped_offloads
+                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
                     tracing::debug!(error = %e, "cache agent offload failed");
-                    link.reset().await;
+                    link.reset();
                 }
             }
         }
