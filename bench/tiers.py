@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""What the tiers buy, simulated (issue 24, "Must show").
+
+Runs `warmpath simulate` with L1 (and L1+L2) on `longdoc`, `conversation` and the public
+Mooncake trace, with 1 and 4 routers, every policy at its defaults, on 8 instances whose GPU
+caches hold at most half of the working set. `simulate` itself runs each policy without
+tiers beside the tiered run; this prints, per policy, the tiered figure over the untiered
+one:
+  hit        hit rate without -> with tiers (%)
+  p50 p90 p99  TTFT with tiers over without (target: p50 <= 0.60, p99 <= 1.00)
+  prefill    prefill GPU-seconds per request with over without (target <= 0.75)
+The simulator runs on a virtual clock with fixed seeds: the figures do not depend on the
+machine or the build. Usage: bench/tiers.py [--binary target/release/warmpath] [--quick]
+"""
+import argparse, json, os, subprocess, sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "synthetic_trace.jsonl")
+
+# (name, simulate arguments, L1 tokens per host, L2 tokens)
+CASES = [
+    ("longdoc", ["--workload", "longdoc", "--rate", "3", "--gpu-kv-tokens", "250000"], 1_000_000, 8_000_000),
+    ("conversation", ["--workload", "conversation", "--gpu-kv-tokens", "60000"], 240_000, 4_000_000),
+    ("mooncake", ["--trace", TRACE], 2_000_000, 16_000_000),
+]
+
+def run(binary, args):
+    out = subprocess.run([binary, "simulate", "--json", "--instances", "8", *args], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", default=os.path.join(HERE, "..", "target", "release", "warmpath"))
+    ap.add_argument("--routers", default="1 4")
+    ap.add_argument("--cases", default=" ".join(c[0] for c in CASES))
+    ap.add_argument("--policies", default="all")
+    ap.add_argument("extra", nargs="*", help="extra simulate flags")
+    a = ap.parse_args()
+    print(f"{'case':13} {'r':>1} {'tiers':5} {'policy':13} {'gpu/ws':>6} {'hit%':>11} "
+          f"{'p50':>5} {'p90':>5} {'p99':>5} {'prefill':>7}  targets")
+    misses = 0
+    for name, args, l1, l2 in CASES:
+        if name not in a.cases.split():
+            continue
+        for routers in a.routers.split():
+            for tiers, targs in (("L1", ["--l1-kv-tokens", str(l1)]),
+                                 ("L1+L2", ["--l1-kv-tokens", str(l1), "--l2-kv-tokens", str(l2)])):
+                out = run(a.binary, [*args, "--routers", routers, "--policy", *a.policies.split(),
+                                     *targs, *a.extra])
+                ws = out["cluster"]["gpu_capacity_over_working_set"]
+                for t, n in zip(out["runs"], out["runs_without_tiers"]):
+                    ratio = lambda k: t[k] / n[k] if n[k] > 0 else float("nan")
+                    p50, p90, p99 = ratio("ttft_ms_p50"), ratio("ttft_ms_p90"), ratio("ttft_ms_p99")
+                    pf = ratio("prefill_gpu_s_per_request")
+                    missed = [m for m, bad in (("p50", p50 > 0.6), ("p99", p99 > 1.0),
+                                               ("prefill", pf > 0.75),
+                                               ("hit", t["hit_rate"] < n["hit_rate"] - 1e-9)) if bad]
+                    misses += bool(missed)
+                    print(f"{name:13} {routers:>1} {tiers:5} {t['policy']:13} {ws:6.2f} "
+                          f"{n['hit_rate']*100:5.1f}>{t['hit_rate']*100:5.1f} "
+                          f"{p50:5.2f} {p90:5.2f} {p99:5.2f} {pf:7.2f}  "
+                          f"{'missed: ' + ','.join(missed) if missed else 'met'}", flush=True)
+    print(f"{misses} rows miss a target")
+
+if __name__ == "__main__":
+    sys.exit(main())
