@@ -10,6 +10,7 @@ mod cluster;
 mod compose;
 mod deploy;
 mod helm;
+mod house;
 mod raft;
 mod readme;
 mod report;

@@ -1,6 +1,6 @@
 //! The router's side of residency: one QUIC link per cache-agent (mutual TLS from the
-//! cluster CA), each running the residency subscriber (`warmpath_cache_agent::
-//! residency_net::follow`), and every outcome applied to the routing core as observed
+//! cluster CA), each running the residency subscriber (`warmpath_residency::net::follow`),
+//! and every outcome applied to the routing core as observed
 //! state. An agent silent beyond the expiry has its observations dropped, and routing
 //! falls back to predictions for what it covered.
 //!
