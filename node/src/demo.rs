@@ -40,7 +40,7 @@ pub struct DemoArgs {
     /// GPU KV-cache capacity of each engine-sim, tokens.
     #[arg(long, default_value_t = 120_000)]
     pub gpu_kv_tokens: u64,
-    /// Synthetic workload: chat, bots, rag, code or conversation.
+    /// Synthetic workload: chat, bots, rag, code, conversation or longdoc.
     #[arg(long, default_value = "bots")]
     pub workload: String,
     #[arg(long, default_value_t = 42)]
@@ -58,7 +58,8 @@ pub struct DemoArgs {
     #[arg(long)]
     pub keep_running: bool,
     /// Start a cache-agent per simulated host (one per engine-sim), holding this many
-    /// tokens' worth of KV blocks in its L1; 0 runs without agents.
+    /// tokens' worth of KV blocks in its L1; 0 runs without agents. Each policy then runs
+    /// twice, without and with the agents, and the table shows both.
     #[arg(long, default_value_t = 0)]
     pub l1_kv_tokens: u64,
     /// The agents' shared L2: none, dir (a directory in a temp dir) or redis (a
@@ -514,6 +515,9 @@ async fn router_overhead_us(url: &str) -> Result<(f64, f64)> {
 
 struct Row {
     strategy: Strategy,
+    /// With `--l1-kv-tokens`: whether this run had the agents (each policy runs with and
+    /// without them).
+    agents: bool,
     report: LoadReport,
     overhead_us: (f64, f64),
     /// Engine-side hit rate per tier: GPU, L1, L2.
@@ -623,8 +627,22 @@ pub fn run(args: DemoArgs) -> Result<()> {
         } else {
             args.policy.iter().map(|p| p.parse::<Strategy>()).collect::<Result<_, _>>()?
         };
-        for strategy in strategies {
-            let cluster = start_cluster(&args, strategy).await?;
+        // With agents, each policy also runs without them: what the tiers buy, side by side.
+        let mut runs: Vec<(Strategy, bool)> = Vec::new();
+        for &strategy in &strategies {
+            if args.l1_kv_tokens > 0 {
+                runs.push((strategy, false));
+            }
+            runs.push((strategy, args.l1_kv_tokens > 0));
+        }
+        for (strategy, agents) in runs {
+            let without = DemoArgs {
+                l1_kv_tokens: 0,
+                l2: "none".into(),
+                ..args.clone()
+            };
+            let run_args = if agents || args.l1_kv_tokens == 0 { &args } else { &without };
+            let cluster = start_cluster(run_args, strategy).await?;
             let targets = cluster.routers.iter().map(|r| r.url.clone()).collect();
             let mut config = LoadgenConfig::new(targets, "sim-llama");
             config.mode = Mode::OpenLoop { time_scale: args.speedup };
@@ -643,14 +661,15 @@ pub fn run(args: DemoArgs) -> Result<()> {
             };
             let overhead_us = router_overhead_us(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
             let tiers = tier_hit_rates(&cluster.engines).await.unwrap_or([f64::NAN; 3]);
-            println!("  {:<13} done at {:5.1} s: {} ok, {} errors", strategy.name(), started.elapsed().as_secs_f64(), report.ok, report.error_count());
+            let label = row_label(strategy, agents);
+            println!("  {label:<20} done at {:5.1} s: {} ok, {} errors", started.elapsed().as_secs_f64(), report.ok, report.error_count());
             if args.residency {
                 let (observed, predicted) = index_holders(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
                 println!("  {:<13} router index at the end: {observed} observed (instance, block) holders, {predicted} predicted", "");
             }
             use std::io::Write;
             let _ = std::io::stdout().flush();
-            rows.push(Row { strategy, report, overhead_us, tiers, load });
+            rows.push(Row { strategy, agents, report, overhead_us, tiers, load });
             drop(cluster);
         }
         print!("{}", render(&rows, args.speedup));
@@ -686,10 +705,20 @@ pub fn run(args: DemoArgs) -> Result<()> {
     })
 }
 
+/// A row's name: the policy, and `+agents` for a run with agents when runs without them
+/// stand beside it.
+fn row_label(strategy: Strategy, agents: bool) -> String {
+    if agents {
+        format!("{}+agents", strategy.name())
+    } else {
+        strategy.name().to_string()
+    }
+}
+
 fn render(rows: &[Row], speedup: f64) -> String {
     let mut s = String::new();
     s += &format!(
-        "\n{:<13} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}\n",
+        "\n{:<20} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}\n",
         "policy",
         "hit%",
         "gpu%",
@@ -706,13 +735,13 @@ fn render(rows: &[Row], speedup: f64) -> String {
     );
     let rr = rows
         .iter()
-        .find(|r| r.strategy == Strategy::RoundRobin)
+        .find(|r| r.strategy == Strategy::RoundRobin && !r.agents)
         .map(|r| r.report.ttft_ms.p50);
     for r in rows {
         let rep = &r.report;
         s += &format!(
-            "{:<13} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>10.1} {:>10.1} {:>10} {:>9.2} {:>7} {:>8.0} {:>8.0} {:>8}\n",
-            r.strategy.name(),
+            "{:<20} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>10.1} {:>10.1} {:>10} {:>9.2} {:>7} {:>8.0} {:>8.0} {:>8}\n",
+            row_label(r.strategy, r.agents),
             rep.hit_rate * 100.0,
             r.tiers[0] * 100.0,
             r.tiers[1] * 100.0,
@@ -729,6 +758,7 @@ fn render(rows: &[Row], speedup: f64) -> String {
         );
     }
     s += "hit% = cached tokens the clients saw; gpu%/l1%/l2% = prompt tokens the engines found in each tier\n";
+    s += "+agents = the same policy with a cache-agent per engine (L1, and L2 when given); ttft/rr against round-robin without agents\n";
     s += "ttft in ms of model time (wall × speed-up); req/s in model time; ovh = router overhead per request\n";
     s += "(arrival to upstream send: parse, tokenize, hash, route), µs of wall time\n";
     s
@@ -784,7 +814,7 @@ fn write_report(
     let runs: Vec<report::Run> = rows
         .iter()
         .map(|r| report::Run {
-            policy: r.strategy.name().to_string(),
+            policy: row_label(r.strategy, r.agents),
             tiers: r.tiers,
             ttft_cdf_ms: r
                 .report
