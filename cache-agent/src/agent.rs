@@ -18,8 +18,9 @@ use tokio::sync::mpsc;
 use crate::block::{decode_object, encode_object, Block};
 use crate::config::{AgentConfig, L2Config, WritePolicy};
 use crate::ingest::{Ingest, Tenants};
-use crate::l1::{own, Evicted, L1};
+use crate::l1::{Evicted, L1};
 use crate::l2::{AnyL2, DirL2, L2Backend, L2Error, RedisL2};
+use crate::pool::BufPool;
 use crate::proto::{
     AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
 };
@@ -54,6 +55,8 @@ pub struct Agent {
     /// then rebuild their views (`kv_subscribe`'s resync).
     resyncs: tokio::sync::watch::Sender<u64>,
     report: Arc<Report>,
+    /// The buffers payloads are read into, used again when blocks leave L1.
+    pool: BufPool,
 }
 
 /// What routers are told: the engines' caches (recorded by the KV-event subscribers) and
@@ -161,6 +164,7 @@ impl Agent {
             )
         };
         let ingest = Arc::new(Mutex::new(Ingest::new(tenants, config.kv_events.len())));
+        let config_l1_bytes = config.l1_bytes;
         let agent = Arc::new(Agent {
             l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),
             config,
@@ -171,6 +175,7 @@ impl Agent {
             ingest,
             resyncs: tokio::sync::watch::Sender::new(0),
             report,
+            pool: BufPool::new(pool_bytes(config_l1_bytes)),
         });
         for (i, (_, endpoint)) in agent.config.kv_events.iter().enumerate() {
             tokio::spawn(crate::kv_subscribe::subscribe(
@@ -243,6 +248,11 @@ impl Agent {
         &self.config
     }
 
+    /// The buffers the block API reads payloads into.
+    pub fn pool(&self) -> &BufPool {
+        &self.pool
+    }
+
     fn now_us(&self) -> u64 {
         self.epoch.elapsed().as_micros() as u64
     }
@@ -251,9 +261,10 @@ impl Agent {
         self.l1.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Answers one request; `payloads` are the bytes after its header. The answer's
+    /// Answers one request; `payloads` are the blocks after its header, each in a buffer of
+    /// its own with the checksum computed as it arrived (`server::read_body`). The answer's
     /// payloads follow its header on the wire.
-    pub async fn handle(&self, request: Request, payloads: Bytes) -> (Response, Vec<Bytes>) {
+    pub async fn handle(&self, request: Request, payloads: Vec<Block>) -> (Response, Vec<Bytes>) {
         let started = Instant::now();
         let (op, answer) = match request {
             Request::Put { layout, blocks } => ("put", self.put(layout, &blocks, payloads)),
@@ -288,31 +299,34 @@ impl Agent {
         })
     }
 
-    fn put(&self, layout: u64, items: &[PutItem], payloads: Bytes) -> (Response, Vec<Bytes>) {
+    fn put(&self, layout: u64, items: &[PutItem], payloads: Vec<Block>) -> (Response, Vec<Bytes>) {
         if let Some(e) = self.too_many(items.len()) {
             return e;
         }
-        let parts = match crate::proto::split_payloads(payloads, items.iter().map(|i| i.bytes)) {
-            Ok(p) => p,
-            Err(e) => return error(ErrorKind::Malformed, e.to_string()),
-        };
+        let lens_match = payloads.len() == items.len()
+            && items
+                .iter()
+                .zip(&payloads)
+                .all(|(i, p)| p.payload.len() == i.bytes as usize);
+        if !lens_match {
+            return error(
+                ErrorKind::Malformed,
+                "payloads do not match the put's blocks".into(),
+            );
+        }
         let mut refused = Vec::new();
-        // A put of one block keeps the frame's buffer (the block and a header of a few
-        // dozen bytes) as the block's storage; blocks of a batch are copied out, so that no
-        // block keeps its neighbours' bytes alive. Copies and checksums run outside the lock.
-        let single = parts.len() == 1;
+        // Each payload arrived in a buffer of its own (so no block keeps its neighbours'
+        // bytes alive) with its checksum: stored as it is, no copy.
         let owned: Vec<Option<Block>> = items
             .iter()
-            .zip(parts)
+            .zip(payloads)
             .enumerate()
             .map(|(i, (item, p))| {
                 if u64::from(item.bytes) > self.config.max_block_bytes {
                     refused.push((i as u32, PutRefusal::TooLarge));
                     None
-                } else if single {
-                    Some(Block::new(p))
                 } else {
-                    Some(own(&p))
+                    Some(p)
                 }
             })
             .collect();
@@ -629,6 +643,12 @@ impl Agent {
                 .set(d.used_bytes() as f64);
         }
     }
+}
+
+/// Idle payload buffers the agent keeps for reuse: an eighth of L1, at most 1 GiB. In a
+/// full L1 each put evicts about what it stores, so a few blocks' worth is what is used.
+fn pool_bytes(l1_bytes: u64) -> u64 {
+    (l1_bytes / 8).min(1 << 30)
 }
 
 /// An epoch no earlier start of this agent used: the start time in nanoseconds, mixed with

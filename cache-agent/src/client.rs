@@ -16,12 +16,16 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::block::checksum;
+use crate::block::Block;
+use crate::pool::BufPool;
 use crate::proto::{
     self, AgentStats, ErrorKind, Outgoing, ProtoError, PutItem, PutRefusal, Request, Response,
     StoreTier,
 };
-use crate::server::write_frame;
+use crate::server::{read_body, size_socket_buffers, write_frame};
+
+/// Idle buffers a client keeps for the payloads gets bring back (see [`crate::pool`]).
+pub const CLIENT_POOL_BYTES: u64 = 256 << 20;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +74,7 @@ impl std::fmt::Display for AgentAddr {
     }
 }
 
-type Answer = Result<(Response, Bytes), ClientError>;
+type Answer = Result<(Response, Vec<Block>), ClientError>;
 type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>>;
 
 /// A connection to an agent.
@@ -122,10 +126,12 @@ impl AgentClient {
                 AgentAddr::Tcp(a) => {
                     let s = tokio::net::TcpStream::connect(a).await?;
                     s.set_nodelay(true)?;
+                    size_socket_buffers(&s);
                     Self::handshake(s, token, timeout).await
                 }
                 AgentAddr::Unix(p) => {
                     let s = tokio::net::UnixStream::connect(p).await?;
+                    size_socket_buffers(&s);
                     Self::handshake(s, token, timeout).await
                 }
             }
@@ -155,7 +161,7 @@ impl AgentClient {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let (mut rd, mut wr) = tokio::io::split(s);
+        let (rd, mut wr) = tokio::io::split(s);
         let (tx, mut rx) = mpsc::channel::<Outgoing>(256);
         let waiters: Waiters = Arc::default();
         let writer = tokio::spawn(async move {
@@ -171,8 +177,16 @@ impl AgentClient {
         let w = waiters.clone();
         let closed = Arc::new(AtomicBool::new(false));
         let closed_by_reader = closed.clone();
+        let pool = BufPool::new(CLIENT_POOL_BYTES);
         let reader = tokio::spawn(async move {
             let limit = u64::from(u32::MAX);
+            let mut rd = tokio::io::BufReader::with_capacity(64 << 10, rd);
+            let get_lens = |r: &Response| match r {
+                Response::Get { blocks } => {
+                    Some(blocks.iter().flatten().map(|b| b.bytes).collect())
+                }
+                _ => None,
+            };
             loop {
                 let mut len = [0u8; 4];
                 if rd.read_exact(&mut len).await.is_err() {
@@ -181,14 +195,14 @@ impl AgentClient {
                 let Ok(len) = proto::frame_len(len, limit) else {
                     break;
                 };
-                let Ok(body) = crate::server::read_bytes(&mut rd, len).await else {
+                let Ok(frame) = read_body::<_, Response>(&mut rd, len, &pool, get_lens).await
+                else {
                     break;
                 };
-                let Some(id) = proto::frame_id(&body) else {
-                    break;
-                };
-                let answer = proto::decode_body::<Response>(body)
-                    .map(|f| (f.header, f.payloads))
+                let id = frame.id;
+                let answer = frame
+                    .header
+                    .map(|h| (h, frame.payloads))
                     .map_err(ClientError::from);
                 let waiter = w.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                 match waiter {
@@ -329,15 +343,15 @@ impl AgentClient {
             (Response::Get { blocks }, payloads) => (blocks, payloads),
             (other, _) => return Err(unexpected(&other, "Get")),
         };
-        let lens = blocks.iter().flatten().map(|b| b.bytes);
-        let mut parts = proto::split_payloads(payloads, lens)?.into_iter();
+        // The reader read each payload into its own buffer and checksummed it on arrival.
+        let mut parts = payloads.into_iter();
         Ok(blocks
             .into_iter()
             .map(|b| {
                 let b = b?;
-                let payload = parts.next()?;
-                (checksum(&payload) == b.checksum).then_some(Fetched {
-                    payload,
+                let part = parts.next()?;
+                (part.checksum == b.checksum).then_some(Fetched {
+                    payload: part.payload,
                     tier: b.tier,
                 })
             })

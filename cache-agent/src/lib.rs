@@ -11,6 +11,7 @@
 //! - [`kv_events`]: engines' KV events in vLLM's msgpack format, decode and encode.
 //! - [`ingest`]: KV events to residency changes, warmpath keys recomputed from token ids.
 //! - [`l1`]: the L1 store, payloads beside the ledger.
+//! - [`pool`]: payload buffers used again instead of fresh pages for every block.
 //! - [`config`]: `agent.toml` and its validation.
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
 //! - [`agent`]: the service that answers requests from both tiers (I/O shell).
@@ -29,5 +30,6 @@ pub mod kv_subscribe;
 pub mod l1;
 pub mod l2;
 pub mod metric_names;
+pub mod pool;
 pub mod proto;
 pub mod server;
