@@ -25,7 +25,7 @@ use crate::proto::{
 use crate::server::{read_body, size_socket_buffers, write_frame};
 
 /// Idle buffers a client keeps for the payloads gets bring back (see [`crate::pool`]).
-pub const CLIENT_POOL_BYTES: u64 = 256 << 20;
+pub const CLIENT_POOL_BYTES: u64 = 64 << 20;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]

@@ -1,9 +1,8 @@
 //! L1: a host's block payloads in memory, bounded in bytes by the tier policy's ledger.
 //!
-//! The store owns one allocation per block (the agent copies a batch's payloads out of
-//! their frame, and keeps the frame of a one-block put, which is that block plus a header
-//! of a few dozen bytes), so a block's bytes are what the ledger counts and evicting it
-//! frees them; a get hands out a reference-counted view, so an eviction during a send frees
+//! The store owns one allocation per block (the block API reads each payload of a frame
+//! into a buffer of its own, from `pool`), so a block's bytes are what the ledger counts
+//! and evicting it frees them (back to the pool, for the next put); a get hands out a reference-counted view, so an eviction during a send frees
 //! the bytes only after the send. The bound is the ledger's: `used_bytes` never exceeds the
 //! capacity, and the map holds exactly the ledger's blocks.
 //!

@@ -375,6 +375,9 @@ async fn read_payload<R: AsyncRead + Unpin>(
 
 /// Reads and drops `n` bytes.
 async fn skip<R: AsyncRead + Unpin>(rd: &mut R, n: usize) -> std::io::Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
     let copied = tokio::io::copy(&mut (&mut *rd).take(n as u64), &mut tokio::io::sink()).await?;
     if copied < n as u64 {
         return Err(std::io::ErrorKind::UnexpectedEof.into());
