@@ -1,8 +1,9 @@
 //! The cache-agent's tiers against the plain tools that bound them, side by side in one run:
 //!
 //! - L1 put and get through the block API (a real `warmpath agent` process, its Unix
-//!   socket, the crate's client, 4 requests in flight) for 1 MiB and 16 MiB blocks, against
-//!   a plain memcpy of the same sizes in this process.
+//!   socket, the crate's client, 4 requests in flight) for 1 MiB and 16 MiB blocks, on a
+//!   full L1 (steady state: every put evicts), against a plain memcpy of the same sizes in
+//!   this process, both into one hot block and into 256 MiB of distinct blocks.
 //! - lookup-and-lease of a 64-key chain held in L1: p50 and p99, one call at a time.
 //! - L2 Redis: the agent's Redis backend putting and getting 1 MiB objects, against
 //!   `redis-benchmark` SET and GET of 1 MiB values on the same server (one connection,
@@ -29,6 +30,9 @@ use warmpath_cache_agent::l2::{DirL2, L2Backend, RedisL2};
 use warmpath_tiers::BlockId;
 
 const ROUNDS: usize = 5;
+/// The agent's L1: smaller than what a size's rounds put, so that the measured rounds run
+/// on a full L1 (every put evicts), as a cache does in steady state.
+const L1_BYTES: &str = "512MiB";
 const MIB: usize = 1 << 20;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -40,8 +44,10 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-/// memcpy of `total` bytes in `size` pieces into preallocated buffers, GB/s.
-fn memcpy(size: usize, total: usize) -> f64 {
+/// memcpy of `total` bytes in `size` pieces, GB/s: into one preallocated block (`hot`: a
+/// 1 MiB block stays in cache, the best case) and into `total` bytes of distinct,
+/// preallocated blocks (`spread`: what a store writes, memory-bound).
+fn memcpy(size: usize, total: usize) -> (f64, f64) {
     let src = vec![7u8; size];
     let mut dst = vec![0u8; size];
     let t = Instant::now();
@@ -49,7 +55,14 @@ fn memcpy(size: usize, total: usize) -> f64 {
         dst.copy_from_slice(std::hint::black_box(&src));
         std::hint::black_box(&mut dst);
     }
-    gbps(total, t.elapsed())
+    let hot = gbps(total, t.elapsed());
+    let mut spread: Vec<Vec<u8>> = (0..total / size).map(|_| vec![1u8; size]).collect();
+    let t = Instant::now();
+    for d in &mut spread {
+        d.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(d);
+    }
+    (hot, gbps(total, t.elapsed()))
 }
 
 /// Puts then gets `total` bytes of `size`-byte blocks through the agent, 4 in flight.
@@ -176,7 +189,7 @@ fn main() {
             "--unix",
             sock.to_str().expect("utf-8 path"),
             "--l1-bytes",
-            "2GiB",
+            L1_BYTES,
             "--max-block-bytes",
             "32MiB",
         ],
@@ -192,24 +205,33 @@ fn main() {
                 .await
                 .expect("connect"),
         );
-        println!("\nL1 through the block API vs memcpy (GB/s)");
-        println!("{:>8} {:>10} {:>10} {:>10} {:>10} {:>10}", "block", "memcpy", "put", "put/cpy", "get", "get/cpy");
+        println!(
+            "\nL1 through the block API vs memcpy (GB/s); L1 {L1_BYTES}, 256 MiB per round, 4 in flight, \
+             after one unmeasured round that fills L1 (steady state: puts evict)"
+        );
+        println!(
+            "{:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "block", "cpy hot", "cpy 256M", "put", "put/hot", "put/256M", "get", "get/hot", "get/256M"
+        );
         for size in [MIB, 16 * MIB] {
             let total = 256 * MIB;
-            let mut m = Vec::new();
-            let mut p = Vec::new();
-            let mut g = Vec::new();
+            let (mut h, mut m, mut p, mut g) = (vec![], vec![], vec![], vec![]);
+            l1_round(&c, size, total, ROUNDS + 1).await;
             for round in 0..ROUNDS {
-                m.push(memcpy(size, total));
+                let (hot, spread) = memcpy(size, total);
+                h.push(hot);
+                m.push(spread);
                 let (put, get) = l1_round(&c, size, total, round).await;
                 p.push(put);
                 g.push(get);
             }
-            let (m, p, g) = (median(m), median(p), median(g));
+            let (h, m, p, g) = (median(h), median(m), median(p), median(g));
             println!(
-                "{:>6}Mi {m:>10.2} {p:>10.2} {:>10.3} {g:>10.2} {:>10.3}",
+                "{:>6}Mi {h:>9.2} {m:>9.2} {p:>8.2} {:>8.3} {:>8.3} {g:>8.2} {:>8.3} {:>8.3}",
                 size / MIB,
+                p / h,
                 p / m,
+                g / h,
                 g / m
             );
         }
