@@ -15,7 +15,7 @@ use futures_util::future::join_all;
 use metrics::{counter, gauge, histogram};
 use tokio::sync::mpsc;
 
-use crate::block::{decode_object, encode_object, Block};
+use crate::block::{decode_object, Block};
 use crate::config::{AgentConfig, L2Config, WritePolicy};
 use crate::ingest::{Ingest, Tenants};
 use crate::l1::{Evicted, L1};
@@ -700,8 +700,7 @@ async fn write_l2(
         in_flight.spawn(async move {
             let started = Instant::now();
             let len = block.payload.len() as u64;
-            let object = encode_object(&id, &block);
-            match l2.put(id, object).await {
+            match l2.put_block(id, &block).await {
                 Ok(evicted) => {
                     report.l2_stored(id, &evicted);
                     counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l2", "direction" => "out")

@@ -60,14 +60,22 @@ pub enum Damage {
     Checksum,
 }
 
+/// The header of the L2 object for `id` holding `block` (the payload follows it).
+pub fn object_header(id: &BlockId, block: &Block) -> [u8; HEADER_BYTES] {
+    let mut out = [0u8; HEADER_BYTES];
+    let mut w = &mut out[..];
+    w.put_slice(MAGIC);
+    w.put_u64_le(id.layout);
+    w.put_u64_le(id.key.0);
+    w.put_u64_le(block.payload.len() as u64);
+    w.put_u64_le(block.checksum);
+    out
+}
+
 /// The L2 object for `id` holding `block`.
 pub fn encode_object(id: &BlockId, block: &Block) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_BYTES + block.payload.len());
-    out.put_slice(MAGIC);
-    out.put_u64_le(id.layout);
-    out.put_u64_le(id.key.0);
-    out.put_u64_le(block.payload.len() as u64);
-    out.put_u64_le(block.checksum);
+    out.put_slice(&object_header(id, block));
     out.put_slice(&block.payload);
     out.freeze()
 }

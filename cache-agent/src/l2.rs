@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use crate::block::{encode_object, object_header, Block, HEADER_BYTES};
 use warmpath_tiers::{BlockId, Eviction, Ledger};
 
 /// Why an L2 operation failed (a miss is not a failure).
@@ -51,6 +52,16 @@ pub trait L2Backend: Send + Sync + 'static {
         id: BlockId,
         object: Bytes,
     ) -> impl Future<Output = Result<Vec<BlockId>, L2Error>> + Send;
+    /// Stores `block` under `id` as its self-checking object (`block.rs`). A backend that
+    /// can send the object's header and payload without joining them in a new buffer first
+    /// overrides this (Redis: one copy fewer of every block written).
+    fn put_block(
+        &self,
+        id: BlockId,
+        block: &Block,
+    ) -> impl Future<Output = Result<Vec<BlockId>, L2Error>> + Send {
+        self.put(id, encode_object(&id, block))
+    }
     /// The object stored under `id`, if any.
     fn get(&self, id: BlockId) -> impl Future<Output = Result<Option<Bytes>, L2Error>> + Send;
     /// Whether each of `ids` is stored (one round trip where the backend allows).
@@ -73,6 +84,12 @@ impl L2Backend for AnyL2 {
         match self {
             AnyL2::Dir(b) => b.put(id, object).await,
             AnyL2::Redis(b) => b.put(id, object).await,
+        }
+    }
+    async fn put_block(&self, id: BlockId, block: &Block) -> Result<Vec<BlockId>, L2Error> {
+        match self {
+            AnyL2::Dir(b) => b.put_block(id, block).await,
+            AnyL2::Redis(b) => b.put_block(id, block).await,
         }
     }
     async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {
@@ -347,6 +364,22 @@ impl L2Backend for RedisL2 {
         Ok(Vec::new())
     }
 
+    /// The object goes into the command as one argument written from its header and the
+    /// payload handle: one copy into the command (the crate then packs it for the socket),
+    /// where `put` would copy the payload into an encoded object first.
+    async fn put_block(&self, id: BlockId, block: &Block) -> Result<Vec<BlockId>, L2Error> {
+        let key = self.key(&id);
+        let object = ObjectArg {
+            header: object_header(&id, block),
+            payload: &block.payload,
+        };
+        self.run::<()>(|p| {
+            p.cmd("SET").arg(key).arg(object).ignore();
+        })
+        .await?;
+        Ok(Vec::new())
+    }
+
     async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {
         let key = self.key(&id);
         let (v,): (Option<Vec<u8>>,) = self
@@ -380,6 +413,23 @@ impl L2Backend for RedisL2 {
 
     fn name(&self) -> &'static str {
         "redis"
+    }
+}
+
+/// An L2 object as one Redis argument, written from its parts.
+struct ObjectArg<'a> {
+    header: [u8; HEADER_BYTES],
+    payload: &'a [u8],
+}
+
+impl redis::ToRedisArgs for ObjectArg<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use std::io::Write;
+        out.reserve_space_for_args([HEADER_BYTES + self.payload.len()]);
+        let mut arg = out.writer_for_next_arg();
+        // Writing into the command's buffer cannot fail.
+        let _ = arg.write_all(&self.header);
+        let _ = arg.write_all(self.payload);
     }
 }
 
