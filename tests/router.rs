@@ -418,8 +418,9 @@ async fn a_killed_instance_loses_no_request() {
 
 /// Issue 12, defect 5: requests on an engine that hangs (SIGSTOP: its port accepts, it
 /// answers nothing) waited out the 60 s first-byte timeout, and streams had no bound. Now
-/// the health check that finds it down (about a second) fails over the requests it has
-/// not answered and ends its streams with an error event.
+/// the health checks that find it down (three timed-out checks in a row, about three
+/// seconds) fail over the requests it has not answered and end its streams with an error
+/// event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_instance_costs_a_failover_not_the_timeout() {
     let e1 = engine("2");

@@ -536,6 +536,12 @@ const HAND_OFF_WITHIN: Duration = Duration::from_secs(2);
 /// their 5 s deadline) finish.
 const ADMIN_DRAIN: Duration = Duration::from_secs(6);
 
+/// Consecutive health checks that must time out before an instance that answers nothing
+/// is marked down. A refused connection or an error status marks it down at once; a check
+/// that is only slow (a busy host, a router starved of CPU) is not proof of death, and
+/// marking a live instance down ends the streams it is serving.
+const SLOW_CHECKS_TO_DOWN: u32 = 3;
+
 /// Checks every instance's `/health` each interval and marks it up or down; reads the
 /// GPU KV capacity from an instance's `/metrics` while it is unknown, and again whenever
 /// the instance comes back up (it may have restarted with another configuration).
@@ -543,6 +549,8 @@ async fn health_loop(app: Arc<App>) {
     let mut tick = tokio::time::interval(app.config.health_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let timeout = app.config.health_interval.max(Duration::from_millis(200));
+    // Consecutive timed-out checks per instance index.
+    let mut slow: Vec<u32> = Vec::new();
     loop {
         tick.tick().await;
         let urls: Vec<(InstanceId, String, bool)> = {
@@ -559,20 +567,20 @@ async fn health_loop(app: Arc<App>) {
             let i = id.0 as usize;
             let app = app.clone();
             async move {
-                let ok = matches!(
-                    fetch(&app, &format!("{url}/health"), timeout).await,
-                    Some((true, _))
-                );
+                let check = fetch(&app, &format!("{url}/health"), timeout).await;
+                let timed_out = matches!(check, Fetched::TimedOut);
+                let ok = matches!(check, Fetched::Answered(true, _));
                 let capacity = if ok && !known {
-                    fetch(&app, &format!("{url}/metrics"), timeout)
-                        .await
-                        .and_then(|(_, body)| {
+                    match fetch(&app, &format!("{url}/metrics"), timeout).await {
+                        Fetched::Answered(_, body) => {
                             engines::kv_capacity_tokens(&String::from_utf8_lossy(&body))
-                        })
+                        }
+                        _ => None,
+                    }
                 } else {
                     None
                 };
-                (i, ok, capacity)
+                (i, ok, timed_out, capacity)
             }
         });
         // Bounded: a pool of thousands of instances named by host name would otherwise
@@ -582,9 +590,15 @@ async fn health_loop(app: Arc<App>) {
             .buffer_unordered(HEALTH_CHECK_CONCURRENCY)
             .collect()
             .await;
-        for (i, ok, capacity) in results {
+        for (i, ok, timed_out, capacity) in results {
+            if slow.len() <= i {
+                slow.resize(i + 1, 0);
+            }
+            slow[i] = if timed_out { slow[i] + 1 } else { 0 };
             let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
             let was = core.instances()[i].healthy;
+            // Up stays up through fewer than SLOW_CHECKS_TO_DOWN slow checks in a row.
+            let ok = ok || (was && timed_out && slow[i] < SLOW_CHECKS_TO_DOWN);
             if was != ok {
                 tracing::info!(instance = %core.instances()[i].name, healthy = ok, "instance health changed");
             }
@@ -609,23 +623,40 @@ async fn health_loop(app: Arc<App>) {
 /// Health checks in flight at once.
 const HEALTH_CHECK_CONCURRENCY: usize = 32;
 
-/// GET `url` within `timeout`: whether it answered 2xx, and its body (at most 1 MiB).
-async fn fetch(app: &App, url: &str, timeout: Duration) -> Option<(bool, bytes::Bytes)> {
+/// What a GET of an instance's endpoint gave.
+#[derive(Debug)]
+enum Fetched {
+    /// It answered: whether with 2xx, and the body (at most 1 MiB).
+    Answered(bool, bytes::Bytes),
+    /// No complete answer within the timeout.
+    TimedOut,
+    /// The connection or the request failed (refused, reset, a bad URL, an oversized body).
+    Failed,
+}
+
+/// GET `url` within `timeout`.
+async fn fetch(app: &App, url: &str, timeout: Duration) -> Fetched {
     use http_body_util::BodyExt;
-    let req = hyper::Request::get(url)
-        .body(http_body_util::Full::new(bytes::Bytes::new()))
-        .ok()?;
+    let Ok(req) = hyper::Request::get(url).body(http_body_util::Full::new(bytes::Bytes::new()))
+    else {
+        return Fetched::Failed;
+    };
     let fetch = async {
-        let resp = app.client.request(req).await.ok()?;
+        let Ok(resp) = app.client.request(req).await else {
+            return Fetched::Failed;
+        };
         let ok = resp.status().is_success();
-        let body = http_body_util::Limited::new(resp.into_body(), 1 << 20)
+        match http_body_util::Limited::new(resp.into_body(), 1 << 20)
             .collect()
             .await
-            .ok()?
-            .to_bytes();
-        Some((ok, body))
+        {
+            Ok(body) => Fetched::Answered(ok, body.to_bytes()),
+            Err(_) => Fetched::Failed,
+        }
     };
-    tokio::time::timeout(timeout, fetch).await.ok().flatten()
+    tokio::time::timeout(timeout, fetch)
+        .await
+        .unwrap_or(Fetched::TimedOut)
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves, then drains open streams.
