@@ -666,6 +666,12 @@ fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> Strin
             (",tier=\"l2\"", stats.l2_hit_tokens.to_string()),
         ],
     );
+    metric(
+        crate::metric_names::ENGINE_PREFILL_GPU_SECONDS_TOTAL,
+        "counter",
+        "GPU seconds of prefill, model time: the profile's prefill time of the tokens computed (what cache hits save).",
+        &[("", (stats.prefill_us as f64 / 1e6).to_string())],
+    );
     if let Some(agent) = agent {
         let c = &agent.counters;
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed).to_string();

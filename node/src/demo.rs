@@ -468,6 +468,23 @@ async fn metrics_text(url: &str) -> Result<String> {
 
 /// Prompt tokens the engines found in each tier (gpu, l1, l2) over all prompt tokens, from
 /// their `/metrics`.
+/// Prefill GPU-seconds (model time) the engines spent, from their `/metrics`.
+async fn prefill_gpu_seconds(engines: &[Proc]) -> Result<f64> {
+    let mut total = 0.0;
+    for e in engines {
+        let text = metrics_text(&e.url).await?;
+        total += metric_value(
+            &text,
+            &format!(
+                "{}{{",
+                warmpath_engine_sim::metric_names::ENGINE_PREFILL_GPU_SECONDS_TOTAL
+            ),
+        )
+        .unwrap_or(0.0);
+    }
+    Ok(total)
+}
+
 async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
     let (mut hits, mut prompt) = ([0.0; 3], 0.0);
     for e in engines {
@@ -522,6 +539,8 @@ struct Row {
     overhead_us: (f64, f64),
     /// Engine-side hit rate per tier: GPU, L1, L2.
     tiers: [f64; 3],
+    /// Prefill GPU-seconds (model time) per answered request.
+    prefill_s: f64,
     /// With `--report`: each engine's requests (running and waiting) at seconds of wall
     /// time since the load began.
     load: Vec<(f64, Vec<f64>)>,
@@ -661,6 +680,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
             };
             let overhead_us = router_overhead_us(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
             let tiers = tier_hit_rates(&cluster.engines).await.unwrap_or([f64::NAN; 3]);
+            let prefill_s = prefill_gpu_seconds(&cluster.engines).await.unwrap_or(f64::NAN)
+                / report.ok.max(1) as f64;
             let label = row_label(strategy, agents);
             println!("  {label:<20} done at {:5.1} s: {} ok, {} errors", started.elapsed().as_secs_f64(), report.ok, report.error_count());
             if args.residency {
@@ -669,7 +690,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             }
             use std::io::Write;
             let _ = std::io::stdout().flush();
-            rows.push(Row { strategy, agents, report, overhead_us, tiers, load });
+            rows.push(Row { strategy, agents, report, overhead_us, tiers, prefill_s, load });
             drop(cluster);
         }
         print!("{}", render(&rows, args.speedup));
@@ -718,7 +739,7 @@ fn row_label(strategy: Strategy, agents: bool) -> String {
 fn render(rows: &[Row], speedup: f64) -> String {
     let mut s = String::new();
     s += &format!(
-        "\n{:<20} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>8}\n",
+        "\n{:<20} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8} {:>9} {:>7} {:>8} {:>8} {:>8}\n",
         "policy",
         "hit%",
         "gpu%",
@@ -727,6 +748,7 @@ fn render(rows: &[Row], speedup: f64) -> String {
         "ttft p50",
         "ttft p99",
         "ttft/rr",
+        "prefill",
         "req/s",
         "errors",
         "ovh p50",
@@ -740,7 +762,7 @@ fn render(rows: &[Row], speedup: f64) -> String {
     for r in rows {
         let rep = &r.report;
         s += &format!(
-            "{:<20} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>10.1} {:>10.1} {:>10} {:>9.2} {:>7} {:>8.0} {:>8.0} {:>8}\n",
+            "{:<20} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>10.1} {:>10.1} {:>10} {:>8.3} {:>9.2} {:>7} {:>8.0} {:>8.0} {:>8}\n",
             row_label(r.strategy, r.agents),
             rep.hit_rate * 100.0,
             r.tiers[0] * 100.0,
@@ -750,6 +772,7 @@ fn render(rows: &[Row], speedup: f64) -> String {
             rep.ttft_ms.p99 * speedup,
             rr.filter(|v| *v > 0.0)
                 .map_or("-".to_string(), |v| format!("{:.2}x", rep.ttft_ms.p50 / v)),
+            r.prefill_s,
             rep.throughput_rps / speedup,
             rep.error_count(),
             r.overhead_us.0,
@@ -760,7 +783,42 @@ fn render(rows: &[Row], speedup: f64) -> String {
     s += "hit% = cached tokens the clients saw; gpu%/l1%/l2% = prompt tokens the engines found in each tier\n";
     s += "+agents = the same policy with a cache-agent per engine (L1, and L2 when given); ttft/rr against round-robin without agents\n";
     s += "ttft in ms of model time (wall × speed-up); req/s in model time; ovh = router overhead per request\n";
-    s += "(arrival to upstream send: parse, tokenize, hash, route), µs of wall time\n";
+    s += "(arrival to upstream send: parse, tokenize, hash, route), µs of wall time; prefill = the engines'\n";
+    s += "prefill GPU-seconds (model time) per answered request\n";
+    let pairs: Vec<(&Row, &Row)> = rows
+        .iter()
+        .filter(|r| r.agents)
+        .filter_map(|w| {
+            rows.iter()
+                .find(|n| !n.agents && n.strategy == w.strategy)
+                .map(|n| (w, n))
+        })
+        .collect();
+    if !pairs.is_empty() {
+        let ratio = |a: f64, b: f64| {
+            if b > 0.0 {
+                format!("{:.2}x", a / b)
+            } else {
+                "-".to_string()
+            }
+        };
+        s += "\nwith agents against the same policy without them:\n";
+        s += &format!(
+            "{:<13} {:>11} {:>9} {:>9} {:>8}\n",
+            "policy", "hit% no→on", "ttft p50", "ttft p99", "prefill"
+        );
+        for (w, n) in pairs {
+            s += &format!(
+                "{:<13} {:>5.1}→{:<5.1} {:>9} {:>9} {:>8}\n",
+                w.strategy.name(),
+                n.report.hit_rate * 100.0,
+                w.report.hit_rate * 100.0,
+                ratio(w.report.ttft_ms.p50, n.report.ttft_ms.p50),
+                ratio(w.report.ttft_ms.p99, n.report.ttft_ms.p99),
+                ratio(w.prefill_s, n.prefill_s),
+            );
+        }
+    }
     s
 }
 
