@@ -22,7 +22,7 @@ use crate::proto::{
     self, AgentStats, ErrorKind, Outgoing, ProtoError, PutItem, PutRefusal, Request, Response,
     StoreTier,
 };
-use crate::server::{read_body, size_socket_buffers, write_frame};
+use crate::server::{read_body, write_frame};
 
 /// Idle buffers a client keeps for the payloads gets bring back (see [`crate::pool`]).
 pub const CLIENT_POOL_BYTES: u64 = 64 << 20;
@@ -126,12 +126,10 @@ impl AgentClient {
                 AgentAddr::Tcp(a) => {
                     let s = tokio::net::TcpStream::connect(a).await?;
                     s.set_nodelay(true)?;
-                    size_socket_buffers(&s);
                     Self::handshake(s, token, timeout).await
                 }
                 AgentAddr::Unix(p) => {
                     let s = tokio::net::UnixStream::connect(p).await?;
-                    size_socket_buffers(&s);
                     Self::handshake(s, token, timeout).await
                 }
             }

@@ -28,20 +28,9 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Requests of one connection handled at once.
 pub const IN_FLIGHT: usize = 64;
-/// Socket buffers asked of the kernel for each block API connection, each way (it caps them
-/// at `net.core.wmem_max` / `rmem_max`): a megabyte block crosses in a few wakeups of each
-/// side instead of dozens of the default 200 KiB.
-pub const SOCKET_BUFFER_BYTES: usize = 4 << 20;
 /// The read buffer in front of a connection: frame prefixes and headers come out of it;
 /// payloads bypass it into their own buffers.
 const READ_BUFFER_BYTES: usize = 64 << 10;
-
-/// Asks for [`SOCKET_BUFFER_BYTES`] each way on a block API socket (best effort).
-pub fn size_socket_buffers<S: std::os::fd::AsFd>(s: &S) {
-    let s = socket2::SockRef::from(s);
-    let _ = s.set_send_buffer_size(SOCKET_BUFFER_BYTES);
-    let _ = s.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
-}
 
 /// Serves the block API on `tcp` and `unix` until `shutdown` resolves.
 pub async fn serve(
@@ -69,7 +58,6 @@ pub async fn serve(
             match l.accept().await {
                 Ok((s, _)) => {
                     let _ = s.set_nodelay(true);
-                    size_socket_buffers(&s);
                     spawn_conn(&agent, &limit, s);
                 }
                 Err(e) => {
@@ -85,10 +73,7 @@ pub async fn serve(
         };
         loop {
             match l.accept().await {
-                Ok((s, _)) => {
-                    size_socket_buffers(&s);
-                    spawn_conn(&agent, &limit, s);
-                }
+                Ok((s, _)) => spawn_conn(&agent, &limit, s),
                 Err(e) => {
                     accept_failed(e);
                     tokio::time::sleep(Duration::from_millis(50)).await;
