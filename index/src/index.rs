@@ -108,6 +108,14 @@ struct InstanceMeta {
     holders: usize,
     predicted: usize,
     observed: usize,
+    /// Live holders in host memory only: observed in L1 alone, no prediction.
+    host_only: usize,
+}
+
+/// Whether `h` holds its block in host memory (L1) only: observed there and nowhere else,
+/// and not predicted on the GPU.
+fn host_only(h: &Holder) -> bool {
+    h.observed == L1 && !h.queued
 }
 
 impl InstanceMeta {
@@ -134,6 +142,7 @@ impl InstanceMeta {
             self.holders -= 1;
             self.predicted -= usize::from(h.queued);
             self.observed -= usize::from(h.observed != 0);
+            self.host_only -= usize::from(host_only(h));
         }
     }
 }
@@ -426,10 +435,13 @@ impl PrefixIndex {
         let node = &mut self.nodes[idx as usize];
         let (holder, created) = node.holder_or_insert(instance, meta, &mut self.extra_holders);
         let (was_queued, was_observed) = (holder.queued, holder.observed != 0);
+        let was_host_only = !created && host_only(holder);
         let out = f(holder, &mut self.expiry);
         let (queued, observed) = (holder.queued, holder.observed != 0);
         meta.predicted = meta.predicted + usize::from(queued) - usize::from(was_queued);
         meta.observed = meta.observed + usize::from(observed) - usize::from(was_observed);
+        meta.host_only =
+            meta.host_only + usize::from(host_only(holder)) - usize::from(was_host_only);
         (out, created)
     }
 
@@ -442,6 +454,14 @@ impl PrefixIndex {
     /// the cache routing has placed there. O(1).
     pub fn holders_of(&self, instance: InstanceId) -> usize {
         self.metas.get(instance.0 as usize).map_or(0, |m| m.holders)
+    }
+
+    /// Of [`PrefixIndex::holders_of`], the blocks `instance` holds or is predicted to hold
+    /// on its GPU: all but those observed in its host memory alone. O(1).
+    pub fn gpu_holders_of(&self, instance: InstanceId) -> usize {
+        self.metas
+            .get(instance.0 as usize)
+            .map_or(0, |m| m.holders - m.host_only)
     }
 
     /// Makes predictions on `instance` last refreshed at or before `t` stop matching (its
@@ -550,13 +570,16 @@ impl PrefixIndex {
             if let Some(holder) = self.nodes[idx as usize].holder_mut(instance.0) {
                 if holder.gen == gen {
                     let was_observed = holder.observed != 0;
+                    let was_host_only = host_only(holder);
                     holder.observed &= !bit;
                     if bit == GPU {
                         holder.predicted_until = 0;
                     }
                     let now_observed = holder.observed != 0;
-                    self.metas[instance.0 as usize].observed -=
-                        usize::from(was_observed && !now_observed);
+                    let meta = &mut self.metas[instance.0 as usize];
+                    meta.observed -= usize::from(was_observed && !now_observed);
+                    meta.host_only = meta.host_only + usize::from(host_only(holder))
+                        - usize::from(was_host_only);
                 }
             }
             self.prune_node(idx, now);
@@ -620,6 +643,7 @@ impl PrefixIndex {
             }
             if live && holder.queued {
                 meta.predicted -= 1;
+                meta.host_only += usize::from(holder.observed == L1);
             }
             holder.queued = false;
             holder.predicted_until = 0;
@@ -1204,6 +1228,22 @@ mod tests {
         );
     }
 
+    /// Live holders in host memory only, per instance, recounted by walking every node.
+    fn recount_host_only(index: &PrefixIndex) -> Vec<usize> {
+        let mut per = vec![0; index.metas.len()];
+        for (idx, node) in index.nodes.iter().enumerate() {
+            if index.slot(node.key) != Some(idx as u32) {
+                continue;
+            }
+            for h in node.holders() {
+                if index.metas[h.instance as usize].live(h) && host_only(h) {
+                    per[h.instance as usize] += 1;
+                }
+            }
+        }
+        per
+    }
+
     /// The counters [`PrefixIndex::stats`] keeps, recounted by walking every node.
     fn recount(index: &PrefixIndex) -> (usize, usize, usize, usize, Vec<usize>) {
         let (mut holders, mut predicted, mut observed, mut extra) = (0, 0, 0, 0);
@@ -1304,7 +1344,7 @@ mod tests {
     /// A random operation on a small key space, for the properties below.
     fn op_strategy() -> impl Strategy<Value = (u8, Vec<u64>, u32, u64)> {
         (
-            0u8..7,
+            0u8..9,
             prop::collection::vec(0u64..6, 1..6),
             0u32..4,
             0u64..3000,
@@ -1340,15 +1380,24 @@ mod tests {
                         inserted.push((inst, ks.clone()));
                     }
                     5 => index.observe(InstanceId(inst), ks[0], None, Tier::Gpu, false, now),
-                    _ => index.forget_predictions_before(InstanceId(inst), now),
+                    6 => index.forget_predictions_before(InstanceId(inst), now),
+                    7 => {
+                        let last = ks.len() - 1;
+                        let parent = last.checked_sub(1).map(|p| ks[p]);
+                        index.observe(InstanceId(inst), ks[last], parent, Tier::L1, true, now);
+                        inserted.push((inst, ks.clone()));
+                    }
+                    _ => index.observe(InstanceId(inst), ks[0], None, Tier::L1, false, now),
                 }
                 // The counters agree with a full walk, whatever happened.
                 let (holders, predicted, observed, extra, per) = recount(&index);
+                let host = recount_host_only(&index);
                 let stats = index.stats();
                 prop_assert_eq!((stats.holders, stats.predicted_holders, stats.observed_holders), (holders, predicted, observed));
                 prop_assert_eq!(index.extra_holders, extra);
                 for (i, n) in per.iter().enumerate() {
                     prop_assert_eq!(index.holders_of(InstanceId(i as u32)), *n);
+                    prop_assert_eq!(index.gpu_holders_of(InstanceId(i as u32)), *n - host[i]);
                 }
                 prop_assert!(index.len() <= cap);
                 let got = index.match_prefix(&ks, now);

@@ -634,7 +634,8 @@ fn kv_aware(
             if capacity == 0 {
                 return ttft;
             }
-            let held = view.index.holders_of(i) as f64 * bt as f64;
+            // GPU fullness: blocks it keeps in host memory alone take no GPU room.
+            let held = view.index.gpu_holders_of(i) as f64 * bt as f64;
             let full = (held / capacity as f64).min(1.0);
             // Loaded blocks take GPU memory as computed ones do.
             let incoming = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.gpu) * bt);
