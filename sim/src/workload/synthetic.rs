@@ -43,9 +43,12 @@
 //! | code | ~260 s | ~9,000 | 100% | ~0.97 |
 //! | conversation | ~215 s | ~4,600 | 100% | ~0.90 |
 //!
-//! `longdoc` is outside the table (prompts of 16k to 64k tokens and more); with its
-//! defaults and 3,000 requests at 15/s it spans ~430 s, with mean prompts of ~42,000
-//! tokens and an ideal prefix-hit ratio of ~0.97.
+//! `longdoc` is outside the table (prompts of 16k to 64k tokens and more): with the
+//! defaults (seed 42) 3,000 requests at 15/s span ~395 s, mean prompt ~41,000 tokens,
+//! working set ~5.5M tokens, ideal prefix-hit ratio ~0.955; at 3/s, the rate
+//! `bench/tiers.py` uses, ~1,260 s and ~0.96. Its defaults (120 documents, Zipf 0.8, 30 s
+//! think times) were chosen so that 8 instances of 250k GPU tokens hold about 40% of the
+//! working set and sessions lose their history to eviction while their users read.
 //!
 //! Chat, code, conversation and longdoc take longer than `requests / rate_per_s`: their request rate reaches
 //! `rate_per_s` only once the sessions begun at the start have reached their later turns.
