@@ -781,7 +781,9 @@ fn render(rows: &[Row], speedup: f64) -> String {
         );
     }
     s += "hit% = cached tokens the clients saw; gpu%/l1%/l2% = prompt tokens the engines found in each tier\n";
-    s += "+agents = the same policy with a cache-agent per engine (L1, and L2 when given); ttft/rr against round-robin without agents\n";
+    if rows.iter().any(|r| r.agents) {
+        s += "+agents = the same policy with a cache-agent per engine (L1, and L2 when given); ttft/rr against round-robin without agents\n";
+    }
     s += "ttft in ms of model time (wall × speed-up); req/s in model time; ovh = router overhead per request\n";
     s += "(arrival to upstream send: parse, tokenize, hash, route), µs of wall time; prefill = the engines'\n";
     s += "prefill GPU-seconds (model time) per answered request\n";
