@@ -1,6 +1,6 @@
 //! The README's commands: every `warmpath` command line it shows (as `warmpath …` or
-//! `cargo run --release -- …`) names subcommands that exist and flags their `--help`
-//! lists, so that a newcomer who copies one gets the program, not a usage error.
+//! `cargo run --release --bin warmpath -- …`) names subcommands that exist and flags their
+//! `--help` lists, so that a newcomer who copies one gets the program, not a usage error.
 
 use std::collections::BTreeSet;
 
@@ -30,7 +30,8 @@ fn shell_lines(readme: &str) -> Vec<String> {
     lines
 }
 
-/// The words after `warmpath` (or after `cargo run --release --`), if the line runs it.
+/// The words after `warmpath` (or after `cargo run --release --bin warmpath --`), if the
+/// line runs it.
 fn warmpath_words(line: &str) -> Option<Vec<&str>> {
     let words: Vec<&str> = line.split_whitespace().collect();
     let at = match words.first() {
@@ -62,6 +63,14 @@ fn every_command_the_readme_shows_parses() {
         let Some(words) = warmpath_words(&line) else {
             continue;
         };
+        // The workspace builds two binaries (warmpath, warmpath-jepsen): a `cargo run`
+        // that does not name one is refused by cargo before anything runs.
+        if line.contains("cargo run") {
+            assert!(
+                line.contains("--bin warmpath "),
+                "README: `cargo run` must name `--bin warmpath`: {line}"
+            );
+        }
         let sub = words[0];
         let mut texts = vec![help(&[sub])
             .unwrap_or_else(|| panic!("README: `warmpath {sub}` is no subcommand: {line}"))];
