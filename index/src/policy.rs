@@ -6,8 +6,8 @@
 //! - `prefix-aware` (SageMaker semantics, generalised): match up to `prefix_blocks` of the
 //!   prompt and rank candidates by what their match is worth (see *Tiers* below: blocks on
 //!   the GPU count whole, blocks in host memory (L1) or L2 count for the prefill their load
-//!   saves), then by in-flight requests, then by how much cached data they hold. The best candidate wins unless it is *saturated* (below); then the
-//!   request *spills* to the best candidate that is not. Among candidates that hold none
+//!   saves), then by in-flight requests, then by how much cached data they hold. The best
+//!   candidate wins unless it is *saturated* (below); then the request *spills* to the best candidate that is not. Among candidates that hold none
 //!   of the prompt, the one holding the least cached data comes first (then the least
 //!   loaded), so new prefixes spread over the fleet's memory, as the peers' radix trees
 //!   send them to their smallest tree; saturation still keeps the load even.
@@ -54,8 +54,9 @@
 //! about two thirds of a GPU token and an L2 token about a third). A session therefore
 //! stays with the instance that holds it on the GPU unless that instance is saturated, and
 //! an L1 or L2 copy draws a request only where loading it beats recomputing there. The
-//! history that makes a candidate worth keeping (saturation's `own_tokens`) is counted
-//! the same way, GPU and L1 only: any instance can load from L2. kv-aware prices the same
+//! history that makes a candidate worth keeping (saturation's `own_tokens`) is its GPU
+//! history only: a move loses a load, not a recompute, of what sits in host memory or L2.
+//! kv-aware prices the same
 //! loads in its estimate, and charges the eviction term for every token that must come
 //! into GPU memory, loaded or computed. Without tiers, worth is the GPU depth and every
 //! ranking is what it was before tiers were priced.
@@ -391,7 +392,7 @@ pub fn route(
                     pending_prefill_tokens: load.pending_prefill_tokens,
                     score: scores.as_ref().map_or_else(
                         || {
-                            match_worth_tokens(view.profile, config.block_tokens, &m, true)
+                            match_worth_tokens(view.profile, config.block_tokens, &m)
                                 / f64::from(config.block_tokens.max(1))
                         },
                         |s: &Vec<f64>| s[pos],
@@ -459,16 +460,10 @@ fn load_saves(profile: &ModelProfile, tier: Tier, from: u64, to: u64) -> f64 {
     (1.0 - profile.load_ms(tier, to - from) / compute).clamp(0.0, 1.0)
 }
 
-/// What a match is worth, in GPU-equivalent tokens: its GPU tokens, plus its L1 tokens
-/// (when `with_l2`, also its L2 tokens) each times the share of their prefill that loading
-/// them saves (see the module docs, *Tiers*). Without L1 or L2 entries it is exactly
-/// `m.gpu × block_tokens`.
-pub fn match_worth_tokens(
-    profile: &ModelProfile,
-    block_tokens: u32,
-    m: &InstanceMatch,
-    with_l2: bool,
-) -> f64 {
+/// What a match is worth, in GPU-equivalent tokens: its GPU tokens, plus its L1 and L2
+/// tokens each times the share of their prefill that loading them saves (see the module
+/// docs, *Tiers*). Without L1 or L2 entries it is exactly `m.gpu × block_tokens`.
+pub fn match_worth_tokens(profile: &ModelProfile, block_tokens: u32, m: &InstanceMatch) -> f64 {
     let bt = u64::from(block_tokens);
     let gpu = u64::from(m.gpu) * bt;
     let l1 = u64::from(m.l1.max(m.gpu)) * bt;
@@ -477,7 +472,7 @@ pub fn match_worth_tokens(
     if l1 > gpu {
         worth += (l1 - gpu) as f64 * load_saves(profile, Tier::L1, gpu, l1);
     }
-    if with_l2 && l2 > l1 {
+    if l2 > l1 {
         worth += (l2 - l1) as f64 * load_saves(profile, Tier::L2, l1, l2);
     }
     worth
@@ -486,20 +481,13 @@ pub fn match_worth_tokens(
 /// [`match_worth_tokens`] in thousandths of a token, for ranking: equal depths give equal
 /// ranks, and distinct GPU-only depths keep their order.
 fn worth_rank(view: &View<'_>, config: &PolicyConfig, m: &InstanceMatch) -> u64 {
-    (match_worth_tokens(view.profile, config.block_tokens, m, true) * 1000.0).round() as u64
+    (match_worth_tokens(view.profile, config.block_tokens, m) * 1000.0).round() as u64
 }
 
-/// Tokens `instance` holds of the last match beyond its shared prefix, in GPU-equivalent
-/// tokens of its GPU and L1 (L2 is every instance's): the request's own history there,
-/// which a move would recompute.
-fn own_tokens(
-    config: &PolicyConfig,
-    profile: &ModelProfile,
-    scratch: &MatchScratch,
-    instance: InstanceId,
-) -> f64 {
+/// Tokens `instance` holds on its GPU of the last match beyond its shared prefix: the
+/// request's own history there, which a move would recompute.
+fn own_tokens(config: &PolicyConfig, scratch: &MatchScratch, instance: InstanceId) -> f64 {
     let m = scratch.of(instance);
-    let _ = profile;
     f64::from(m.gpu.saturating_sub(scratch.result.shared)) * f64::from(config.block_tokens)
 }
 
@@ -554,11 +542,7 @@ fn prefix_aware(
         }
     }
     let top_load = load(top);
-    if !balance.saturated(
-        config,
-        top_load,
-        own_tokens(config, view.profile, scratch, top),
-    ) {
+    if !balance.saturated(config, top_load, own_tokens(config, scratch, top)) {
         let reason = if scratch.of(top).l2 == 0 {
             Reason::NoMatch
         } else {
@@ -647,7 +631,7 @@ fn kv_aware(
         balance.saturated(
             config,
             view.load.get(i).in_flight,
-            own_tokens(config, view.profile, &state.scratch, i),
+            own_tokens(config, &state.scratch, i),
         )
     };
     let any_open = candidates.iter().any(|&i| !saturated(i));
