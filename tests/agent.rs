@@ -47,14 +47,23 @@ async fn put_chain(c: &AgentClient, keys: std::ops::Range<u64>, len: usize) {
     assert!(r.refused.is_empty(), "{r:?}");
 }
 
-/// Polls `f` until it returns true or 10 s pass.
+/// Posts a completion of `long_prompt(seed)` for `max_tokens` tokens to `url`; it must
+/// succeed.
+async fn complete_long(
+    http: &crate::router::HttpClient,
+    url: &str,
+    seed: u64,
+    max_tokens: u32,
+) -> crate::router::Reply {
+    let body = completion(&long_prompt(seed), max_tokens, false);
+    let r = post(http, url, "/v1/completions", body, &[]).await;
+    assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+    r
+}
+
 /// Posts a fresh completion (`long_prompt(seed)`, one token) to `url`; it must succeed.
 async fn post_fresh(http: &crate::router::HttpClient, url: &str, seed: u64) {
-    let body = completion(&long_prompt(seed), 1, false);
-    assert_eq!(
-        post(http, url, "/v1/completions", body, &[]).await.status,
-        200
-    );
+    complete_long(http, url, seed, 1).await;
 }
 
 /// The (instance, block) pairs the router at `url` holds as observed (from agents).
@@ -431,18 +440,7 @@ async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
     let ask = |seed: u64| {
         let http = http.clone();
         let url = engine.url.clone();
-        async move {
-            let r = post(
-                &http,
-                &url,
-                "/v1/completions",
-                completion(&long_prompt(seed), 2, false),
-                &[],
-            )
-            .await;
-            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
-            r.json()
-        }
+        async move { complete_long(&http, &url, seed, 2).await.json() }
     };
     // Prompt 1, then others that push it out of GPU memory, then prompt 1 again: loaded
     // from the agent's L1.
@@ -523,15 +521,7 @@ async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine()
         let (http, url) = (http.clone(), engine.url.clone());
         async move {
             let started = Instant::now();
-            let r = post(
-                &http,
-                &url,
-                "/v1/completions",
-                completion(&long_prompt(seed), 2, false),
-                &[],
-            )
-            .await;
-            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+            complete_long(&http, &url, seed, 2).await;
             started.elapsed()
         }
     };

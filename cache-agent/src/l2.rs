@@ -438,17 +438,10 @@ mod tests {
     use super::*;
     use crate::block::{decode_object, encode_object, Block, Damage};
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    }
-
     #[test]
     fn dir_stores_bounds_and_survives_restarts() {
         let tmp = tempfile::tempdir().unwrap();
-        rt().block_on(async {
+        crate::test_runtime().block_on(async {
             let id = |k| BlockId::new(1, k);
             let obj = |k: u64| encode_object(&id(k), &Block::new(Bytes::from(vec![k as u8; 64])));
             let size = obj(0).len() as u64;

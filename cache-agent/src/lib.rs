@@ -33,3 +33,12 @@ pub mod metric_names;
 pub mod pool;
 pub mod proto;
 pub mod server;
+
+/// A current-thread runtime for the unit tests that drive async code.
+#[cfg(test)]
+pub(crate) fn test_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a test runtime")
+}

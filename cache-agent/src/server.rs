@@ -412,13 +412,6 @@ mod tests {
     use crate::proto::PutItem;
     use bytes::Bytes;
 
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    }
-
     fn put_lens(r: &Request) -> Option<Vec<u32>> {
         match r {
             Request::Put { blocks, .. } => Some(blocks.iter().map(|b| b.bytes).collect()),
@@ -431,7 +424,7 @@ mod tests {
     /// and a frame whose payloads do not add up is an error that leaves the stream in step.
     #[test]
     fn frames_cross_a_pipe_with_their_checksums() {
-        rt().block_on(async {
+        crate::test_runtime().block_on(async {
             let (mut a, mut b) = tokio::io::duplex(4096);
             let big: Bytes = (0..300_000u32).map(|i| (i % 251) as u8).collect();
             let small = Bytes::from_static(b"small block");
