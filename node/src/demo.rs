@@ -797,13 +797,7 @@ fn render(rows: &[Row], speedup: f64) -> String {
         })
         .collect();
     if !pairs.is_empty() {
-        let ratio = |a: f64, b: f64| {
-            if b > 0.0 {
-                format!("{:.2}x", a / b)
-            } else {
-                "-".to_string()
-            }
-        };
+        use crate::report::ratio;
         s += "\nwith agents against the same policy without them:\n";
         s += &format!(
             "{:<13} {:>11} {:>9} {:>9} {:>8}\n",

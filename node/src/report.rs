@@ -233,6 +233,15 @@ fn load_over_time(
     })
 }
 
+/// `a / b` as the tables print a ratio (`0.73x`), or `-` when `b` is not positive.
+pub fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}x", a / b)
+    } else {
+        "-".to_string()
+    }
+}
+
 /// Makes the report's directory before a run, so that one that cannot be written fails
 /// at once, not after the run.
 pub fn prepare(dir: &Path) -> Result<()> {

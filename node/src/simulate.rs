@@ -483,13 +483,7 @@ pub fn render_table(out: &SimulationOutput) -> String {
 
 /// What the tiers buy: each policy with tiers over the same policy without them.
 fn tiers_table(with: &[RunReport], without: &[RunReport]) -> String {
-    let ratio = |a: f64, b: f64| {
-        if b > 0.0 {
-            format!("{:.2}x", a / b)
-        } else {
-            "-".to_string()
-        }
-    };
+    use crate::report::ratio;
     let mut s = String::from("\nwith tiers against the same runs without them:\n");
     s += &format!(
         "{:<13} {:>11} {:>9} {:>9} {:>9} {:>15} {:>7}\n",
