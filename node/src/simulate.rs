@@ -475,8 +475,53 @@ pub fn render_table(out: &SimulationOutput) -> String {
     s +=
         "times in ms; hit% is token-weighted over all tiers; imbal = max/mean instance busy time; \
           prefill = prefill GPU-seconds per request\n";
+    s += &follow_ups_table(&out.runs, &out.runs_without_tiers);
     if !out.runs_without_tiers.is_empty() {
         s += &tiers_table(&out.runs, &out.runs_without_tiers);
+    }
+    s
+}
+
+/// Turn over turn: how much of the context follow-up turns inherit was found cached, per
+/// policy (and without tiers, when those runs were made). Empty when no request follows
+/// another.
+fn follow_ups_table(with: &[RunReport], without: &[RunReport]) -> String {
+    let Some(first) = with.first().filter(|r| r.follow_ups.requests > 0) else {
+        return String::new();
+    };
+    let f = &first.follow_ups;
+    let mut s = format!(
+        "\nfollow-up turns: {} requests, {:.0} tokens of inherited context each on average; share of it found cached:\n",
+        f.requests,
+        f.context_tokens as f64 / f.requests as f64
+    );
+    s += &format!(
+        "{:<13} {:>7} {:>6} {:>6} {:>6}{}\n",
+        "policy",
+        "cached%",
+        "gpu%",
+        "l1%",
+        "l2%",
+        if without.is_empty() {
+            ""
+        } else {
+            "  cached% without tiers"
+        }
+    );
+    for (i, r) in with.iter().enumerate() {
+        let f = &r.follow_ups;
+        s += &format!(
+            "{:<13} {:>7.1} {:>6.1} {:>6.1} {:>6.1}{}\n",
+            r.policy,
+            f.hit_rate * 100.0,
+            f.hit_rate_gpu * 100.0,
+            f.hit_rate_l1 * 100.0,
+            f.hit_rate_l2 * 100.0,
+            without.get(i).map_or(String::new(), |n| format!(
+                "  {:>22.1}",
+                n.follow_ups.hit_rate * 100.0
+            )),
+        );
     }
     s
 }

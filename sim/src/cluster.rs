@@ -124,9 +124,30 @@ pub struct RunReport {
     pub load_s_per_request: f64,
     /// Simulated seconds from the first arrival to the last completion.
     pub makespan_s: f64,
+    /// Follow-up turns: how much of the context each inherits from an earlier turn was
+    /// found cached, and where.
+    pub follow_ups: FollowUps,
     /// What reports plot (long arrays, left out of `--json`).
     #[serde(skip)]
     pub curves: Curves,
+}
+
+/// Follow-up turns of a run: requests whose prompt begins with a whole earlier prompt
+/// ([`Workload::follow_up_context`]), such as a conversation's next turn. Their inherited
+/// context is what the engine may have evicted during the user's think time; the tiers are
+/// to bring it back rather than have it recomputed.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FollowUps {
+    /// Follow-up requests that got their first token.
+    pub requests: u64,
+    /// Their inherited context, in tokens (complete blocks).
+    pub context_tokens: u64,
+    /// Share of that context found cached in any tier at admission.
+    pub hit_rate: f64,
+    /// The parts found on the GPU, in L1 and in L2 (GPU first, as the engine finds them).
+    pub hit_rate_gpu: f64,
+    pub hit_rate_l1: f64,
+    pub hit_rate_l2: f64,
 }
 
 /// A run's curves: the TTFT distribution and each instance's load over time.
@@ -314,6 +335,11 @@ struct Tally {
     rejected: u64,
     /// Output tokens produced, the first of each request included.
     output_tokens: u64,
+    /// Follow-up turns: requests, inherited context tokens and the tokens of it found on
+    /// the GPU, in L1 and in L2.
+    follow_ups: u64,
+    follow_up_context: u64,
+    follow_up_hits: [u64; 3],
 }
 
 /// Each instance's load over the run (see [`Curves::load`]).
@@ -380,6 +406,8 @@ struct Run<'a> {
     load: LoadSampler,
     /// The time of the latest event.
     last_us: u64,
+    /// Per request, the blocks of context it inherits from an earlier turn (0: none).
+    follow_up_context: Vec<u32>,
 }
 
 impl<'a> Run<'a> {
@@ -412,9 +440,13 @@ impl<'a> Run<'a> {
                 completed: 0,
                 rejected: 0,
                 output_tokens: 0,
+                follow_ups: 0,
+                follow_up_context: 0,
+                follow_up_hits: [0; 3],
             },
             load: LoadSampler::new(workload),
             last_us: 0,
+            follow_up_context: workload.follow_up_context(),
         }
     }
 
@@ -598,8 +630,8 @@ impl<'a> Run<'a> {
                     l1_hit_tokens,
                     l2_hit_tokens,
                 } => {
-                    let cached = gpu_hit_tokens + l1_hit_tokens + l2_hit_tokens;
-                    self.first_token(id as usize, at_us, cached);
+                    let hits = [gpu_hit_tokens, l1_hit_tokens, l2_hit_tokens];
+                    self.first_token(id as usize, at_us, hits);
                 }
                 EngineEvent::Token { id, at_us } => {
                     let t = &mut self.tracks[id as usize];
@@ -639,9 +671,23 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Request `i`'s first token, at `at_us`, after the engine found `cached` prompt tokens.
-    fn first_token(&mut self, i: usize, at_us: u64, cached: u32) {
+    /// Request `i`'s first token, at `at_us`, after the engine found `hits` prompt tokens
+    /// cached on the GPU, in L1 and in L2.
+    fn first_token(&mut self, i: usize, at_us: u64, hits: [u32; 3]) {
+        let cached = hits.iter().sum();
         let req = &self.workload.requests[i];
+        let context = u64::from(self.follow_up_context[i]) * u64::from(self.workload.block_tokens);
+        if context > 0 {
+            self.tally.follow_ups += 1;
+            self.tally.follow_up_context += context;
+            // The engine's hits are a prefix, GPU first, then the loaded blocks.
+            let mut left = context;
+            for (sum, &h) in self.tally.follow_up_hits.iter_mut().zip(&hits) {
+                let part = u64::from(h).min(left);
+                *sum += part;
+                left -= part;
+            }
+        }
         let t = &mut self.tracks[i];
         t.first_token_us = Some(at_us);
         t.last_token_us = at_us;
@@ -700,6 +746,9 @@ impl<'a> Run<'a> {
             completed,
             rejected,
             output_tokens,
+            follow_ups,
+            follow_up_context,
+            follow_up_hits,
         } = self.tally;
         let mut busy = Vec::new();
         let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
@@ -760,6 +809,23 @@ impl<'a> Run<'a> {
             prefill_gpu_s_per_request: per_request(prefill_us),
             load_s_per_request: per_request(load_us),
             makespan_s,
+            follow_ups: {
+                let of_context = |x: u64| {
+                    if follow_up_context == 0 {
+                        0.0
+                    } else {
+                        x as f64 / follow_up_context as f64
+                    }
+                };
+                FollowUps {
+                    requests: follow_ups,
+                    context_tokens: follow_up_context,
+                    hit_rate: of_context(follow_up_hits.iter().sum()),
+                    hit_rate_gpu: of_context(follow_up_hits[0]),
+                    hit_rate_l1: of_context(follow_up_hits[1]),
+                    hit_rate_l2: of_context(follow_up_hits[2]),
+                }
+            },
             curves: Curves {
                 ttft_cdf_ms: if ttft.is_empty() {
                     Vec::new()

@@ -113,6 +113,29 @@ impl Workload {
             .collect();
         (matched, seen.len())
     }
+
+    /// Per request, how many leading blocks are a whole earlier prompt (of the same tenant:
+    /// keys are per tenant): the context a follow-up turn inherits from the turn before it.
+    /// 0 for a request that follows no earlier one. Keys name whole prefixes, so an earlier
+    /// request's last key at position `p` of a later prompt means the earlier prompt's
+    /// complete blocks are the later one's first `p + 1`; the latest such position counts.
+    pub fn follow_up_context(&self) -> Vec<u32> {
+        let mut last_keys: HashSet<BlockKey> = HashSet::new();
+        self.requests
+            .iter()
+            .map(|r| {
+                let inherited = r
+                    .keys
+                    .iter()
+                    .rposition(|k| last_keys.contains(k))
+                    .map_or(0, |p| p as u32 + 1);
+                if let Some(&last) = r.keys.last() {
+                    last_keys.insert(last);
+                }
+                inherited
+            })
+            .collect()
+    }
 }
 
 /// How the trace readers treat their input.
@@ -186,3 +209,38 @@ pub enum WorkloadError {
 pub mod azure;
 pub mod mooncake;
 pub mod synthetic;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(id: u64, keys: &[u64]) -> Request {
+        Request {
+            id,
+            arrival_us: id,
+            tenant: 0,
+            keys: keys.iter().map(|&k| BlockKey(k)).collect(),
+            prompt_tokens: keys.len() as u32 * 16 + 5,
+            output_tokens: 1,
+        }
+    }
+
+    #[test]
+    fn a_follow_up_inherits_the_whole_latest_earlier_prompt_it_begins_with() {
+        let w = Workload {
+            name: "turns".into(),
+            block_tokens: 16,
+            requests: vec![
+                request(0, &[1, 2]),
+                // The next turn: all of request 0, then more.
+                request(1, &[1, 2, 3, 4]),
+                // Shares a first block only: no earlier prompt ends inside it.
+                request(2, &[1, 9]),
+                // The turn after request 1: its whole prompt, the latest one, counts.
+                request(3, &[1, 2, 3, 4, 5, 6]),
+                request(4, &[7]),
+            ],
+        };
+        assert_eq!(w.follow_up_context(), vec![0, 2, 0, 4, 0]);
+    }
+}
