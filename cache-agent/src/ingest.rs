@@ -1,20 +1,58 @@
 //! From engine KV events to residency changes: the agent recomputes warmpath block keys
-//! from the events' token ids (engine hashes are never keys) and keeps, per engine, the
-//! engine-hash → warmpath-key map that removals need. Pure: batches in, changes out.
+//! from the events' token ids (engine hashes are never keys) and keeps, per engine, what
+//! each engine hash stands for, which removals and later blocks need. Pure: batches in,
+//! changes out.
+//!
+//! **Re-cut into the pool's blocks.** Routers key a prompt in blocks of the pool's size
+//! (`PoolSpec::block_tokens`, the engines' GPU block size), but engines publish blocks of
+//! other sizes too: vLLM's CPU offloading in its own chunk size (48 tokens over 16-token
+//! GPU blocks in vLLM's tests), LMCache in 256-token chunks with a shorter last one. So an
+//! event block is not one key: its tokens, after the tokens its parent left over, are cut
+//! into whole pool blocks, each keyed after the one before; what is left over (less than a
+//! pool block) waits for the next block of the chain. A block of `n` tokens thus *covers*
+//! the pool blocks it completes: a 256-token chunk covers 16 blocks of 16 tokens, a last
+//! chunk of 100 tokens covers 6 and leaves 4 over. The pool's block size is the one set
+//! with [`Ingest::set_block_tokens`], else the engine's GPU block size (its first whole GPU
+//! store); a block of another medium that arrives before either is known is not reported
+//! (counted `no_block_size`), nor are its children.
+//!
+//! **What an engine hash stands for.** Each event block the engine announced is a
+//! [`Node`]: its chain's tenant, the key of the last whole pool block up to its end, the
+//! tokens left over after that key, and the pool blocks it covers. A block names its parent
+//! by engine hash (a vLLM block hash, an LMCache chunk hash: any medium's), and is keyed
+//! from the parent's node. Nodes stay while any medium holds the block, and
+//! [`GHOSTS`] removed ones more per engine (a parent evicted just before its child is
+//! stored still keys the child). A block whose parent the agent does not know (never
+//! seen, forgotten, or before a gap) is not reported, nor are the rest of its event's
+//! blocks (counted `orphans`): routers predict for it instead. At most [`MAX_BLOCKS`]
+//! nodes per engine; past that new blocks are not reported (counted `capped`).
+//!
+//! **Removals.** A pool block is reported present in a scope while at least one held event
+//! block covers it there (a count per scope and key: a pool block under two engines' CPU
+//! chunks is one L1 block), and absent when the last goes. So a `BlockRemoved` of a chunk
+//! removes the pool blocks it alone covered. A pool block that straddles two event blocks
+//! belongs to the one that completed it.
 //!
 //! **Whose block is it.** A warmpath key is keyed by the tenant (`TenantKey(tenant,
 //! cache_salt)`), so the agent must know each stored chain's tenant. vLLM hashes a request's
 //! `cache_salt` into its first block and publishes it in that block's `extra_keys`; later
 //! blocks name their parent. So: a block with a parent takes its parent's tenant; a first
 //! block takes the tenant its salt resolves to ([`Tenants`]). The salt is the last string
-//! of the first block's extra keys that is not the LoRA name (vLLM appends multimodal
-//! hashes, then the LoRA name, then the salt). A chain whose tenant cannot be resolved, or
-//! whose parent the agent never saw, is not reported (counted): a router then predicts
-//! instead, which costs hits and never shares them across tenants.
+//! of the first block's extra keys that is not the LoRA name (vLLM puts the LoRA name
+//! first, then multimodal hashes, then the salt). A first block of another medium than the
+//! GPU without extra keys (LMCache's chunks, vLLM 0.33's CPU offload) takes the tenant of
+//! the GPU chain on the same engine whose first pool block has the same tokens. A chain
+//! whose tenant cannot be resolved is not reported (counted `unresolved`): a router then
+//! predicts instead, which costs hits and never shares them across tenants.
 //!
-//! **What is not mapped.** Blocks of a LoRA adapter (warmpath keys do not include adapters
-//! yet) and media other than `GPU` (GPU-resident) and `CPU` (an engine's own CPU offload,
-//! reported as the host's L1) are skipped and counted.
+//! **LoRA.** Engines cache per adapter, so a block stored under an adapter (`lora_name`) is
+//! keyed with the tenant's key for that adapter ([`TenantKey::for_adapter`]): the keys a
+//! router computes for a request whose `model` names the adapter. A block with a
+//! `lora_id` and no name cannot be keyed (routers name adapters) and is skipped.
+//!
+//! **What is not mapped.** Media other than `GPU` (GPU-resident) and `CPU`/`cpu` (an
+//! engine's own CPU offload or LMCache's CPU tier, reported as the host's L1), and vLLM
+//! offloading's placeholders (block size 0, no tokens), are skipped and counted.
 //!
 //! **Gaps.** A batch whose sequence number is not the previous one plus one means events
 //! were lost. The subscriber first asks the engine's replay socket for the missing
@@ -23,12 +61,19 @@
 //! engine may be wrong, so all of it is dropped (routers fall back to predictions for it)
 //! and rebuilt from what follows.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use warmpath_index::keys::{BlockKey, TenantKey};
 
 use crate::kv_events::{Decoded, EngineHash, KvEvent};
 use warmpath_residency::{Change, Scope};
+
+/// Event blocks one engine's view keeps at most (held, and removed ones kept as
+/// [`GHOSTS`]); a node costs about 100 bytes plus 8 per pool block it covers.
+pub const MAX_BLOCKS: usize = 1 << 21;
+
+/// Removed event blocks kept per engine for their chain ends (their children may follow).
+pub const GHOSTS: usize = 1 << 16;
 
 /// How a first block's salt names a tenant: the agent's own table (`--kv-tenant`) and
 /// what the routers send ([`Ingest::learn_tenants`]: the configuration's tenants and
@@ -59,7 +104,7 @@ impl Tenants {
     }
 }
 
-/// Counters, for metrics.
+/// Counters, for metrics. Block counts are of event blocks.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IngestStats {
     pub batches: u64,
@@ -68,23 +113,62 @@ pub struct IngestStats {
     pub unknown: u64,
     pub unresolved: u64,
     pub orphans: u64,
+    /// Blocks of unmapped media, placeholders, and LoRA blocks without a name.
     pub skipped: u64,
     pub malformed: u64,
+    /// Blocks not reported because the pool's block size was not known yet.
+    pub no_block_size: u64,
+    /// Blocks not reported because the engine's view was full ([`MAX_BLOCKS`]).
+    pub capped: u64,
 }
+
+/// One event block an engine announced.
+#[derive(Debug)]
+struct Node {
+    /// Tenant (and adapter) slot of its chain.
+    slot: u32,
+    /// The key before the first pool block it covers (its first change's parent).
+    before: Option<BlockKey>,
+    /// The key of the last whole pool block up to its end (None: none yet).
+    key: Option<BlockKey>,
+    /// The tokens after `key` up to its end: fewer than a pool block.
+    tail: Box<[u32]>,
+    /// The pool blocks it completed, in order.
+    covers: Box<[BlockKey]>,
+    /// Whether the engine's GPU, and its CPU tier (the host's L1), hold it.
+    gpu: bool,
+    l1: bool,
+}
+
+impl Node {
+    fn held(&self, scope: Scope) -> bool {
+        match scope {
+            Scope::L1 => self.l1,
+            _ => self.gpu,
+        }
+    }
+
+    fn set(&mut self, scope: Scope, held: bool) {
+        match scope {
+            Scope::L1 => self.l1 = held,
+            _ => self.gpu = held,
+        }
+    }
+}
+
+/// Where a chain stands after a block: its slot, last whole key and leftover tokens.
+type ChainEnd = (u32, Option<BlockKey>, Vec<u32>);
 
 #[derive(Debug, Default)]
 struct EngineView {
-    /// (engine hash, scope) → tenant slot and warmpath key: the same hash may be on the
-    /// GPU and in the engine's CPU offload at once.
-    blocks: HashMap<(EngineHash, Scope), Held>,
+    /// Event blocks by engine hash: held ones, and removed ones listed in `ghosts`.
+    blocks: HashMap<EngineHash, Node>,
+    /// Removed blocks, oldest first (a hash stored again stays listed; it is kept while
+    /// held when its turn comes).
+    ghosts: VecDeque<EngineHash>,
+    /// The engine's GPU block size, from its first whole GPU store.
+    gpu_block_tokens: Option<u32>,
     last_seq: Option<u64>,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Held {
-    tenant: usize,
-    key: BlockKey,
-    scope: Scope,
 }
 
 /// The agent's view of its engines' caches.
@@ -95,9 +179,14 @@ pub struct Ingest {
     learned: HashMap<String, String>,
     /// Whether a router ever sent a non-empty table.
     learned_any: bool,
-    /// Tenant keys in use, by slot (blocks hold a slot, not a 32-byte key each).
-    keys: Vec<TenantKey>,
+    /// Tenant keys in use (with the adapter each is for), by slot: nodes hold a slot, not
+    /// a 32-byte key each.
+    keys: Vec<(TenantKey, Option<Box<str>>)>,
     engines: Vec<EngineView>,
+    /// How many held event blocks cover each reported (scope, key).
+    covered: HashMap<(Scope, u64), u32>,
+    /// The pool's block size, when set; else each engine's GPU block size.
+    block_tokens: Option<u32>,
     pub stats: IngestStats,
 }
 
@@ -110,8 +199,17 @@ impl Ingest {
             learned_any: false,
             keys: Vec::new(),
             engines: (0..engines).map(|_| EngineView::default()).collect(),
+            covered: HashMap::new(),
+            block_tokens: None,
             stats: IngestStats::default(),
         }
+    }
+
+    /// Sets the pool's block size (the routers' `block_tokens`), which event blocks are
+    /// re-cut into; `None` (the default) takes each engine's GPU block size. Blocks
+    /// already keyed keep their keys: set it before the first batch.
+    pub fn set_block_tokens(&mut self, block_tokens: Option<u32>) {
+        self.block_tokens = block_tokens.filter(|&b| b > 0);
     }
 
     /// Replaces the table the routers sent (salt → tenant id). Chains stored from now on
@@ -141,14 +239,49 @@ impl Ingest {
         }
     }
 
-    fn slot(&mut self, key: TenantKey) -> usize {
-        match self.keys.iter().position(|k| *k == key) {
+    /// The slot of `tenant`'s key for `adapter` (the tenant's own key for none).
+    fn slot(&mut self, tenant: TenantKey, adapter: Option<&str>) -> u32 {
+        let key = match adapter {
+            Some(a) => tenant.for_adapter(a),
+            None => tenant,
+        };
+        let i = match self.keys.iter().position(|(k, _)| *k == key) {
             Some(i) => i,
             None => {
-                self.keys.push(key);
+                self.keys.push((key, adapter.map(Box::from)));
                 self.keys.len() - 1
             }
-        }
+        };
+        i as u32
+    }
+
+    /// The slot of the GPU chain on `engine` whose first pool block is `tokens`' first,
+    /// under `adapter`.
+    fn gpu_chain_slot(
+        &self,
+        engine: usize,
+        tokens: &[u32],
+        pool: usize,
+        adapter: Option<&str>,
+    ) -> Option<u32> {
+        let first = tokens.get(..pool)?;
+        let gpu = Scope::Gpu(u16::try_from(engine).ok()?);
+        let mut bytes = Vec::with_capacity(pool * 4);
+        warmpath_index::keys::token_block_bytes(first, &mut bytes);
+        self.keys
+            .iter()
+            .position(|(k, a)| {
+                a.as_deref() == adapter
+                    && self.covered.contains_key(&(gpu, k.chain(None, &bytes).0))
+            })
+            .map(|i| i as u32)
+    }
+
+    /// The pool's block size for `engine`, when known.
+    fn pool_tokens(&self, engine: usize) -> Option<usize> {
+        self.block_tokens
+            .or(self.engines[engine].gpu_block_tokens)
+            .map(|b| b as usize)
     }
 
     /// The sequence number of the last batch applied for `engine`.
@@ -156,9 +289,11 @@ impl Ingest {
         self.engines.get(engine).and_then(|e| e.last_seq)
     }
 
-    /// Blocks known for `engine`.
+    /// Event blocks held (in any medium) for `engine`.
     pub fn len(&self, engine: usize) -> usize {
-        self.engines.get(engine).map_or(0, |e| e.blocks.len())
+        self.engines
+            .get(engine)
+            .map_or(0, |e| e.blocks.values().filter(|n| n.gpu || n.l1).count())
     }
 
     /// Forgets everything of `engine` (a publisher restart, a lost connection), returning
@@ -168,16 +303,16 @@ impl Ingest {
             return Vec::new();
         };
         view.last_seq = None;
-        let mut out: Vec<Change> = view
-            .blocks
-            .drain()
-            .map(|(_, h)| Change {
-                scope: h.scope,
-                key: h.key.0,
-                parent: None,
-                present: false,
-            })
-            .collect();
+        view.ghosts.clear();
+        let nodes: Vec<Node> = view.blocks.drain().map(|(_, n)| n).collect();
+        let mut out = Vec::new();
+        for n in &nodes {
+            for scope in [Scope::Gpu(engine as u16), Scope::L1] {
+                if n.held(scope) {
+                    uncover(&mut self.covered, scope, &n.covers, &mut out);
+                }
+            }
+        }
         out.sort_unstable_by_key(|c| (c.scope, c.key));
         out
     }
@@ -210,81 +345,130 @@ impl Ingest {
                     medium,
                     extra_keys,
                 } => {
+                    let n = block_hashes.len() as u64;
                     let Some(scope) = scope_of(medium.as_deref(), engine) else {
-                        self.stats.skipped += block_hashes.len() as u64;
+                        self.stats.skipped += n;
                         continue;
                     };
-                    if lora_name.is_some() || lora_id.is_some() {
-                        self.stats.skipped += block_hashes.len() as u64;
+                    let bs = *block_size as usize;
+                    if bs == 0 && token_ids.is_empty() {
+                        self.stats.skipped += n; // vLLM offloading's placeholder
                         continue;
                     }
-                    let bs = *block_size as usize;
-                    if token_ids.len() != block_hashes.len() * bs {
+                    // `n` blocks of `bs` tokens, the last one possibly shorter (LMCache's
+                    // last chunk).
+                    let len = token_ids.len();
+                    if bs == 0 || n == 0 || len > n as usize * bs || len <= (n as usize - 1) * bs {
                         self.stats.malformed += 1;
                         continue;
                     }
-                    // The chain so far: the parent's tenant and key, or a first block's.
-                    let mut prev: Option<(usize, BlockKey)> = match parent {
-                        Some(p) => match self.engines[engine]
-                            .blocks
-                            .get(&(p.clone(), scope))
-                            .or_else(|| {
-                                let other = if scope == Scope::L1 {
-                                    Scope::Gpu(engine as u16)
-                                } else {
-                                    Scope::L1
-                                };
-                                self.engines[engine].blocks.get(&(p.clone(), other))
-                            }) {
-                            Some(h) => Some((h.tenant, h.key)),
+                    if scope != Scope::L1
+                        && len == n as usize * bs
+                        && self.engines[engine].gpu_block_tokens.is_none()
+                    {
+                        self.engines[engine].gpu_block_tokens = Some(*block_size);
+                    }
+                    let Some(pool) = self.pool_tokens(engine) else {
+                        self.stats.no_block_size += n;
+                        continue;
+                    };
+                    let adapter = match (lora_name, lora_id) {
+                        (Some(name), _) => Some(name.as_str()),
+                        (None, Some(_)) => {
+                            self.stats.skipped += n;
+                            continue;
+                        }
+                        (None, None) => None,
+                    };
+                    let mut prev: Option<ChainEnd> = match parent {
+                        None => None,
+                        Some(p) => match self.engines[engine].blocks.get(p) {
+                            Some(node) => Some((node.slot, node.key, node.tail.to_vec())),
                             None => {
-                                self.stats.orphans += block_hashes.len() as u64;
+                                self.stats.orphans += n;
                                 continue;
                             }
                         },
-                        None => None,
                     };
-                    let mut bytes = Vec::with_capacity(bs * 4);
-                    for (i, (hash, tokens)) in block_hashes
-                        .iter()
-                        .zip(token_ids.chunks_exact(bs))
-                        .enumerate()
+                    for (i, (hash, tokens)) in
+                        block_hashes.iter().zip(token_ids.chunks(bs)).enumerate()
                     {
-                        let tenant = match prev {
-                            Some((t, _)) => t,
+                        let left = n - i as u64;
+                        // A block this engine announced before (in another medium, or
+                        // again): its chain is known.
+                        if let Some(node) = self.engines[engine].blocks.get_mut(hash) {
+                            if !node.held(scope) {
+                                node.set(scope, true);
+                                cover(&mut self.covered, scope, node, &mut out);
+                            }
+                            prev = Some((node.slot, node.key, node.tail.to_vec()));
+                            continue;
+                        }
+                        let (slot, before, mut buf) = match prev.take() {
+                            Some(end) => end,
                             None => {
                                 let candidates: Vec<&str> = extra_keys
                                     .get(i)
                                     .map(|k| {
                                         k.iter()
                                             .map(String::as_str)
-                                            .filter(|s| Some(*s) != lora_name.as_deref())
+                                            .filter(|s| Some(*s) != adapter)
                                             .collect()
                                     })
                                     .unwrap_or_default();
-                                match self.resolve(&candidates) {
-                                    Some(k) => self.slot(k),
+                                let by_gpu = match (candidates.is_empty(), scope) {
+                                    (true, Scope::L1) => {
+                                        self.gpu_chain_slot(engine, tokens, pool, adapter)
+                                    }
+                                    _ => None,
+                                };
+                                let slot = match by_gpu {
+                                    Some(s) => Some(s),
                                     None => {
-                                        self.stats.unresolved += (block_hashes.len() - i) as u64;
+                                        self.resolve(&candidates).map(|k| self.slot(k, adapter))
+                                    }
+                                };
+                                match slot {
+                                    Some(s) => (s, None, Vec::new()),
+                                    None => {
+                                        self.stats.unresolved += left;
                                         break;
                                     }
                                 }
                             }
                         };
-                        warmpath_index::keys::token_block_bytes(tokens, &mut bytes);
-                        let parent_key = prev.map(|(_, k)| k);
-                        let key = self.keys[tenant].chain(parent_key, &bytes);
-                        let held = Held { tenant, key, scope };
-                        let view = &mut self.engines[engine];
-                        if view.blocks.insert((hash.clone(), scope), held).is_none() {
-                            out.push(Change {
-                                scope,
-                                key: key.0,
-                                parent: parent_key.map(|k| k.0),
-                                present: true,
-                            });
+                        if self.engines[engine].blocks.len() >= MAX_BLOCKS {
+                            self.stats.capped += left;
+                            break;
                         }
-                        prev = Some((tenant, key));
+                        // Re-cut: the parent's leftover and this block's tokens, in whole
+                        // pool blocks.
+                        buf.extend_from_slice(tokens);
+                        let whole = buf.len() / pool * pool;
+                        let tenant = &self.keys[slot as usize].0;
+                        let mut bytes = Vec::with_capacity(pool * 4);
+                        let mut key = before;
+                        let mut covers = Vec::with_capacity(whole / pool);
+                        for block in buf[..whole].chunks_exact(pool) {
+                            warmpath_index::keys::token_block_bytes(block, &mut bytes);
+                            let k = tenant.chain(key, &bytes);
+                            covers.push(k);
+                            key = Some(k);
+                        }
+                        let tail = buf.split_off(whole);
+                        let mut node = Node {
+                            slot,
+                            before,
+                            key,
+                            tail: tail.clone().into_boxed_slice(),
+                            covers: covers.into_boxed_slice(),
+                            gpu: false,
+                            l1: false,
+                        };
+                        node.set(scope, true);
+                        cover(&mut self.covered, scope, &node, &mut out);
+                        self.engines[engine].blocks.insert(hash.clone(), node);
+                        prev = Some((slot, key, tail));
                     }
                 }
                 KvEvent::Removed {
@@ -295,15 +479,25 @@ impl Ingest {
                         self.stats.skipped += block_hashes.len() as u64;
                         continue;
                     };
+                    let view = &mut self.engines[engine];
                     for hash in block_hashes {
-                        if let Some(h) = self.engines[engine].blocks.remove(&(hash.clone(), scope))
-                        {
-                            out.push(Change {
-                                scope: h.scope,
-                                key: h.key.0,
-                                parent: None,
-                                present: false,
-                            });
+                        let Some(node) = view.blocks.get_mut(hash) else {
+                            continue;
+                        };
+                        if !node.held(scope) {
+                            continue;
+                        }
+                        node.set(scope, false);
+                        uncover(&mut self.covered, scope, &node.covers, &mut out);
+                        if !node.gpu && !node.l1 {
+                            view.ghosts.push_back(hash.clone());
+                        }
+                    }
+                    while view.ghosts.len() > GHOSTS {
+                        if let Some(h) = view.ghosts.pop_front() {
+                            if view.blocks.get(&h).is_some_and(|n| !n.gpu && !n.l1) {
+                                view.blocks.remove(&h);
+                            }
                         }
                     }
                 }
@@ -315,6 +509,54 @@ impl Ingest {
             }
         }
         out
+    }
+}
+
+/// Counts `node`'s pool blocks as covered once more in `scope`, reporting those no other
+/// held block covered.
+fn cover(
+    covered: &mut HashMap<(Scope, u64), u32>,
+    scope: Scope,
+    node: &Node,
+    out: &mut Vec<Change>,
+) {
+    let mut parent = node.before;
+    for k in node.covers.iter() {
+        let n = covered.entry((scope, k.0)).or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            out.push(Change {
+                scope,
+                key: k.0,
+                parent: parent.map(|p| p.0),
+                present: true,
+            });
+        }
+        parent = Some(*k);
+    }
+}
+
+/// Counts `covers` as covered once less in `scope`, reporting those no held block covers
+/// any more.
+fn uncover(
+    covered: &mut HashMap<(Scope, u64), u32>,
+    scope: Scope,
+    covers: &[BlockKey],
+    out: &mut Vec<Change>,
+) {
+    for k in covers {
+        if let std::collections::hash_map::Entry::Occupied(mut e) = covered.entry((scope, k.0)) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+                out.push(Change {
+                    scope,
+                    key: k.0,
+                    parent: None,
+                    present: false,
+                });
+            }
+        }
     }
 }
 
@@ -409,20 +651,18 @@ mod tests {
             .apply(0, 3, &batch(vec![stored(&[4], Some(77), 0..4, None)]))
             .is_empty());
         assert_eq!((ing.stats.unresolved, ing.stats.orphans), (1, 1));
-        // Tokens that do not fill the blocks are malformed; a LoRA block is skipped.
-        let mut bad = stored(&[5, 6], None, 0..5, Some("salt-a"));
-        assert!(ing.apply(0, 4, &batch(vec![bad.clone()])).is_empty());
-        if let KvEvent::Stored {
-            token_ids,
-            lora_name,
-            ..
-        } = &mut bad
-        {
-            *token_ids = (0..8).collect();
-            *lora_name = Some("adapter".into());
+        // More tokens than the blocks hold, or too few to reach the last block, are
+        // malformed; a LoRA id without a name is skipped.
+        for (n, tokens) in [(1, 9..18), (2, 9..13)] {
+            let bad = stored(&[5, 6], None, tokens, Some("salt-a"));
+            assert!(ing.apply(0, 3 + n, &batch(vec![bad])).is_empty());
         }
-        assert!(ing.apply(0, 5, &batch(vec![bad])).is_empty());
-        assert_eq!((ing.stats.malformed, ing.stats.skipped), (1, 2));
+        let mut unnamed = stored(&[5, 6], None, 0..8, Some("salt-a"));
+        if let KvEvent::Stored { lora_id, .. } = &mut unnamed {
+            *lora_id = Some(1);
+        }
+        assert!(ing.apply(0, 6, &batch(vec![unnamed])).is_empty());
+        assert_eq!((ing.stats.malformed, ing.stats.skipped), (2, 2));
     }
 
     #[test]
@@ -503,5 +743,183 @@ mod tests {
         }
         let c = ing.apply(1, 1, &batch(vec![cpu]));
         assert_eq!(c[0].scope, Scope::L1);
+    }
+
+    fn with(event: KvEvent, f: impl FnOnce(&mut KvEvent)) -> KvEvent {
+        let mut e = event;
+        f(&mut e);
+        e
+    }
+
+    /// LMCache's CPU chunk (medium "cpu", no extra keys, block size = its length).
+    fn chunk(hash: u64, parent: Option<u64>, tokens: std::ops::Range<u32>) -> KvEvent {
+        let len = tokens.len() as u32;
+        with(stored(&[hash], parent, tokens, None), |e| {
+            if let KvEvent::Stored {
+                medium,
+                block_size,
+                extra_keys,
+                ..
+            } = e
+            {
+                *medium = Some("cpu".into());
+                *block_size = len;
+                *extra_keys = Vec::new();
+            }
+        })
+    }
+
+    fn present(changes: &[Change], scope: Scope) -> Vec<u64> {
+        changes
+            .iter()
+            .filter(|c| c.present && c.scope == scope)
+            .map(|c| c.key)
+            .collect()
+    }
+
+    #[test]
+    fn chunks_are_recut_into_the_pools_blocks() {
+        let table = Tenants::Table(HashMap::from([("s".to_string(), "acme".to_string())]));
+        let mut ing = Ingest::new(table, 1);
+        let tokens: Vec<u32> = (0..30).collect();
+        let want: Vec<u64> = token_block_keys(&TenantKey::derive("acme", "s"), &tokens, 4)
+            .iter()
+            .map(|k| k.0)
+            .collect();
+        // The GPU holds the first two 4-token blocks (the pool's size, learned from them).
+        let gpu = ing.apply(0, 0, &batch(vec![stored(&[1, 2], None, 0..8, Some("s"))]));
+        assert_eq!(present(&gpu, Scope::Gpu(0)), want[..2]);
+        // LMCache's 12-token chunks, the last one shorter: no extra keys, so the tenant is
+        // the GPU chain's with the same first block; each chunk covers the whole blocks it
+        // completes, the leftover tokens carried into the next.
+        let c1 = ing.apply(0, 1, &batch(vec![chunk(100, None, 0..12)]));
+        let c2 = ing.apply(0, 2, &batch(vec![chunk(101, Some(100), 12..24)]));
+        let c3 = ing.apply(0, 3, &batch(vec![chunk(102, Some(101), 24..30)]));
+        assert_eq!(present(&c1, Scope::L1), want[..3]);
+        assert_eq!(present(&c2, Scope::L1), want[3..6]);
+        assert_eq!(
+            present(&c3, Scope::L1),
+            want[6..7],
+            "6 tokens: one whole block"
+        );
+        assert_eq!(c2[0].parent, Some(want[2]));
+        // Unaligned chunks (6 tokens over 4-token blocks) straddle: the block is the
+        // one's that completes it.
+        let mut ing2 = Ingest::new(Tenants::Fixed("t".into()), 1);
+        ing2.set_block_tokens(Some(4));
+        let mut got = Vec::new();
+        for (i, r) in [(0u64, 0..6), (1, 6..12), (2, 12..18)] {
+            let c = chunk(200 + i, i.checked_sub(1).map(|p| 200 + p), r);
+            let c = with(c, |e| {
+                if let KvEvent::Stored { extra_keys, .. } = e {
+                    *extra_keys = vec![vec!["x".into()]];
+                }
+            });
+            got.extend(present(&ing2.apply(0, i, &batch(vec![c])), Scope::L1));
+        }
+        let whole = token_block_keys(
+            &TenantKey::derive("t", "x"),
+            &(0..18).collect::<Vec<_>>(),
+            4,
+        );
+        assert_eq!(got, whole.iter().map(|k| k.0).collect::<Vec<_>>());
+        // Removing the middle chunk removes the blocks it alone covered.
+        let r = ing.apply(
+            0,
+            4,
+            &batch(vec![KvEvent::Removed {
+                block_hashes: vec![h(101)],
+                medium: Some("cpu".into()),
+            }]),
+        );
+        assert!(r.iter().all(|c| !c.present && c.scope == Scope::L1));
+        assert_eq!(r.iter().map(|c| c.key).collect::<Vec<_>>(), want[3..6]);
+        // Its node stays a while: a chunk stored after it again keys from it.
+        let again = ing.apply(0, 5, &batch(vec![chunk(101, Some(100), 12..24)]));
+        assert_eq!(present(&again, Scope::L1), want[3..6]);
+    }
+
+    #[test]
+    fn one_pool_block_under_several_event_blocks_is_reported_once() {
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 2);
+        ing.set_block_tokens(Some(4));
+        let cpu = |hash| {
+            with(stored(&[hash], None, 0..8, Some("s")), |e| {
+                if let KvEvent::Stored {
+                    medium, block_size, ..
+                } = e
+                {
+                    *medium = Some("CPU".into());
+                    *block_size = 8;
+                }
+            })
+        };
+        // Two engines' CPU chunks of the same tokens: the host's L1 holds two blocks once.
+        assert_eq!(ing.apply(0, 0, &batch(vec![cpu(1)])).len(), 2);
+        assert!(ing.apply(1, 0, &batch(vec![cpu(2)])).is_empty());
+        let remove = |hash| KvEvent::Removed {
+            block_hashes: vec![h(hash)],
+            medium: Some("CPU".into()),
+        };
+        assert!(ing.apply(0, 1, &batch(vec![remove(1)])).is_empty());
+        assert_eq!(ing.apply(1, 1, &batch(vec![remove(2)])).len(), 2);
+    }
+
+    #[test]
+    fn the_pools_block_size_must_be_known_and_placeholders_are_skipped() {
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        // A CPU chunk before any GPU block: no pool size yet, not reported.
+        assert!(ing
+            .apply(0, 0, &batch(vec![chunk(1, None, 0..12)]))
+            .is_empty());
+        assert_eq!(ing.stats.no_block_size, 1);
+        // vLLM offloading's placeholder: block size 0, no tokens.
+        let placeholder = with(chunk(2, None, 0..0), |e| {
+            if let KvEvent::Stored { block_size, .. } = e {
+                *block_size = 0;
+            }
+        });
+        assert!(ing.apply(0, 1, &batch(vec![placeholder])).is_empty());
+        assert_eq!(ing.stats.skipped, 1);
+        assert_eq!(ing.stats.malformed, 0);
+    }
+
+    #[test]
+    fn lora_blocks_are_keyed_by_adapter() {
+        let table = Tenants::Table(HashMap::from([("s".to_string(), "acme".to_string())]));
+        let mut ing = Ingest::new(table, 1);
+        let lora = |hashes: &[u64], parent, tokens, salt: Option<&str>| {
+            with(stored(hashes, parent, tokens, None), |e| {
+                if let KvEvent::Stored {
+                    lora_name,
+                    lora_id,
+                    extra_keys,
+                    ..
+                } = e
+                {
+                    *lora_name = Some("sql-lora".into());
+                    *lora_id = Some(1);
+                    // vLLM: the LoRA name first, then the salt, on the first block.
+                    *extra_keys = salt
+                        .map(|s| vec![vec!["sql-lora".into(), s.into()]])
+                        .unwrap_or_default();
+                }
+            })
+        };
+        let mut got = present(
+            &ing.apply(0, 0, &batch(vec![lora(&[1, 2], None, 0..8, Some("s"))])),
+            Scope::Gpu(0),
+        );
+        got.extend(present(
+            &ing.apply(0, 1, &batch(vec![lora(&[3], Some(2), 8..12, None)])),
+            Scope::Gpu(0),
+        ));
+        let tokens: Vec<u32> = (0..12).collect();
+        let adapter = TenantKey::derive("acme", "s").for_adapter("sql-lora");
+        let want = token_block_keys(&adapter, &tokens, 4);
+        assert_eq!(got, want.iter().map(|k| k.0).collect::<Vec<_>>());
+        // The base model's blocks of the same tokens are other blocks.
+        let base = ing.apply(0, 2, &batch(vec![stored(&[9], None, 0..4, Some("s"))]));
+        assert_ne!(base[0].key, want[0].0);
     }
 }

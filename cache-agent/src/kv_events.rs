@@ -3,18 +3,28 @@
 //!
 //! On the wire (ZMQ PUB) a message is three frames: a topic, an 8-byte big-endian sequence
 //! number, and a msgpack `EventBatch`. msgspec, which vLLM encodes with, gives two shapes
-//! and releases have used both:
+//! and releases have used both (read from each release's `vllm/distributed/kv_events.py`):
 //!
-//! - the batch as an array `[ts, events, data_parallel_rank?]` or a map
-//!   `{"ts", "events", "data_parallel_rank"?}`;
-//! - each event as a tagged array `["BlockStored", block_hashes, parent_block_hash,
-//!   token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, …]` or a
-//!   tagged map `{"type": "BlockStored", "block_hashes": …, …}`; trailing fields with
-//!   their default value are omitted.
+//! - the batch is an array `[ts, events, data_parallel_rank?]` in every vLLM release
+//!   (`array_like=True`; vLLM's `ZmqEventPublisher` fills in the rank, so it is there); a
+//!   map `{"ts", "events", "data_parallel_rank"?}` is read too;
+//! - each event is a tagged array `["BlockStored", block_hashes, parent_block_hash,
+//!   token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, …]` in vLLM
+//!   up to 0.23 (checked: 0.11.0, 0.22.1, 0.23.0), and a tagged map `{"type":
+//!   "BlockStored", "block_hashes": …, …}` from 0.24 on (checked: 0.24.0, 0.26.0, 0.33.0:
+//!   `KVCacheEvent` lost `array_like`); trailing fields with their default value are
+//!   omitted in both. [`Shape::VllmMaps`] encodes what 0.33 sends, byte for byte.
+//!
+//! The replay socket's answers changed too ([`parse_replay`]): `[empty, sequence, batch]`
+//! up to vLLM 0.25 (checked: 0.24.0, 0.25.1), `[empty, topic, sequence, batch]` from 0.26
+//! (checked: 0.26.0 to 0.33.0).
 //!
 //! Events: `BlockStored` (block hashes, parent hash, token ids, block size, LoRA id and name,
 //! medium, extra keys per block), `BlockRemoved` (block hashes, medium) and
-//! `AllBlocksCleared`. A block hash is an integer or bytes (`ExternalBlockHash`); both
+//! `AllBlocksCleared`. A `BlockStored` of block size 0 without tokens is decoded: vLLM's
+//! `OffloadingConnector` publishes such placeholders for chunks it cannot describe (0.33
+//! without `self_describing_kv_events`), and refusing them would refuse the GPU events
+//! batched with them; `ingest` skips them. A block hash is an integer or bytes (`ExternalBlockHash`); both
 //! become [`EngineHash`] bytes, so they compare equal however they were sent. An unknown
 //! event kind or field is counted in [`Decoded::unknown`] and skipped; a batch that is not
 //! msgpack, or an event missing a field it needs, is a [`DecodeError`] (the whole batch:
@@ -97,6 +107,19 @@ pub fn message(seq: u64, batch: bytes::Bytes) -> Vec<bytes::Bytes> {
 pub fn parse_message(frames: &[bytes::Bytes]) -> Option<(u64, &bytes::Bytes)> {
     match frames {
         [_topic, seq, batch] => Some((u64::from_be_bytes(seq[..].try_into().ok()?), batch)),
+        _ => None,
+    }
+}
+
+/// The sequence number and batch of one answer from an engine's replay socket, as a
+/// DEALER receives it: `[empty, sequence, batch]` (vLLM up to 0.25) or `[empty, topic,
+/// sequence, batch]` (vLLM 0.26 on). The end marker is the sequence -1 (all ones) with an
+/// empty batch.
+pub fn parse_replay(frames: &[bytes::Bytes]) -> Option<(u64, &bytes::Bytes)> {
+    match frames {
+        [empty, seq, batch] | [empty, _, seq, batch] if empty.is_empty() => {
+            Some((u64::from_be_bytes(seq[..].try_into().ok()?), batch))
+        }
         _ => None,
     }
 }
@@ -250,7 +273,6 @@ fn decode_event(v: Value, unknown: &mut u64) -> Result<Option<KvEvent>, DecodeEr
             let block_size = field("block_size")
                 .and_then(|v| v.as_u64())
                 .and_then(|b| u32::try_from(b).ok())
-                .filter(|&b| b > 0)
                 .ok_or_else(|| err("BlockStored", "block_size"))?;
             let extra_keys = match field("extra_keys") {
                 Some(Value::Array(per_block)) => per_block
@@ -324,6 +346,12 @@ pub enum Shape {
     Array,
     /// Batch and events as maps, events tagged by `"type"`.
     Map,
+    /// What vLLM 0.24 and later publish, byte for byte as 0.33's block pool and
+    /// `ZmqEventPublisher` do: the batch an array `[ts, events, data_parallel_rank]`
+    /// (rank 0), each event a map tagged by `"type"` with vLLM's field order and defaults
+    /// omitted; `group_idx` 0 (a model with one KV-cache group); a block without extra
+    /// keys has `nil` in `extra_keys`.
+    VllmMaps,
 }
 
 /// Encodes a batch the way an engine publishes it.
@@ -369,30 +397,37 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], shape: Shape) -> Vec<u8> {
                         Value::Array(
                             extra_keys
                                 .iter()
-                                .map(|k| {
-                                    Value::Array(
+                                .map(|k| match shape {
+                                    Shape::VllmMaps if k.is_empty() => Value::Nil,
+                                    _ => Value::Array(
                                         k.iter().map(|s| Value::from(s.as_str())).collect(),
-                                    )
+                                    ),
                                 })
                                 .collect(),
                         ),
                     ));
+                }
+                if shape == Shape::VllmMaps {
+                    f.push(("group_idx", Value::from(0)));
                 }
                 ("BlockStored", f)
             }
             KvEvent::Removed {
                 block_hashes,
                 medium,
-            } => (
-                "BlockRemoved",
-                vec![
+            } => {
+                let mut f = vec![
                     (
                         "block_hashes",
                         Value::Array(block_hashes.iter().map(hash_v).collect()),
                     ),
                     ("medium", opt_s(medium)),
-                ],
-            ),
+                ];
+                if shape == Shape::VllmMaps {
+                    f.push(("group_idx", Value::from(0)));
+                }
+                ("BlockRemoved", f)
+            }
             KvEvent::Cleared => ("AllBlocksCleared", Vec::new()),
         };
         match shape {
@@ -401,7 +436,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], shape: Shape) -> Vec<u8> {
                     .chain(fields.into_iter().map(|(_, v)| v))
                     .collect(),
             ),
-            Shape::Map => Value::Map(
+            Shape::Map | Shape::VllmMaps => Value::Map(
                 std::iter::once((Value::from("type"), Value::from(tag)))
                     .chain(fields.into_iter().map(|(k, v)| (Value::from(k), v)))
                     .collect(),
@@ -415,6 +450,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], shape: Shape) -> Vec<u8> {
             (Value::from("ts"), Value::F64(ts)),
             (Value::from("events"), events),
         ]),
+        Shape::VllmMaps => Value::Array(vec![Value::F64(ts), events, Value::from(0)]),
     };
     let mut out = Vec::new();
     // Writing to a Vec cannot fail.
@@ -462,13 +498,67 @@ mod tests {
 
     #[test]
     fn both_shapes_round_trip() {
-        for shape in [Shape::Array, Shape::Map] {
+        for shape in [Shape::Array, Shape::Map, Shape::VllmMaps] {
             let bytes = encode_batch(12.5, &sample(), shape);
             let d = decode_batch(&bytes).unwrap();
             assert_eq!(d.events, sample(), "{shape:?}");
             assert_eq!(d.ts, 12.5);
             assert_eq!(d.unknown, 0);
         }
+    }
+
+    #[test]
+    fn vllm_maps_are_what_vllm_033_sends() {
+        // vLLM 0.33's msgspec bytes for `KVEventBatch(ts=1.0, events=[AllBlocksCleared()],
+        // data_parallel_rank=0)` (shared/notes/lmcache-on-cpu, with the rank its publisher
+        // fills in).
+        let want = "93cb3ff000000000000091 81a474797065b0416c6c426c6f636b73436c656172656400";
+        let want: Vec<u8> = (0..want.replace(' ', "").len() / 2)
+            .map(|i| u8::from_str_radix(&want.replace(' ', "")[2 * i..2 * i + 2], 16).unwrap())
+            .collect();
+        assert_eq!(
+            encode_batch(1.0, &[KvEvent::Cleared], Shape::VllmMaps),
+            want
+        );
+        let d = decode_batch(&want).unwrap();
+        assert_eq!(
+            (d.events, d.data_parallel_rank),
+            (vec![KvEvent::Cleared], Some(0))
+        );
+    }
+
+    #[test]
+    fn placeholders_decode_and_replay_answers_of_both_eras_parse() {
+        // The OffloadingConnector's placeholder: block size 0, no tokens.
+        let placeholder = Value::Map(vec![
+            ("type".into(), "BlockStored".into()),
+            ("block_hashes".into(), Value::Array(vec![9.into()])),
+            ("parent_block_hash".into(), Value::Nil),
+            ("token_ids".into(), Value::Array(vec![])),
+            ("block_size".into(), 0.into()),
+            ("lora_id".into(), Value::Nil),
+            ("medium".into(), "CPU".into()),
+            ("lora_name".into(), Value::Nil),
+            ("group_idx".into(), 0.into()),
+        ]);
+        let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![placeholder])]);
+        let d = decode_batch(&pack(&batch)).unwrap();
+        assert!(matches!(
+            d.events[..],
+            [KvEvent::Stored { block_size: 0, .. }]
+        ));
+        let b = |s: &[u8]| bytes::Bytes::copy_from_slice(s);
+        let seq = 7u64.to_be_bytes();
+        let old = [b(b""), b(&seq), b(b"x")];
+        let new = [b(b""), b(b"topic"), b(&seq), b(b"x")];
+        for frames in [&old[..], &new[..]] {
+            assert_eq!(
+                parse_replay(frames).map(|(s, p)| (s, &p[..])),
+                Some((7, &b"x"[..]))
+            );
+        }
+        assert_eq!(parse_replay(&[b(b"x"), b(&seq), b(b"x")]), None);
+        assert_eq!(parse_replay(&[b(b""), b(b"x")]), None);
     }
 
     fn pack(v: &Value) -> Vec<u8> {

@@ -9,7 +9,8 @@
 //! engine for the missing batches as vLLM's replay socket answers (a DEALER sends
 //! `[empty, start sequence]`; the engine answers `[empty, sequence, batch]` per kept batch,
 //! then a sequence of -1 with an empty batch) and applies them in order, waiting at most
-//! [`REPLAY_WAIT`]. What replay cannot fill, `ingest` handles by dropping and rebuilding
+//! [`REPLAY_WAIT`]; vLLM 0.26 and later put the topic before the sequence, and both are
+//! read (`kv_events::parse_replay`). What replay cannot fill, `ingest` handles by dropping and rebuilding
 //! that engine's view.
 //!
 //! **Resync.** The same socket rebuilds a whole view: when the subscriber starts (an agent
@@ -282,9 +283,10 @@ impl Replay {
                 self.socket = None;
                 return None;
             };
-            // `[empty delimiter, sequence, batch]`: the shape of a published message.
+            // `[empty, sequence, batch]` (vLLM to 0.25) or `[empty, topic, sequence, batch]`
+            // (vLLM 0.26 on).
             let frames = msg.into_vec();
-            let Some((seq, payload)) = crate::kv_events::parse_message(&frames) else {
+            let Some((seq, payload)) = crate::kv_events::parse_replay(&frames) else {
                 self.socket = None;
                 return None;
             };

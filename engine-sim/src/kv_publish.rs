@@ -1,12 +1,17 @@
 //! engine-sim's KV events (`warmpath engine-sim --kv-events tcp://HOST:PORT`): the engine
-//! model's GPU stores, evictions and resets published the way vLLM publishes them (ZMQ PUB,
-//! frames topic / 8-byte big-endian sequence / msgpack `EventBatch`, events as tagged
-//! arrays), so that a cache-agent reads engine-sim and vLLM alike.
+//! model's GPU stores, evictions and resets published exactly as vLLM 0.33 publishes them
+//! (ZMQ PUB, frames topic / 8-byte big-endian sequence / msgpack `KVEventBatch`: the batch
+//! an array with the data-parallel rank, each event a map tagged by `"type"`;
+//! [`Shape::VllmMaps`]), so that a consumer built on vLLM 0.33's own types reads
+//! engine-sim (checked in tests/kv_events.rs by decoding the stream with vLLM's
+//! `kv_events.py` and encoding it back to the same bytes).
 //!
 //! A stored block's event carries its token ids, its parent's hash and, for a chain's first
-//! block, the request's `cache_salt` in its extra keys, as vLLM's do. engine-sim's own block
-//! hash is the warmpath key it computes for its prefix cache; the agent never uses it as a
-//! key (it recomputes keys from the tokens), only to match removals.
+//! block, the request's `cache_salt` in its extra keys (`nil` for a block without extra
+//! keys), as vLLM's do. Block hashes are 64-bit integers, as vLLM publishes them by default
+//! (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`). engine-sim's own block hash is the warmpath
+//! key it computes for its prefix cache; the agent never uses it as a key (it recomputes
+//! keys from the tokens), only to match removals.
 //!
 //! The engine loop hands each step's events to [`KvPublisher::publish`], which never waits:
 //! batches go through a bounded queue to a task that owns the socket (a full queue drops
@@ -16,7 +21,10 @@
 //! batches are kept and served as vLLM's replay socket serves them: a ROUTER socket takes a
 //! request whose last frame is the 8-byte big-endian sequence number to start from, and
 //! answers each kept batch from there as `[empty, sequence, payload]`, then an end marker (the
-//! sequence -1, an empty payload).
+//! sequence -1, an empty payload). That is vLLM's replay answer up to 0.25; from 0.26 vLLM
+//! puts the topic between the empty frame and the sequence (`kv_events::parse_replay`
+//! reads both). FIXME: answer as 0.33 does once tests/agent.rs's replay test expects the
+//! four frames.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -171,7 +179,7 @@ impl KvPublisher {
         if self.pending.is_empty() {
             return;
         }
-        let payload = encode_batch(ts, &self.pending, Shape::Array);
+        let payload = encode_batch(ts, &self.pending, Shape::VllmMaps);
         self.pending.clear();
         if self.tx.try_send(payload).is_err() {
             self.dropped += 1;

@@ -28,6 +28,10 @@ use serde::{Deserialize, Serialize};
 /// Context string for deriving a tenant's hashing key; changing it changes every key.
 pub const TENANT_KEY_CONTEXT: &str = "warmpath 2026-11 tenant key v1";
 
+/// Context string for deriving a LoRA adapter's hashing key from its tenant's; changing it
+/// changes every adapter's keys.
+pub const ADAPTER_KEY_CONTEXT: &str = "warmpath 2026-12 adapter key v1";
+
 /// A prefix key: names the whole prompt prefix up to and including one block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BlockKey(pub u64);
@@ -51,6 +55,24 @@ impl TenantKey {
         material.push(0);
         material.extend_from_slice(cache_salt.as_bytes());
         TenantKey(blake3::derive_key(TENANT_KEY_CONTEXT, &material))
+    }
+
+    /// The key of this tenant's blocks computed under LoRA adapter `adapter`: vLLM's
+    /// `lora_name` in its KV events, the OpenAI `model` of a request that names the
+    /// adapter (as vLLM serves `--lora-modules NAME=PATH`). Engines cache per adapter, so
+    /// the same tokens under two adapters, or under an adapter and the base model, are
+    /// different blocks with different keys:
+    ///
+    /// ```text
+    /// adapter_key = blake3::derive_key("warmpath 2026-12 adapter key v1", tenant_key ‖ adapter)
+    /// ```
+    ///
+    /// The base model's blocks keep the tenant key itself.
+    pub fn for_adapter(&self, adapter: &str) -> TenantKey {
+        let mut material = Vec::with_capacity(32 + adapter.len());
+        material.extend_from_slice(&self.0);
+        material.extend_from_slice(adapter.as_bytes());
+        TenantKey(blake3::derive_key(ADAPTER_KEY_CONTEXT, &material))
     }
 
     /// The key of the block that follows `prev` (None for the first block).
@@ -164,6 +186,32 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn adapters_never_share_keys_with_the_base_model_or_each_other() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let t = TenantKey::derive("acme", "");
+        let base = token_block_keys(&t, &tokens, 16);
+        let a = token_block_keys(&t.for_adapter("sql-lora"), &tokens, 16);
+        let b = token_block_keys(&t.for_adapter("chat-lora"), &tokens, 16);
+        let other = token_block_keys(
+            &TenantKey::derive("beta", "").for_adapter("sql-lora"),
+            &tokens,
+            16,
+        );
+        for (x, y) in [(&base, &a), (&a, &b), (&a, &other), (&base, &b)] {
+            assert!(x.iter().all(|k| !y.contains(k)));
+        }
+        // Fixed: the agent and every router derive the same adapter keys.
+        assert_eq!(
+            a,
+            token_block_keys(
+                &TenantKey::derive("acme", "").for_adapter("sql-lora"),
+                &tokens,
+                16
+            )
+        );
     }
 
     #[test]
