@@ -51,8 +51,12 @@
 //! `lora_id` and no name cannot be keyed (routers name adapters) and is skipped.
 //!
 //! **What is not mapped.** Media other than `GPU` (GPU-resident) and `CPU`/`cpu` (an
-//! engine's own CPU offload or LMCache's CPU tier, reported as the host's L1), and vLLM
-//! offloading's placeholders (block size 0, no tokens), are skipped and counted.
+//! engine's own CPU offload or LMCache's CPU tier, reported as the host's L1), and blocks
+//! without tokens, are skipped and counted. Of those, vLLM 0.11's `OffloadingConnector`
+//! announces a CPU chunk by the hash of its last GPU block with the chunk's size: where
+//! the agent knows that GPU block and the ones before it back to the chunk's start, the
+//! chunk covers their pool blocks in L1. vLLM 0.33's placeholders (block size 0) name no
+//! size and stay skipped.
 //!
 //! **Gaps.** A batch whose sequence number is not the previous one plus one means events
 //! were lost. The subscriber first asks the engine's replay socket for the missing
@@ -127,6 +131,10 @@ pub struct IngestStats {
 struct Node {
     /// Tenant (and adapter) slot of its chain.
     slot: u32,
+    /// The block before it in its chain, and its own token count: a tokenless chunk
+    /// announced by its last block's hash walks back through them.
+    parent: Option<EngineHash>,
+    len: u32,
     /// The key before the first pool block it covers (its first change's parent).
     before: Option<BlockKey>,
     /// The key of the last whole pool block up to its end (None: none yet).
@@ -163,6 +171,10 @@ type ChainEnd = (u32, Option<BlockKey>, Vec<u32>);
 struct EngineView {
     /// Event blocks by engine hash: held ones, and removed ones listed in `ghosts`.
     blocks: HashMap<EngineHash, Node>,
+    /// Chunks of the engine's CPU tier announced without tokens under the hash of their
+    /// last GPU block (vLLM 0.11's `OffloadingConnector`): the pool blocks each covers in
+    /// L1.
+    offloaded: HashMap<EngineHash, Box<[BlockKey]>>,
     /// Removed blocks, oldest first (a hash stored again stays listed; it is kept while
     /// held when its turn comes).
     ghosts: VecDeque<EngineHash>,
@@ -277,6 +289,54 @@ impl Ingest {
             .map(|i| i as u32)
     }
 
+    /// A chunk of `tokens` tokens in the engine's CPU tier announced without tokens, by
+    /// the hash of its last GPU block (vLLM 0.11's `OffloadingConnector`): when that
+    /// block and the blocks before it back to the chunk's start are known, the chunk
+    /// covers their pool blocks in L1. Whether it was mapped.
+    fn offload(
+        &mut self,
+        engine: usize,
+        scope: Scope,
+        hash: &EngineHash,
+        tokens: usize,
+        out: &mut Vec<Change>,
+    ) -> bool {
+        let view = &mut self.engines[engine];
+        if scope != Scope::L1 || tokens == 0 || view.offloaded.contains_key(hash) {
+            return view.offloaded.contains_key(hash);
+        }
+        // Walk back until the blocks span exactly the chunk.
+        let (mut at, mut spanned, mut parts) = (Some(hash), 0usize, Vec::new());
+        while spanned < tokens {
+            let Some(node) = at.and_then(|h| view.blocks.get(h)) else {
+                return false;
+            };
+            spanned += node.len as usize;
+            parts.push(&node.covers[..]);
+            at = node.parent.as_ref();
+        }
+        if spanned != tokens || view.offloaded.len() >= MAX_BLOCKS {
+            return false;
+        }
+        let covers: Box<[BlockKey]> = parts.iter().rev().flat_map(|c| c.iter().copied()).collect();
+        let mut parent: Option<BlockKey> = None;
+        for k in covers.iter() {
+            let n = self.covered.entry((scope, k.0)).or_insert(0);
+            *n += 1;
+            if *n == 1 {
+                out.push(Change {
+                    scope,
+                    key: k.0,
+                    parent: parent.map(|p| p.0),
+                    present: true,
+                });
+            }
+            parent = Some(*k);
+        }
+        view.offloaded.insert(hash.clone(), covers);
+        true
+    }
+
     /// The pool's block size for `engine`, when known.
     fn pool_tokens(&self, engine: usize) -> Option<usize> {
         self.block_tokens
@@ -305,7 +365,11 @@ impl Ingest {
         view.last_seq = None;
         view.ghosts.clear();
         let nodes: Vec<Node> = view.blocks.drain().map(|(_, n)| n).collect();
+        let offloaded: Vec<Box<[BlockKey]>> = view.offloaded.drain().map(|(_, c)| c).collect();
         let mut out = Vec::new();
+        for covers in &offloaded {
+            uncover(&mut self.covered, Scope::L1, covers, &mut out);
+        }
         for n in &nodes {
             for scope in [Scope::Gpu(engine as u16), Scope::L1] {
                 if n.held(scope) {
@@ -351,8 +415,14 @@ impl Ingest {
                         continue;
                     };
                     let bs = *block_size as usize;
-                    if bs == 0 && token_ids.is_empty() {
-                        self.stats.skipped += n; // vLLM offloading's placeholder
+                    if token_ids.is_empty() {
+                        // vLLM offloading's tokenless chunks: routable only where they
+                        // name a GPU block this agent knows.
+                        for hash in block_hashes {
+                            if !self.offload(engine, scope, hash, bs, &mut out) {
+                                self.stats.skipped += 1;
+                            }
+                        }
                         continue;
                     }
                     // `n` blocks of `bs` tokens, the last one possibly shorter (LMCache's
@@ -380,6 +450,7 @@ impl Ingest {
                         }
                         (None, None) => None,
                     };
+                    let mut prev_hash = parent.clone();
                     let mut prev: Option<ChainEnd> = match parent {
                         None => None,
                         Some(p) => match self.engines[engine].blocks.get(p) {
@@ -402,6 +473,7 @@ impl Ingest {
                                 cover(&mut self.covered, scope, node, &mut out);
                             }
                             prev = Some((node.slot, node.key, node.tail.to_vec()));
+                            prev_hash = Some(hash.clone());
                             continue;
                         }
                         let (slot, before, mut buf) = match prev.take() {
@@ -458,6 +530,8 @@ impl Ingest {
                         let tail = buf.split_off(whole);
                         let mut node = Node {
                             slot,
+                            parent: prev_hash.replace(hash.clone()),
+                            len: tokens.len() as u32,
                             before,
                             key,
                             tail: tail.clone().into_boxed_slice(),
@@ -481,6 +555,12 @@ impl Ingest {
                     };
                     let view = &mut self.engines[engine];
                     for hash in block_hashes {
+                        if scope == Scope::L1 {
+                            if let Some(covers) = view.offloaded.remove(hash) {
+                                uncover(&mut self.covered, scope, &covers, &mut out);
+                                continue;
+                            }
+                        }
                         let Some(node) = view.blocks.get_mut(hash) else {
                             continue;
                         };
@@ -882,6 +962,51 @@ mod tests {
         assert!(ing.apply(0, 1, &batch(vec![placeholder])).is_empty());
         assert_eq!(ing.stats.skipped, 1);
         assert_eq!(ing.stats.malformed, 0);
+    }
+
+    #[test]
+    fn tokenless_offloaded_chunks_cover_the_gpu_blocks_they_end_with() {
+        // vLLM 0.11's OffloadingConnector: a 12-token CPU chunk announced by the hash of
+        // its last GPU block, without tokens or parent.
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        let gpu = ing.apply(
+            0,
+            0,
+            &batch(vec![stored(&[1, 2, 3], None, 0..12, Some("s"))]),
+        );
+        let keys: Vec<u64> = gpu.iter().map(|c| c.key).collect();
+        let offloaded = |hash: u64, size: u32| {
+            with(chunk(hash, None, 0..0), |e| {
+                if let KvEvent::Stored {
+                    block_size, medium, ..
+                } = e
+                {
+                    *block_size = size;
+                    *medium = Some("CPU".into());
+                }
+            })
+        };
+        let c = ing.apply(0, 1, &batch(vec![offloaded(3, 12)]));
+        assert_eq!(present(&c, Scope::L1), keys);
+        // An 8-token chunk ending at block 2 covers blocks 1 and 2, already in L1.
+        assert!(ing.apply(0, 2, &batch(vec![offloaded(2, 8)])).is_empty());
+        // A chunk whose size does not end on known blocks, or names no known block, is
+        // skipped.
+        assert!(ing
+            .apply(0, 3, &batch(vec![offloaded(1, 6), offloaded(77, 4)]))
+            .is_empty());
+        assert_eq!(ing.stats.skipped, 2);
+        // Removing the 12-token chunk leaves what the 8-token one covers.
+        let r = ing.apply(
+            0,
+            4,
+            &batch(vec![KvEvent::Removed {
+                block_hashes: vec![h(3)],
+                medium: Some("CPU".into()),
+            }]),
+        );
+        assert_eq!(r.len(), 1);
+        assert!(!r[0].present && r[0].key == keys[2] && r[0].scope == Scope::L1);
     }
 
     #[test]
