@@ -488,12 +488,18 @@ async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
     .await;
 }
 
+/// The value of `name` (with its labels, as written) on an engine's `/metrics`.
+async fn engine_metric(engine: &Proc, name: &str) -> f64 {
+    crate::router::metric(&get_text(&format!("{}/metrics", engine.url)).await, name)
+}
+
 /// Blocks the engine dropped instead of offloading, from its `/metrics`.
 async fn dropped_offloads(engine: &Proc) -> f64 {
-    crate::router::metric(
-        &get_text(&format!("{}/metrics", engine.url)).await,
+    engine_metric(
+        engine,
         "warmpath_engine_agent_blocks_total{model_name=\"sim-llama\",op=\"dropped\"}",
     )
+    .await
 }
 
 /// Issue 24: offload never blocks the engine. An agent stopped (SIGSTOP: connected, reading
@@ -563,6 +569,84 @@ async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine()
             );
         }
     }
+}
+
+/// Issue 24: engine-sim asks its agent for a request's blocks when it admits the request,
+/// not when the request arrives. Prompt P is cached on the GPU, unreferenced, and nothing has
+/// been offloaded yet when B (P again) arrives and queues behind C2; C2's admission then
+/// evicts P to the agent. B, admitted after C2, loads P from the agent's L1, where a lookup
+/// at its arrival found nothing. No timing is tight: C1 decodes for seconds at the model's
+/// own speed while the test needs milliseconds, and C2 decodes for about a second after
+/// evicting P, while the offload takes milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_offloaded_while_a_request_waits_are_loaded_at_its_admission() {
+    let (_agent, addr) = agent(&["--l1-bytes", "4MiB"]);
+    // 128 GPU blocks of 16 tokens; builtin words are one token each.
+    let engine = crate::engine_sim(
+        "1",
+        &[
+            "--gpu-kv-tokens",
+            "2048",
+            "--agent",
+            &addr.to_string(),
+            "--agent-block-scale",
+            "0.001",
+        ],
+    );
+    let http = client();
+    let send = |words: String, max_tokens: u32| {
+        let (http, url) = (http.clone(), engine.url.clone());
+        tokio::spawn(async move {
+            let body = completion(&words, max_tokens, false);
+            let r = post(&http, &url, "/v1/completions", body, &[]).await;
+            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+            r.json()
+        })
+    };
+    let gauge = |name: &'static str| {
+        let engine = &engine;
+        async move { engine_metric(engine, name).await }
+    };
+    let offloaded = "warmpath_engine_agent_blocks_total{model_name=\"sim-llama\",op=\"offloaded\"}";
+    // A computes P (37 blocks), which stays cached on the GPU.
+    let p = warmpath_index::text::words(1, 600);
+    send(p.clone(), 1).await.unwrap();
+    // C1 (18 blocks, growing to 35) decodes for about 4 s beside it.
+    let c1 = send(warmpath_index::text::words(2, 300), 250);
+    eventually("C1 to run", || async {
+        gauge("vllm:num_requests_running").await == 1.0
+    })
+    .await;
+    // C2 (113 blocks) cannot be admitted beside C1; once it is, it must evict P.
+    let c2 = send(warmpath_index::text::words(3, 1800), 30);
+    eventually("C2 to wait", || async {
+        gauge("vllm:num_requests_waiting").await == 1.0
+    })
+    .await;
+    let b = send(p, 1);
+    eventually("B to wait", || async {
+        gauge("vllm:num_requests_waiting").await == 2.0
+    })
+    .await;
+    assert_eq!(
+        gauge(offloaded).await,
+        0.0,
+        "P must still be on the GPU only when B arrives"
+    );
+    let b = b.await.unwrap();
+    let (gpu, l1, l2) = tier_tokens(&b);
+    assert!(
+        gpu == 0 && l1 >= 16 * 30 && l2 == 0,
+        "B found P: gpu {gpu}, l1 {l1}, l2 {l2} tokens"
+    );
+    for c in [c1, c2] {
+        c.await.unwrap();
+    }
+    let l1_hits =
+        gauge("warmpath_engine_prefix_hit_tokens_total{model_name=\"sim-llama\",tier=\"l1\"}")
+            .await;
+    assert_eq!(l1_hits, l1 as f64);
+    assert!(gauge(offloaded).await >= 37.0);
 }
 
 fn agent_on(at: &str) -> (Proc, AgentAddr) {

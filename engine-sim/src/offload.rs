@@ -1,10 +1,11 @@
 //! engine-sim's side of the host's cache-agent (`warmpath engine-sim --agent ADDR`).
 //!
 //! Blocks the engine model evicts from GPU memory are offloaded to the agent as real
-//! payloads, in batches, by a background task; a request whose prompt continues past what
-//! the GPU holds first asks the agent for the following blocks (lookup-and-lease, then get)
-//! and hands the engine model the ones that arrived whole, which it loads at the profile's
-//! tier bandwidth instead of recomputing them.
+//! payloads, in batches, by a background task; when the engine admits a request whose
+//! prompt continues past what the GPU holds, the engine loop asks the agent for the
+//! following blocks (lookup-and-lease, then get) in a task of its own and hands the engine
+//! model the ones that arrived whole, which it loads at the profile's tier bandwidth
+//! instead of recomputing them; the request waits for them, the batch does not.
 //!
 //! A payload is `block_bytes` long (the profile's KV bytes per token × block tokens × a
 //! scale factor, so that tests stay small) and its content is a function of its id, so a
@@ -99,7 +100,9 @@ impl AgentSide {
     }
 
     /// The blocks of `keys` (the part of a prompt past the GPU's prefix) that the agent has,
-    /// from the first on, fetched and checked: their tiers, leading run only.
+    /// from the first on, fetched and checked: their tiers, leading run only. Within the
+    /// call deadline in all (lookup and get): a slow agent costs a recompute, not more
+    /// waiting. The lease is released without waiting for the answer.
     pub async fn fetch(&self, keys: &[BlockKey]) -> Vec<Tier> {
         if keys.is_empty() {
             return Vec::new();
@@ -109,7 +112,7 @@ impl AgentSide {
         };
         let layout = self.settings.layout;
         let raw: Vec<u64> = keys.iter().map(|k| k.0).collect();
-        let result = async {
+        let result = tokio::time::timeout(self.settings.timeout, async {
             let (lease, tiers) = client.lookup(layout, raw, Duration::from_secs(10)).await?;
             let wanted: Vec<u64> = keys[..tiers.len()].iter().map(|k| k.0).collect();
             let got = if wanted.is_empty() {
@@ -117,10 +120,18 @@ impl AgentSide {
             } else {
                 client.get(layout, wanted).await?
             };
-            let _ = client.release(lease).await;
+            let client = client.clone();
+            tokio::spawn(async move {
+                let _ = client.release(lease).await;
+            });
             Ok::<_, warmpath_cache_agent::client::ClientError>(got)
-        }
-        .await;
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(warmpath_cache_agent::client::ClientError::Timeout(
+                self.settings.timeout,
+            ))
+        });
         let got = match result {
             Ok(g) => g,
             Err(e) => {

@@ -11,6 +11,13 @@
 //! token delivery a little but never distorts the model's timeline). Requests are
 //! submitted at the virtual time they arrive, after every step that ended before it.
 //!
+//! With the host's cache-agent (`offload.rs`), the engine asks it for a request's blocks
+//! past the GPU's prefix when it admits the request, not when the request arrives
+//! (`Engine::set_outside_lookups`): the loop starts the fetch in a task of its own, the
+//! request holds its GPU blocks and waits while the batch goes on, and the answer comes
+//! back to the loop on a channel of its own (empty when the agent failed or missed the
+//! deadline: a recompute).
+//!
 //! The HTTP surface is the part of vLLM's that warmpath uses:
 //!
 //! - `POST /v1/completions` and `POST /v1/chat/completions`, non-streaming and streaming
@@ -55,7 +62,6 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use warmpath_index::cost::{ModelProfile, Tier};
-use warmpath_index::keys::BlockKey;
 use warmpath_index::keys::{token_block_keys, TenantKey};
 use warmpath_index::openai::{
     ChatRequest, CompletionRequest, ErrorBody, PromptInput, RequestError,
@@ -63,7 +69,7 @@ use warmpath_index::openai::{
 use warmpath_index::text;
 use warmpath_openai::{PromptTokensDetails, Usage};
 
-use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats};
+use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats, Lookup};
 use warmpath_sim::tiers::TierSet;
 
 use crate::kv_publish::KvPublisher;
@@ -156,10 +162,13 @@ pub async fn serve(
         ));
     }
     let addr = listener.local_addr()?;
-    let engine = Engine::new(config.engine.clone(), config.profile.clone());
+    let mut engine = Engine::new(config.engine.clone(), config.profile.clone());
     let block_tokens = engine.config().block_tokens as usize;
     let (commands, inbox) = mpsc::unbounded_channel();
     let agent = config.agent.clone().map(AgentSide::start);
+    // With an agent, admission asks it for the blocks past the GPU's prefix.
+    engine.set_outside_lookups(agent.is_some());
+    let (fetched, fetches) = mpsc::unbounded_channel();
     let kv = match &config.kv_events {
         Some(endpoint) => {
             let (publisher, bound) =
@@ -185,12 +194,14 @@ pub async fn serve(
         last_us: 0,
         routes: HashMap::new(),
         events: Vec::new(),
+        lookups: Vec::new(),
+        fetched,
         ttft: Histogram::new(TTFT_BUCKETS),
         itl: Histogram::new(ITL_BUCKETS),
         generation_tokens: 0,
     };
     // The loop ends when the last command sender is dropped, i.e. after the server stops.
-    tokio::spawn(engine_loop.run(inbox));
+    tokio::spawn(engine_loop.run(inbox, fetches));
     let shared = Arc::new(Shared {
         model: config.model.clone(),
         block_tokens,
@@ -261,11 +272,14 @@ enum Command {
     Cancel { id: u64 },
     /// A copy of what `/metrics` shows.
     Metrics { reply: oneshot::Sender<Snapshot> },
-    /// How many leading blocks of `keys` the GPU holds now.
-    GpuPrefix {
-        keys: Vec<BlockKey>,
-        reply: oneshot::Sender<usize>,
-    },
+}
+
+/// The agent's answer to an admission's lookup (`Engine::answer_lookup`).
+#[derive(Debug)]
+struct Fetched {
+    ticket: u64,
+    /// Tiers of the leading blocks that arrived whole.
+    tiers: Vec<Tier>,
 }
 
 /// What the engine loop tells one request's handler.
@@ -365,6 +379,10 @@ struct EngineLoop {
     routes: HashMap<u64, Route>,
     /// Reused event buffer.
     events: Vec<EngineEvent>,
+    /// Reused buffer of the lookups admission asked for.
+    lookups: Vec<Lookup>,
+    /// Where a fetch task sends the agent's answer to a lookup.
+    fetched: mpsc::UnboundedSender<Fetched>,
     /// Virtual seconds from submission to first token.
     ttft: Histogram,
     /// Virtual seconds between a request's consecutive output tokens.
@@ -374,7 +392,11 @@ struct EngineLoop {
 }
 
 impl EngineLoop {
-    async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Command>) {
+    async fn run(
+        mut self,
+        mut inbox: mpsc::UnboundedReceiver<Command>,
+        mut fetches: mpsc::UnboundedReceiver<Fetched>,
+    ) {
         loop {
             let now = self.now();
             self.advance(now);
@@ -387,6 +409,17 @@ impl EngineLoop {
                     let now = self.now();
                     self.advance(now);
                     self.handle(now, command);
+                }
+                // Never closed: the loop holds a sender.
+                Some(fetched) = fetches.recv() => {
+                    let now = self.now();
+                    self.advance(now);
+                    let Fetched { ticket, tiers } = fetched;
+                    self.engine
+                        .answer_lookup(now, ticket, &tiers, &mut self.events);
+                    self.route_events();
+                    // Start a step at once if the engine was idle, waiting for this answer.
+                    self.advance(now);
                 }
             }
         }
@@ -409,16 +442,35 @@ impl EngineLoop {
                     self.route_events();
                     self.step_end = self.engine.start_step(end, &mut self.l2, &mut self.events);
                     self.route_events();
+                    self.start_fetches();
                 }
                 Some(_) => return,
                 None => {
                     self.step_end = self.engine.start_step(now, &mut self.l2, &mut self.events);
                     self.route_events();
+                    self.start_fetches();
                     if self.step_end.is_none() {
                         return;
                     }
                 }
             }
+        }
+    }
+
+    /// Starts the agent fetches that admission asked for; each answers on `fetched`,
+    /// an empty answer when the agent failed, so that no request waits on the agent
+    /// longer than the fetch deadline.
+    fn start_fetches(&mut self) {
+        self.engine.take_lookups(&mut self.lookups);
+        for Lookup { ticket, keys, .. } in self.lookups.drain(..) {
+            let (agent, fetched) = (self.agent.clone(), self.fetched.clone());
+            tokio::spawn(async move {
+                let tiers = match agent {
+                    Some(agent) => agent.fetch(&keys).await,
+                    None => Vec::new(),
+                };
+                let _ = fetched.send(Fetched { ticket, tiers });
+            });
         }
     }
 
@@ -459,9 +511,6 @@ impl EngineLoop {
                 self.advance(now);
             }
             Command::Cancel { id } => self.cancel(now, id),
-            Command::GpuPrefix { keys, reply } => {
-                let _ = reply.send(self.engine.gpu_prefix(&keys));
-            }
             Command::Metrics { reply } => {
                 let _ = reply.send(Snapshot {
                     gpu_blocks: self.engine.config().gpu_blocks,
@@ -966,27 +1015,6 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
     } else {
         Vec::new()
     };
-    // Past what the GPU will still hold at admission, ask the host's agent for the
-    // prompt's next blocks (only blocks ending before the last prompt token can hit, as in
-    // the engine). What the GPU still has then is used from the GPU; the fetched copies
-    // fill what it lost while the request waited.
-    let (mut offered, mut offered_from) = (Vec::new(), 0);
-    if let Some(agent) = &shared.agent {
-        let hit_max = keys
-            .len()
-            .min((prompt_tokens.max(1) as usize - 1) / shared.block_tokens.max(1));
-        let (reply, answer) = oneshot::channel();
-        let asked = Command::GpuPrefix {
-            keys: keys[..hit_max].to_vec(),
-            reply,
-        };
-        if shared.commands.send(asked).is_ok() {
-            if let Ok(gpu) = answer.await {
-                offered = agent.fetch(&keys[gpu..hit_max]).await;
-                offered_from = gpu;
-            }
-        }
-    }
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (updates, mut rx) = mpsc::unbounded_channel();
     // From here on, dropping this future (the client went away) cancels the request.
@@ -1000,8 +1028,9 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         keys,
         prompt_tokens,
         output_tokens,
-        offered,
-        offered_from,
+        // The agent is asked at admission (`Engine::set_outside_lookups`), not here.
+        offered: Vec::new(),
+        offered_from: 0,
     };
     let blocks = shared
         .kv_events

@@ -53,6 +53,23 @@
 //! block_tokens` are ignored. A hit block that is also a later request's hit is shared,
 //! not copied.
 //!
+//! # Outside lookups
+//!
+//! An engine whose tiers live in another process (engine-sim and its host's cache-agent)
+//! turns on [`Engine::set_outside_lookups`]. Admission then works as above and, when the
+//! prompt continues past what the GPU and the engine's own tiers hold into blocks that
+//! could hit, it also asks for those blocks: it allocates all of the request's blocks,
+//! queues a [`Lookup`] (the caller collects it with [`Engine::take_lookups`], asks the
+//! store, and answers with [`Engine::answer_lookup`]) and parks the request, holding its
+//! blocks, while the batch goes on and later requests are admitted, as vLLM parks a
+//! request whose KV connector is loading. The answer's leading run of blocks becomes named
+//! GPU blocks and counts as L1 or L2 hits; their load runs on the host link from the
+//! admission on, as the engine's own loads do, and prefill starts once the answer has
+//! come and the load has landed (always beside the batch, `async_loads` or not). A
+//! request preempted or cancelled before its answer forgets it (`answer_lookup` says
+//! false); an empty answer (the store failed or had nothing) costs a recompute. The
+//! simulator never turns this on.
+//!
 //! # Steps
 //!
 //! A step's budget is `max_batch_tokens`. Decoding sequences take one token each, oldest
@@ -174,6 +191,30 @@ pub struct EngineRequest {
     pub offered_from: usize,
 }
 
+/// A lookup in an outside store that admission asks for (see "Outside lookups").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lookup {
+    /// Names this lookup in [`Engine::answer_lookup`].
+    pub ticket: u64,
+    /// The request being admitted.
+    pub id: u64,
+    /// The prompt's blocks past what the GPU and the engine's own tiers hold, up to the
+    /// last that can hit.
+    pub keys: Vec<BlockKey>,
+}
+
+/// A request's lookup that has not been answered yet.
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    ticket: u64,
+    /// The lookup's first key is `keys[from]` (= the sequence's `named` at admission).
+    from: usize,
+    /// When the request was admitted: its load may start then.
+    admitted_us: u64,
+    /// Whether this is the request's first admission (its hits are counted).
+    first: bool,
+}
+
 /// What the engine reports; times are virtual microseconds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineEvent {
@@ -252,6 +293,8 @@ struct Seq {
     /// With asynchronous loads, when this run's loaded blocks are all on the GPU; its
     /// prefill waits until then (0: nothing to wait for).
     ready_us: u64,
+    /// This run's outside lookup, until it is answered; prefill waits for it.
+    lookup: Option<Pending>,
     /// Tokens to be in the KV cache before this run's first output: prompt plus tokens
     /// generated before the run began.
     prefill_len: u64,
@@ -306,6 +349,12 @@ pub struct Engine {
     link_free_us: u64,
     /// Rejected at submission, not yet reported: (id, submitted at).
     rejects: Vec<(u64, u64)>,
+    /// Whether admission asks an outside store (see "Outside lookups").
+    outside: bool,
+    /// Lookups asked and not yet taken by the caller.
+    lookups: Vec<Lookup>,
+    /// The next lookup's ticket.
+    next_ticket: u64,
     stats: EngineStats,
 }
 
@@ -329,6 +378,9 @@ impl Engine {
             step: None,
             link_free_us: 0,
             rejects: Vec::new(),
+            outside: false,
+            lookups: Vec::new(),
+            next_ticket: 0,
             stats: EngineStats::default(),
         }
     }
@@ -366,6 +418,7 @@ impl Engine {
             offered: req.offered,
             offered_from: req.offered_from,
             ready_us: 0,
+            lookup: None,
             prefill_len: 0,
             prefilled: 0,
             named: 0,
@@ -373,6 +426,87 @@ impl Engine {
             chunk: 0,
             decode: false,
         });
+    }
+
+    /// Makes admission ask an outside store for the blocks past what the GPU and the
+    /// engine's own tiers hold (see "Outside lookups"); off by default.
+    pub fn set_outside_lookups(&mut self, on: bool) {
+        self.outside = on;
+    }
+
+    /// Moves the lookups asked since the last call into `out`, in the order asked.
+    pub fn take_lookups(&mut self, out: &mut Vec<Lookup>) {
+        out.append(&mut self.lookups);
+    }
+
+    /// The outside store's answer to lookup `ticket` at `now_us`: the tiers of the leading
+    /// blocks of its keys that the store handed over (a shorter run than asked, or none,
+    /// leaves the rest to be computed; extra entries are ignored). The blocks become
+    /// named GPU blocks (`Stored{Gpu}`), the load is scheduled on the host link from the
+    /// admission on, and the request's prefill may start once it has landed. Returns
+    /// false, changing nothing, when no request waits for `ticket` (it was cancelled or
+    /// preempted meanwhile, or the ticket is unknown).
+    pub fn answer_lookup(
+        &mut self,
+        now_us: u64,
+        ticket: u64,
+        tiers: &[Tier],
+        events: &mut Vec<EngineEvent>,
+    ) -> bool {
+        // The load is timed from the admission; the answer's time does not change it.
+        let _ = now_us;
+        let bt = u64::from(self.config.block_tokens);
+        let Some(i) = self
+            .running
+            .iter()
+            .position(|s| s.lookup.is_some_and(|p| p.ticket == ticket))
+        else {
+            return false;
+        };
+        let seq = &mut self.running[i];
+        let Some(pending) = seq.lookup.take() else {
+            return false;
+        };
+        // The lookup was for keys[from..max_hit]; no more blocks than that may arrive.
+        let max_hit = seq
+            .keys
+            .len()
+            .min(usize::try_from((seq.prefill_len - 1) / bt).unwrap_or(usize::MAX));
+        let count = tiers.len().min(max_hit.saturating_sub(pending.from));
+        let arrived = seq.keys[pending.from..pending.from + count].to_vec();
+        seq.anon -= count as u64;
+        seq.named = pending.from + count;
+        let l1_blocks = tiers[..count].iter().filter(|t| **t == Tier::L1).count() as u64;
+        let l2_blocks = count as u64 - l1_blocks;
+        for key in arrived {
+            self.adopt(key, events);
+        }
+        let seq = &mut self.running[i];
+        seq.prefilled = seq.named as u64 * bt;
+        if pending.first {
+            let tokens = |blocks: u64| u32::try_from(blocks * bt).unwrap_or(u32::MAX);
+            let (l1, l2) = (tokens(l1_blocks), tokens(l2_blocks));
+            self.stats.l1_hit_tokens += u64::from(l1);
+            self.stats.l2_hit_tokens += u64::from(l2);
+            if let Some(hits) = &mut seq.first_hits {
+                hits[1] = hits[1].saturating_add(l1);
+                hits[2] = hits[2].saturating_add(l2);
+            }
+        }
+        let ms = self.profile.load_ms(Tier::L1, l1_blocks * bt)
+            + self.profile.load_ms(Tier::L2, l2_blocks * bt);
+        // Float-to-int casts saturate and map NaN to 0, so this cannot panic.
+        let load_us = (ms * 1000.0).round() as u64;
+        if load_us > 0 {
+            self.stats.load_us += load_us;
+            let landed = self
+                .link_free_us
+                .max(pending.admitted_us)
+                .saturating_add(load_us);
+            self.link_free_us = landed;
+            seq.ready_us = seq.ready_us.max(landed);
+        }
+        true
     }
 
     /// If no step is running and there is work, plans the next step and returns its end
@@ -432,7 +566,7 @@ impl Engine {
             if budget == 0 {
                 break;
             }
-            if !seq.decoding() && seq.ready_us <= now_us {
+            if !seq.decoding() && seq.ready_us <= now_us && seq.lookup.is_none() {
                 seq.chunk = (seq.prefill_len - seq.prefilled).min(budget);
                 budget -= seq.chunk;
                 prefill += seq.chunk;
@@ -446,7 +580,7 @@ impl Engine {
             && self.running.len() < self.config.max_running as usize
             && !self.waiting.is_empty()
         {
-            let Some(ms) = self.try_admit(l2, events) else {
+            let Some(ms) = self.try_admit(now_us, l2, events) else {
                 break;
             };
             // Float-to-int casts saturate and map NaN to 0, so this cannot panic.
@@ -461,7 +595,7 @@ impl Engine {
                 continue;
             }
             load_ms += ms;
-            if let Some(seq) = self.running.last_mut() {
+            if let Some(seq) = self.running.last_mut().filter(|s| s.lookup.is_none()) {
                 seq.chunk = (seq.prefill_len - seq.prefilled).min(budget);
                 budget -= seq.chunk;
                 prefill += seq.chunk;
@@ -470,8 +604,9 @@ impl Engine {
 
         if prefill == 0 && decodes == 0 {
             // Nothing to compute. Wait for the first load to land, if one is under way;
-            // otherwise nothing could be scheduled (cannot happen given the rejection
-            // rule): do not spin on empty steps.
+            // otherwise nothing could be scheduled (given the rejection rule, only while
+            // outside lookups are unanswered: the answer starts the next step): do not
+            // spin on empty steps.
             let ready = self
                 .running
                 .iter()
@@ -611,17 +746,6 @@ impl Engine {
         self.resident.contains_key(&key)
     }
 
-    /// How many leading blocks of `keys` the GPU is sure to hold when a request submitted
-    /// now is admitted: all resident ones when nothing waits (admission is immediate),
-    /// else only those running sequences reference (unreferenced cached blocks may be
-    /// evicted while the request waits).
-    pub fn gpu_prefix(&self, keys: &[BlockKey]) -> usize {
-        let idle = self.waiting.is_empty();
-        keys.iter()
-            .take_while(|k| self.resident.get(k).is_some_and(|&refs| idle || refs > 0))
-            .count()
-    }
-
     /// Referenced GPU blocks / gpu_blocks (cached but unreferenced blocks count as free).
     pub fn kv_usage(&self) -> f64 {
         let total = u64::from(self.config.gpu_blocks);
@@ -654,7 +778,12 @@ impl Engine {
 
     /// Tries to admit the head of the waiting queue; on success pushes it onto `running`
     /// and returns the milliseconds of its tier loads.
-    fn try_admit(&mut self, l2: &mut TierSet, events: &mut Vec<EngineEvent>) -> Option<f64> {
+    fn try_admit(
+        &mut self,
+        now_us: u64,
+        l2: &mut TierSet,
+        events: &mut Vec<EngineEvent>,
+    ) -> Option<f64> {
         let bt = u64::from(self.config.block_tokens);
         let head = self.waiting.front()?;
         let prefill_len = head.prompt_tokens + head.generated;
@@ -724,7 +853,8 @@ impl Engine {
         seq.named = loaded;
         seq.prefill_len = prefill_len;
         seq.prefilled = loaded as u64 * bt;
-        if seq.first_hits.is_none() {
+        let first = seq.first_hits.is_none();
+        if first {
             let tokens = |blocks: u64| u32::try_from(blocks * bt).unwrap_or(u32::MAX);
             let hits = [tokens(gpu as u64), tokens(l1_blocks), tokens(l2_blocks)];
             self.stats.prompt_tokens += seq.prompt_tokens;
@@ -732,6 +862,21 @@ impl Engine {
             self.stats.l1_hit_tokens += u64::from(hits[1]);
             self.stats.l2_hit_tokens += u64::from(hits[2]);
             seq.first_hits = Some(hits);
+        }
+        if self.outside && loaded < max_hit {
+            let ticket = self.next_ticket;
+            self.next_ticket += 1;
+            self.lookups.push(Lookup {
+                ticket,
+                id: seq.id,
+                keys: seq.keys[loaded..max_hit].to_vec(),
+            });
+            seq.lookup = Some(Pending {
+                ticket,
+                from: loaded,
+                admitted_us: now_us,
+                first,
+            });
         }
         self.running.push(seq);
         let ms = self.profile.load_ms(Tier::L1, l1_blocks * bt)
@@ -847,6 +992,7 @@ impl Engine {
         };
         self.release(&seq);
         seq.ready_us = 0;
+        seq.lookup = None;
         seq.prefill_len = 0;
         seq.prefilled = 0;
         seq.named = 0;
@@ -1471,6 +1617,157 @@ mod tests {
         }));
         assert!(e.can_ever_fit(16 * 98, 1));
         assert!(!e.can_ever_fit(16 * 99 + 1, 1));
+    }
+
+    #[test]
+    fn outside_lookups_are_asked_at_admission_while_the_batch_goes_on() {
+        let d = ModelProfile::dynamo_default();
+        let mut l2 = TierSet::lru(0);
+        let mut events = Vec::new();
+        let mut lookups = Vec::new();
+        let mut e = Engine::new(config(16, 100), d.clone());
+        e.set_outside_lookups(true);
+        // A (4 blocks + 6 tokens) is admitted, asks for its 4 blocks and waits: no step.
+        e.submit(0, req(1, keys(1, 4), 70, 20));
+        assert_eq!(e.start_step(0, &mut l2, &mut events), None);
+        check_accounting(&e);
+        e.take_lookups(&mut lookups);
+        let a = Lookup {
+            ticket: 0,
+            id: 1,
+            keys: keys(1, 4),
+        };
+        assert_eq!(lookups, [a]);
+        // The store has none of them: A computes its whole prompt.
+        assert!(e.answer_lookup(100, 0, &[], &mut events));
+        assert!(!e.answer_lookup(100, 0, &[], &mut events), "answered once");
+        let mut now = 100;
+        let step = |e: &mut Engine, now: &mut u64, events: &mut Vec<EngineEvent>| {
+            let end = e.start_step(*now, &mut TierSet::lru(0), events).unwrap();
+            e.complete_step(end, &mut TierSet::lru(0), events);
+            check_accounting(e);
+            *now = end;
+        };
+        step(&mut e, &mut now, &mut events);
+        assert_eq!(
+            events.last(),
+            Some(&EngineEvent::FirstToken {
+                id: 1,
+                at_us: now,
+                gpu_hit_tokens: 0,
+                l1_hit_tokens: 0,
+                l2_hit_tokens: 0,
+            })
+        );
+        // B arrives while A decodes; its blocks 1..3 (past the GPU's B0, which A0's
+        // family does not share) are asked for, and A goes on decoding meanwhile.
+        let b_keys = vec![BlockKey(1 << 32), BlockKey(9), BlockKey(10), BlockKey(11)];
+        e.submit(now, req(2, b_keys.clone(), 64, 1));
+        let admitted = now;
+        step(&mut e, &mut now, &mut events);
+        lookups.clear();
+        e.take_lookups(&mut lookups);
+        // Only blocks that end before the last prompt token can hit: B0..B2, B0 from the GPU.
+        assert_eq!(lookups[0].keys, b_keys[1..3]);
+        let ticket = lookups[0].ticket;
+        for _ in 0..3 {
+            events.clear();
+            step(&mut e, &mut now, &mut events);
+            assert_eq!(
+                events,
+                [EngineEvent::Token { id: 1, at_us: now }],
+                "A decodes"
+            );
+        }
+        // The answer: both blocks, from L1 (a longer answer is cut to what was asked).
+        events.clear();
+        assert!(e.answer_lookup(now, ticket, &[Tier::L1; 5], &mut events));
+        let stored = b_keys[1..3].iter().map(|&key| EngineEvent::Stored {
+            key,
+            tier: Tier::Gpu,
+        });
+        assert_eq!(events, stored.collect::<Vec<_>>());
+        check_accounting(&e);
+        // Its load ran from the admission on and has landed (A's decode steps took
+        // longer): B's prefill is in the next step.
+        assert!(admitted + us(d.load_ms(Tier::L1, 32)) < now);
+        events.clear();
+        step(&mut e, &mut now, &mut events);
+        assert!(events.contains(&EngineEvent::FirstToken {
+            id: 2,
+            at_us: now,
+            gpu_hit_tokens: 16,
+            l1_hit_tokens: 32,
+            l2_hit_tokens: 0,
+        }));
+        let s = e.stats();
+        assert_eq!(
+            (s.gpu_hit_tokens, s.l1_hit_tokens, s.l2_hit_tokens),
+            (16, 32, 0)
+        );
+        assert_eq!(s.load_us, us(d.load_ms(Tier::L1, 32)));
+
+        // C is cancelled while its lookup is out: the answer finds no one.
+        e.submit(now, req(3, keys(3, 4), 70, 1));
+        step(&mut e, &mut now, &mut events);
+        lookups.clear();
+        e.take_lookups(&mut lookups);
+        assert_eq!(lookups[0].id, 3);
+        assert!(e.cancel(now, 3));
+        check_accounting(&e);
+        assert!(!e.answer_lookup(now, lookups[0].ticket, &[Tier::L2], &mut events));
+        assert!(
+            !e.answer_lookup(now, 99, &[], &mut events),
+            "unknown ticket"
+        );
+    }
+
+    #[test]
+    fn a_request_preempted_before_its_answer_asks_again() {
+        let mut e = Engine::new(config(16, 6), ModelProfile::dynamo_default());
+        e.set_outside_lookups(true);
+        let (mut l2, mut events, mut lookups) = (TierSet::lru(0), Vec::new(), Vec::new());
+        let mut now = 0;
+        // A (2 blocks, growing to 5) then B (3 blocks): A's decode needs B's blocks while
+        // B waits for its answer, and preempts it.
+        e.submit(0, req(1, keys(1, 1), 30, 40));
+        e.submit(0, req(2, keys(2, 3), 48, 1));
+        let mut asked = Vec::new();
+        while e.in_flight() > 0 {
+            if let Some(end) = e.start_step(now, &mut l2, &mut events) {
+                e.complete_step(end, &mut l2, &mut events);
+                now = end;
+            }
+            check_accounting(&e);
+            e.take_lookups(&mut lookups);
+            for l in lookups.drain(..) {
+                asked.push(l.id);
+                if l.id == 2 && e.stats().preemptions == 0 {
+                    // B's answer comes only after it was preempted.
+                    while e.stats().preemptions == 0 {
+                        let end = e.start_step(now, &mut l2, &mut events).unwrap();
+                        e.complete_step(end, &mut l2, &mut events);
+                        now = end;
+                        check_accounting(&e);
+                    }
+                    assert!(!e.answer_lookup(now, l.ticket, &[Tier::L1; 2], &mut events));
+                } else {
+                    assert!(e.answer_lookup(now, l.ticket, &[], &mut events));
+                }
+            }
+        }
+        // A asked once, B at each admission.
+        assert_eq!(asked, [1, 2, 2]);
+        let s = e.stats();
+        assert_eq!((s.finished, s.preemptions, s.l1_hit_tokens), (2, 1, 0));
+    }
+
+    #[test]
+    fn without_outside_lookups_nothing_is_asked() {
+        let mut run = drive(config(16, 200), mixed_workload(3, 40, 4), TierSet::lru(0));
+        let mut lookups = Vec::new();
+        run.engine.take_lookups(&mut lookups);
+        assert!(lookups.is_empty());
     }
 
     /// `n` requests with shared prefixes from a few families, arriving every ~20 ms.
