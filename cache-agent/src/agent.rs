@@ -248,6 +248,12 @@ impl Agent {
         &self.config
     }
 
+    /// The L2 store, shared with the HyperPod daemon API (`crate::hyperpod`), which evicts
+    /// its objects to it and loads them back.
+    pub fn l2(&self) -> Option<Arc<AnyL2>> {
+        self.l2.clone()
+    }
+
     /// The buffers the block API reads payloads into.
     pub fn pool(&self) -> &BufPool {
         &self.pool

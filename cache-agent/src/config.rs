@@ -69,6 +69,71 @@ impl std::str::FromStr for L2Config {
     }
 }
 
+/// The HyperPod daemon API (`crate::hyperpod`): the per-node daemon that LMCache's
+/// `SageMakerHyperPodConnector` (`remote_url: sagemaker-hyperpod://HOST:PORT`) speaks to.
+/// Off unless configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HyperPodConfig {
+    /// TCP address of its HTTP control plane; loopback unless a token is configured (or
+    /// `--insecure-no-token`).
+    pub listen: String,
+    /// The shared-memory segment, `/dev/shm/NAME` (LMCache's `_shared_memory_name`).
+    pub shm_name: String,
+    /// Its size, header page included.
+    pub shm_bytes: u64,
+    /// Its file mode: clients open it read-write (LMCache maps it with Python's
+    /// `SharedMemory`), so they need read and write permission; 0600 limits it to the
+    /// agent's user.
+    pub shm_mode: u32,
+    /// Longest lease; a longer `ttl_s` is shortened to this.
+    pub max_lease: Duration,
+    /// Open leases at most, and per client (peer address).
+    pub max_leases: usize,
+    pub max_leases_per_client: usize,
+    /// Puts being written at once at most.
+    pub max_pending_puts: usize,
+    /// Open connections at most.
+    pub max_connections: usize,
+}
+
+pub const DEFAULT_HYPERPOD_SHM_NAME: &str = "shared_memory";
+pub const DEFAULT_HYPERPOD_SHM_BYTES: u64 = 1 << 30;
+
+impl Default for HyperPodConfig {
+    fn default() -> Self {
+        HyperPodConfig {
+            listen: "127.0.0.1:9200".into(),
+            shm_name: DEFAULT_HYPERPOD_SHM_NAME.into(),
+            shm_bytes: DEFAULT_HYPERPOD_SHM_BYTES,
+            shm_mode: 0o600,
+            max_lease: Duration::from_secs(60),
+            max_leases: 65_536,
+            max_leases_per_client: 16_384,
+            max_pending_puts: 256,
+            max_connections: 1024,
+        }
+    }
+}
+
+impl HyperPodConfig {
+    /// Whether its address needs the agent's token (any address but loopback).
+    pub fn needs_token(&self) -> Result<bool, String> {
+        let addr: std::net::SocketAddr = self
+            .listen
+            .parse()
+            .map_err(|e| format!("--hyperpod-listen {:?}: {e}", self.listen))?;
+        Ok(!addr.ip().is_loopback())
+    }
+}
+
+/// A file mode in octal (`600`, `0640`).
+pub fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not a file mode in octal (say 600 or 660)"))
+}
+
 pub const DEFAULT_L1_BYTES: u64 = 1 << 30;
 pub const DEFAULT_L2_DIR_BYTES: u64 = 16 << 30;
 pub const DEFAULT_REDIS_PREFIX: &str = "wp:b:";
@@ -108,6 +173,8 @@ pub struct AgentConfig {
     /// The tenants whose chains KV events may carry: (id, cache salt). Empty: every chain
     /// belongs to tenant `engine-sim` with its own salt (engine-sim served directly).
     pub kv_tenants: Vec<(String, String)>,
+    /// The HyperPod daemon API, when on.
+    pub hyperpod: Option<HyperPodConfig>,
 }
 
 impl Default for AgentConfig {
@@ -130,6 +197,7 @@ impl Default for AgentConfig {
             max_connections: 256,
             kv_events: Vec::new(),
             kv_tenants: Vec::new(),
+            hyperpod: None,
         }
     }
 }
@@ -159,6 +227,58 @@ pub struct FileConfig {
     pub l1: L1Section,
     #[serde(default)]
     pub l2: L2Section,
+    /// Present: the HyperPod daemon API is on.
+    pub hyperpod: Option<HyperPodSection>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct HyperPodSection {
+    pub listen: Option<String>,
+    pub shm_name: Option<String>,
+    #[serde(default, deserialize_with = "opt_bytes")]
+    pub shm_bytes: Option<u64>,
+    /// Octal, as a string: "600".
+    pub shm_mode: Option<String>,
+    pub max_lease_ms: Option<u64>,
+    pub max_leases: Option<usize>,
+    pub max_leases_per_client: Option<usize>,
+    pub max_pending_puts: Option<usize>,
+    pub max_connections: Option<usize>,
+}
+
+impl HyperPodSection {
+    fn into_config(self) -> Result<HyperPodConfig, String> {
+        let mut h = HyperPodConfig::default();
+        if let Some(v) = self.listen {
+            h.listen = v;
+        }
+        if let Some(v) = self.shm_name {
+            h.shm_name = v;
+        }
+        if let Some(v) = self.shm_bytes {
+            h.shm_bytes = v;
+        }
+        if let Some(v) = self.shm_mode {
+            h.shm_mode = parse_mode(&v).map_err(|e| format!("hyperpod.shm_mode: {e}"))?;
+        }
+        if let Some(v) = self.max_lease_ms {
+            h.max_lease = Duration::from_millis(v);
+        }
+        if let Some(v) = self.max_leases {
+            h.max_leases = v;
+        }
+        if let Some(v) = self.max_leases_per_client {
+            h.max_leases_per_client = v;
+        }
+        if let Some(v) = self.max_pending_puts {
+            h.max_pending_puts = v;
+        }
+        if let Some(v) = self.max_connections {
+            h.max_connections = v;
+        }
+        Ok(h)
+    }
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -252,6 +372,10 @@ impl FileConfig {
         if let Some(v) = l2.report_blocks {
             c.residency_l2_blocks = v;
         }
+        c.hyperpod = self
+            .hyperpod
+            .map(HyperPodSection::into_config)
+            .transpose()?;
         Ok(c)
     }
 }
@@ -286,6 +410,9 @@ impl AgentConfig {
         if self.max_keys == 0 || self.max_connections == 0 || self.l2_deadline.is_zero() {
             return Err("max_keys, max_connections and l2 deadline must be positive".into());
         }
+        if let Some(h) = &self.hyperpod {
+            h.validate(self.token.is_some(), insecure)?;
+        }
         if !self.listen.is_empty() && self.token.is_none() && !insecure {
             let addr: std::net::SocketAddr = self
                 .listen
@@ -298,6 +425,38 @@ impl AgentConfig {
                      --insecure-no-token runs it open"
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+impl HyperPodConfig {
+    /// Checks bounds and the token rule: off loopback the API needs the agent's token
+    /// (LMCache's connector sends none, so such an address serves only clients that add
+    /// one), unless `insecure`.
+    pub fn validate(&self, has_token: bool, insecure: bool) -> Result<(), String> {
+        let min = crate::hyperpod::segment::HEADER_BYTES + crate::hyperpod::segment::UNIT_BYTES;
+        if self.shm_bytes < min {
+            return Err(format!(
+                "--hyperpod-shm-bytes {} is too small: at least {min} (a header page and a data page)",
+                self.shm_bytes
+            ));
+        }
+        if self.max_lease.is_zero()
+            || self.max_leases == 0
+            || self.max_leases_per_client == 0
+            || self.max_pending_puts == 0
+            || self.max_connections == 0
+        {
+            return Err("hyperpod lease, put and connection bounds must be positive".into());
+        }
+        if self.needs_token()? && !has_token && !insecure {
+            return Err(format!(
+                "the HyperPod API on {} (not loopback) needs a token (--token-file): anyone \
+                 who reaches it could store KV objects an engine then loads; \
+                 --insecure-no-token runs it open",
+                self.listen
+            ));
         }
         Ok(())
     }
@@ -407,6 +566,41 @@ mod tests {
         ] {
             let err = FileConfig::parse(bad)
                 .and_then(FileConfig::into_config)
+                .unwrap_err();
+            assert!(err.contains(want), "{bad}: {err}");
+        }
+        let c = FileConfig::parse(
+            "version = 1\n[hyperpod]\nshm_name = \"lmc\"\nshm_bytes = \"64MiB\"\n\
+             shm_mode = \"660\"\nmax_lease_ms = 5000\n",
+        )
+        .unwrap()
+        .into_config()
+        .unwrap();
+        let h = c.hyperpod.clone().expect("[hyperpod] turns it on");
+        assert_eq!(
+            (h.shm_name.as_str(), h.shm_bytes, h.shm_mode, h.max_lease),
+            ("lmc", 64 << 20, 0o660, Duration::from_secs(5))
+        );
+        assert_eq!(h.listen, HyperPodConfig::default().listen);
+        assert!(c.validate(false).is_ok());
+        assert_eq!(
+            FileConfig::parse("version = 1")
+                .unwrap()
+                .into_config()
+                .unwrap()
+                .hyperpod,
+            None
+        );
+        for (bad, want) in [
+            ("[hyperpod]\nshm_mode = \"9\"", "not a file mode"),
+            ("[hyperpod]\nshm_bytes = 4096", "too small"),
+            ("[hyperpod]\nlisten = \"0.0.0.0:9200\"", "needs a token"),
+            ("[hyperpod]\nmax_leases = 0", "must be positive"),
+            ("[hyperpod]\nshm = \"x\"", "unknown field"),
+        ] {
+            let err = FileConfig::parse(&format!("version = 1\n{bad}"))
+                .and_then(FileConfig::into_config)
+                .and_then(|c| c.validate(false).map(|_| c))
                 .unwrap_err();
             assert!(err.contains(want), "{bad}: {err}");
         }

@@ -19,11 +19,14 @@
 //! - What the agent reports to routers goes through `warmpath-residency` (the session,
 //!   its QUIC and TLS shell), which the routers and the simulator use too.
 //! - [`server`] and [`client`]: the listeners, and the engines' pipelined client.
+//! - [`hyperpod`]: the HyperPod daemon API for LMCache's connector (HTTP control plane,
+//!   objects in a shared-memory segment the agent owns; its bookkeeping is pure).
 
 pub mod agent;
 pub mod block;
 pub mod client;
 pub mod config;
+pub mod hyperpod;
 pub mod ingest;
 pub mod kv_events;
 pub mod kv_subscribe;

@@ -8,6 +8,21 @@ pub const AGENT_BYTES_TOTAL: &str = "warmpath_agent_bytes_total";
 pub const AGENT_CAPACITY_BYTES: &str = "warmpath_agent_capacity_bytes";
 pub const AGENT_CONNECTIONS_REFUSED_TOTAL: &str = "warmpath_agent_connections_refused_total";
 pub const AGENT_EVICTIONS_TOTAL: &str = "warmpath_agent_evictions_total";
+pub const AGENT_HYPERPOD_BYTES_TOTAL: &str = "warmpath_agent_hyperpod_bytes_total";
+pub const AGENT_HYPERPOD_CAPACITY_BYTES: &str = "warmpath_agent_hyperpod_capacity_bytes";
+pub const AGENT_HYPERPOD_CONFLICTS_TOTAL: &str = "warmpath_agent_hyperpod_conflicts_total";
+pub const AGENT_HYPERPOD_EVICTIONS_TOTAL: &str = "warmpath_agent_hyperpod_evictions_total";
+pub const AGENT_HYPERPOD_LEASE_EXPIRIES_TOTAL: &str =
+    "warmpath_agent_hyperpod_lease_expiries_total";
+pub const AGENT_HYPERPOD_LEASES: &str = "warmpath_agent_hyperpod_leases";
+pub const AGENT_HYPERPOD_LEASES_TOTAL: &str = "warmpath_agent_hyperpod_leases_total";
+pub const AGENT_HYPERPOD_MISSES_TOTAL: &str = "warmpath_agent_hyperpod_misses_total";
+pub const AGENT_HYPERPOD_OBJECTS: &str = "warmpath_agent_hyperpod_objects";
+pub const AGENT_HYPERPOD_OCCUPANCY_BYTES: &str = "warmpath_agent_hyperpod_occupancy_bytes";
+pub const AGENT_HYPERPOD_OP_DURATION_SECONDS: &str = "warmpath_agent_hyperpod_op_duration_seconds";
+pub const AGENT_HYPERPOD_PUTS_TOTAL: &str = "warmpath_agent_hyperpod_puts_total";
+pub const AGENT_HYPERPOD_REQUEST_ERRORS_TOTAL: &str =
+    "warmpath_agent_hyperpod_request_errors_total";
 pub const AGENT_HITS_TOTAL: &str = "warmpath_agent_hits_total";
 pub const AGENT_KV_BATCHES_TOTAL: &str = "warmpath_agent_kv_batches_total";
 pub const AGENT_KV_EVENTS_TOTAL: &str = "warmpath_agent_kv_events_total";
@@ -39,6 +54,19 @@ pub const ALL: &[&str] = &[
     AGENT_CAPACITY_BYTES,
     AGENT_CONNECTIONS_REFUSED_TOTAL,
     AGENT_EVICTIONS_TOTAL,
+    AGENT_HYPERPOD_BYTES_TOTAL,
+    AGENT_HYPERPOD_CAPACITY_BYTES,
+    AGENT_HYPERPOD_CONFLICTS_TOTAL,
+    AGENT_HYPERPOD_EVICTIONS_TOTAL,
+    AGENT_HYPERPOD_LEASE_EXPIRIES_TOTAL,
+    AGENT_HYPERPOD_LEASES,
+    AGENT_HYPERPOD_LEASES_TOTAL,
+    AGENT_HYPERPOD_MISSES_TOTAL,
+    AGENT_HYPERPOD_OBJECTS,
+    AGENT_HYPERPOD_OCCUPANCY_BYTES,
+    AGENT_HYPERPOD_OP_DURATION_SECONDS,
+    AGENT_HYPERPOD_PUTS_TOTAL,
+    AGENT_HYPERPOD_REQUEST_ERRORS_TOTAL,
     AGENT_HITS_TOTAL,
     AGENT_KV_BATCHES_TOTAL,
     AGENT_KV_EVENTS_TOTAL,
