@@ -11,8 +11,10 @@ use axum::Router;
 use clap::Args;
 use warmpath_cache_agent::agent::Agent;
 use warmpath_cache_agent::config::{
-    parse_bytes, read_token, AgentConfig, FileConfig, L2Config, WritePolicy,
+    parse_bytes, parse_mode, read_token, AgentConfig, FileConfig, HyperPodConfig, L2Config,
+    WritePolicy,
 };
+use warmpath_cache_agent::hyperpod::HyperPod;
 use warmpath_cache_agent::server;
 use warmpath_residency::tls::TlsFiles;
 use warmpath_tiers::Eviction;
@@ -80,6 +82,23 @@ pub struct AgentArgs {
     /// This agent's name in --tls-dir.
     #[arg(long)]
     pub tls_name: Option<String>,
+    /// Serve the HyperPod daemon API that LMCache's connector speaks
+    /// (`remote_url: sagemaker-hyperpod://HOST:PORT`) on this TCP address (loopback unless
+    /// a token is configured). Off by default; `[hyperpod]` in the config file turns it on
+    /// too.
+    #[arg(long)]
+    pub hyperpod_listen: Option<String>,
+    /// Its shared-memory segment, /dev/shm/NAME (LMCache's `_shared_memory_name`; default
+    /// shared_memory).
+    #[arg(long)]
+    pub hyperpod_shm_name: Option<String>,
+    /// The segment's size (bytes or with a unit; default 1GiB), reserved at start.
+    #[arg(long)]
+    pub hyperpod_shm_bytes: Option<String>,
+    /// The segment's file mode in octal (default 600): LMCache opens it read-write, so its
+    /// user needs both.
+    #[arg(long)]
+    pub hyperpod_shm_mode: Option<String>,
 }
 
 impl AgentArgs {
@@ -147,6 +166,27 @@ impl AgentArgs {
                 bail!("--kv-tenant {t:?}: give ID or ID=SALT");
             }
             c.kv_tenants.push((id, salt));
+        }
+        let hyperpod_flags = self.hyperpod_shm_name.is_some()
+            || self.hyperpod_shm_bytes.is_some()
+            || self.hyperpod_shm_mode.is_some();
+        if self.hyperpod_listen.is_some() || hyperpod_flags {
+            if c.hyperpod.is_none() && self.hyperpod_listen.is_none() {
+                bail!("--hyperpod-shm-* set the HyperPod API's segment: turn the API on with --hyperpod-listen (or [hyperpod] in the config file)");
+            }
+            let h = c.hyperpod.get_or_insert_with(HyperPodConfig::default);
+            if let Some(v) = &self.hyperpod_listen {
+                h.listen = v.clone();
+            }
+            if let Some(v) = &self.hyperpod_shm_name {
+                h.shm_name = v.clone();
+            }
+            if let Some(v) = &self.hyperpod_shm_bytes {
+                h.shm_bytes = parse_bytes(v).map_err(anyhow::Error::msg)?;
+            }
+            if let Some(v) = &self.hyperpod_shm_mode {
+                h.shm_mode = parse_mode(v).map_err(anyhow::Error::msg)?;
+            }
         }
         c.validate(self.insecure_no_token)
             .map_err(anyhow::Error::msg)?;
@@ -250,6 +290,32 @@ pub async fn serve(
             max_connections: 64,
         };
         tokio::spawn(listener::serve(l, app, limits, std::future::pending()));
+    }
+    if let Some(h) = &config.hyperpod {
+        let l = tokio::net::TcpListener::bind(&h.listen)
+            .await
+            .with_context(|| format!("cannot listen on {} (HyperPod API)", h.listen))?;
+        let addr = l.local_addr()?;
+        // Off loopback the API takes the agent's token (validated: there is one, or
+        // --insecure-no-token); on loopback it is open, since LMCache's connector sends none.
+        let token = if addr.ip().is_loopback() {
+            None
+        } else {
+            if config.token.is_none() {
+                tracing::warn!(%addr, "the HyperPod API runs WITHOUT a token (--insecure-no-token): anyone who reaches it can store objects engines then load");
+            }
+            config.token.clone()
+        };
+        let hp = HyperPod::start(h, config.l1_eviction, token, agent.l2()).with_context(|| {
+            format!("cannot set up the HyperPod segment /dev/shm/{}", h.shm_name)
+        })?;
+        println!(
+            "warmpath agent hyperpod API on {addr} (segment /dev/shm/{}, {} bytes, generation {})",
+            h.shm_name,
+            h.shm_bytes,
+            hp.generation()
+        );
+        tokio::spawn(hp.serve(l, std::future::pending()));
     }
     use std::io::Write;
     let _ = std::io::stdout().flush();
