@@ -1087,6 +1087,47 @@ impl Residency {
         (self.agent, self.addr) = Residency::start_agent(&self.agent_args);
     }
 
+    /// Follows the agent as a router does, in this process (the router's certificate, the
+    /// router's follower), until the returned handle is dropped; returns once its first
+    /// snapshot arrived (so `prefetchers` routes to the agent's instances).
+    async fn follow_as_router(
+        &self,
+        prefetchers: &warmpath_residency::net::Prefetchers,
+    ) -> tokio::sync::oneshot::Sender<()> {
+        use warmpath_residency::net::{endpoint, follow, AgentTarget};
+        use warmpath_residency::tls::TlsFiles;
+        let files = TlsFiles::in_dir(&self.certs, "router");
+        let ep = endpoint(
+            "127.0.0.1:0".parse().unwrap(),
+            None,
+            Some(files.client_config().unwrap()),
+        )
+        .unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+        let target = AgentTarget::parse(&self.quic).expect("target");
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
+        tokio::spawn(follow(
+            ep,
+            target,
+            Duration::from_secs(5),
+            tx,
+            stopped,
+            tenants,
+            prefetchers.clone(),
+        ));
+        let first = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("a snapshot");
+        assert!(
+            matches!(first, Some(warmpath_residency::Outcome::Apply { .. })),
+            "{first:?}"
+        );
+        // Keep the outcomes flowing (the follower stops when nobody reads them).
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        stop
+    }
+
     /// A router in front of the engine, following the agent.
     fn router(&self, extra: &[&str]) -> Proc {
         let certs = self.certs.to_str().unwrap();
@@ -1110,7 +1151,7 @@ impl Residency {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routers_see_the_agents_residency_over_mutual_tls() {
-    use warmpath_residency::net::{endpoint, follow, AgentTarget};
+    use warmpath_residency::net::endpoint;
     use warmpath_residency::tls::TlsFiles;
     let mut r = Residency::start("residency-tls", &[], &[]);
     let (dir, certs, quic, addr) = (&r.dir, &r.certs, &r.quic, &r.addr);
@@ -1194,32 +1235,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
     };
     assert!(refused, "a certificate from another CA was accepted");
     // The router's own follower with the right files still works alongside.
-    let good = TlsFiles::in_dir(certs, "router");
-    let ep = endpoint(
-        "127.0.0.1:0".parse().unwrap(),
-        None,
-        Some(good.client_config().unwrap()),
-    )
-    .unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
-    let target = AgentTarget::parse(quic).expect("target");
-    let (_stop, stopped) = tokio::sync::oneshot::channel();
-    let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
-    tokio::spawn(follow(
-        ep,
-        target,
-        Duration::from_secs(5),
-        tx,
-        stopped,
-        tenants,
-    ));
-    let first = tokio::time::timeout(Duration::from_secs(5), rx.recv())
-        .await
-        .expect("a snapshot");
-    assert!(
-        matches!(first, Some(warmpath_residency::Outcome::Apply { .. })),
-        "{first:?}"
-    );
+    let _follower = r.follow_as_router(&Default::default()).await;
 
     // A router restarted mid-stream gets a snapshot and converges.
     drop(router);
@@ -1248,6 +1264,103 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Issue 24: a router's prefetch hint over the residency link. Blocks only Redis holds
+/// (written through, then pushed out of a small L1) are read back into L1 by the agent
+/// when a router names them, before any engine asks; blocks that are gone are a counted
+/// miss, and the blocks after a gap are not loaded (the engine could not use them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_misses() {
+    use warmpath_residency::net::{PrefetchSent, Prefetchers};
+    let redis = Redis::start();
+    let mut r = Residency::start(
+        "residency-prefetch",
+        &[],
+        &[
+            "--l1-bytes",
+            "256KiB",
+            "--l2",
+            &redis.url(),
+            "--l2-write",
+            "through",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let metrics_line = r.agent.read_line();
+    let metrics_url = metrics_line
+        .split("metrics on ")
+        .nth(1)
+        .expect("the metrics address")
+        .trim()
+        .to_string();
+    let prefetched = |result: &'static str| {
+        let url = metrics_url.clone();
+        async move {
+            crate::router::metric(
+                &get_text(&url).await,
+                &format!("warmpath_agent_prefetch_blocks_total{{result=\"{result}\"}}"),
+            )
+        }
+    };
+    let c = connect(&r.addr).await;
+    // Eight 16 KiB blocks, written through to Redis; then sixteen others fill the 256 KiB
+    // L1.
+    put_chain(&c, 1..9, 16 << 10).await;
+    put_chain(&c, 100..116, 16 << 10).await;
+    let tiers_of = |keys: Vec<u64>| {
+        let c = &c;
+        async move {
+            let (lease, tiers) = c.lookup(LAYOUT, keys, TIMEOUT).await.unwrap();
+            c.release(lease).await.unwrap();
+            tiers
+        }
+    };
+    eventually("blocks 1 to 8 only in redis", || async {
+        tiers_of((1..9).collect()).await == vec![StoreTier::L2; 8]
+    })
+    .await;
+
+    let prefetchers = Prefetchers::default();
+    let _following = r.follow_as_router(&prefetchers).await;
+    assert_eq!(
+        prefetchers.send("http://not-followed:1", vec![1]),
+        PrefetchSent::NoAgent
+    );
+    assert_eq!(
+        prefetchers.send(&r.engine.url, (1..9).collect()),
+        PrefetchSent::Sent
+    );
+    eventually("the prefetched blocks in L1", || async {
+        tiers_of((1..9).collect()).await == vec![StoreTier::L1; 8]
+    })
+    .await;
+    eventually("eight blocks counted loaded", || async {
+        prefetched("loaded").await == 8.0
+    })
+    .await;
+    // The engine's own read finds them in L1 now.
+    let got = c.get(LAYOUT, (1..9).collect()).await.unwrap();
+    assert!(
+        got.iter()
+            .all(|g| g.as_ref().map(|g| g.tier) == Some(StoreTier::L1)),
+        "{got:?}"
+    );
+
+    // Blocks that are gone: 200 was never stored, so 200 and the block after it (101,
+    // which L2 holds) are misses, not loads; 300, just put, is already in L1.
+    put_chain(&c, 300..304, 16 << 10).await;
+    assert_eq!(
+        prefetchers.send(&r.engine.url, vec![300, 200, 101]),
+        PrefetchSent::Sent
+    );
+    eventually(
+        "the gone block and the one after it counted misses",
+        || async { prefetched("miss").await == 2.0 },
+    )
+    .await;
+    assert_eq!(prefetched("loaded").await, 8.0);
 }
 
 /// Issue 22: an agent killed while its engine keeps serving, then started again. The

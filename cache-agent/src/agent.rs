@@ -57,7 +57,20 @@ pub struct Agent {
     report: Arc<Report>,
     /// The buffers payloads are read into, used again when blocks leave L1.
     pool: BufPool,
+    /// Prefetches running (at most [`PREFETCHES_IN_FLIGHT`]; more are dropped).
+    prefetch_slots: Arc<tokio::sync::Semaphore>,
+    /// The layouts of the latest puts, newest first (at most [`PREFETCH_LAYOUTS`]): a
+    /// router's prefetch hint names keys, and these are the layouts its engines store.
+    layouts: Mutex<Vec<u64>>,
 }
+
+/// Prefetches an agent runs at once; a hint beyond them is dropped (counted): it is a
+/// hint, and an agent busy reading L2 for earlier ones would serve it late anyway.
+const PREFETCHES_IN_FLIGHT: usize = 4;
+/// Layouts a prefetch tries, newest first (engines of one host store one or a few).
+const PREFETCH_LAYOUTS: usize = 4;
+/// L2 reads a prefetch has in flight at once.
+const PREFETCH_READS: usize = 16;
 
 /// What routers are told: the engines' caches (recorded by the KV-event subscribers) and
 /// this agent's own L1 and L2 (recorded here), in one residency publisher.
@@ -176,6 +189,8 @@ impl Agent {
             resyncs: tokio::sync::watch::Sender::new(0),
             report,
             pool: BufPool::new(pool_bytes(config_l1_bytes)),
+            prefetch_slots: Arc::new(tokio::sync::Semaphore::new(PREFETCHES_IN_FLIGHT)),
+            layouts: Mutex::new(Vec::new()),
         });
         for (i, (_, endpoint)) in agent.config.kv_events.iter().enumerate() {
             tokio::spawn(crate::kv_subscribe::subscribe(
@@ -320,6 +335,7 @@ impl Agent {
                 "payloads do not match the put's blocks".into(),
             );
         }
+        self.saw_layout(layout);
         let mut refused = Vec::new();
         // Each payload arrived in a buffer of its own (so no block keeps its neighbours'
         // bytes alive) with its checksum: stored as it is, no copy.
@@ -485,24 +501,7 @@ impl Agent {
                     found[i] = Some((block, StoreTier::L2));
                 }
             }
-            if !promoted.is_empty() {
-                let mut evicted = Vec::new();
-                {
-                    let mut l1 = self.lock_l1();
-                    for (id, block) in promoted.iter().rev() {
-                        let _ = l1.put(*id, block.clone(), false, &mut evicted);
-                    }
-                }
-                self.report.l1(
-                    promoted.iter().map(|(id, _)| *id),
-                    evicted.iter().map(|(id, _)| *id),
-                );
-                counter!(crate::metric_names::AGENT_EVICTIONS_TOTAL, "tier" => "l1")
-                    .increment(evicted.len() as u64);
-                counter!(crate::metric_names::AGENT_PROMOTIONS_TOTAL)
-                    .increment(promoted.len() as u64);
-                self.queue_l2_evicted(evicted);
-            }
+            self.promote(&promoted);
         }
         let mut blocks = Vec::with_capacity(ids.len());
         let mut payloads = Vec::new();
@@ -533,6 +532,131 @@ impl Agent {
             }
         }
         (Response::Get { blocks }, payloads)
+    }
+
+    /// Puts blocks read from L2 into L1 (last first, so that a chain's head is evicted
+    /// last) and reports them.
+    fn promote(&self, promoted: &[(BlockId, Block)]) {
+        if promoted.is_empty() {
+            return;
+        }
+        let mut evicted = Vec::new();
+        {
+            let mut l1 = self.lock_l1();
+            for (id, block) in promoted.iter().rev() {
+                let _ = l1.put(*id, block.clone(), false, &mut evicted);
+            }
+        }
+        self.report.l1(
+            promoted.iter().map(|(id, _)| *id),
+            evicted.iter().map(|(id, _)| *id),
+        );
+        counter!(crate::metric_names::AGENT_EVICTIONS_TOTAL, "tier" => "l1")
+            .increment(evicted.len() as u64);
+        counter!(crate::metric_names::AGENT_PROMOTIONS_TOTAL).increment(promoted.len() as u64);
+        self.queue_l2_evicted(evicted);
+    }
+
+    /// Remembers that an engine stores blocks of `layout` (see `layouts`).
+    fn saw_layout(&self, layout: u64) {
+        let mut layouts = self.layouts.lock().unwrap_or_else(|p| p.into_inner());
+        if layouts.first() != Some(&layout) {
+            layouts.retain(|&l| l != layout);
+            layouts.insert(0, layout);
+            layouts.truncate(PREFETCH_LAYOUTS);
+        }
+    }
+
+    /// A router's prefetch hint (`warmpath_residency::Reply::Prefetch`): a request for
+    /// `keys` (a chain, in order) is queued on one of this host's engines, and L2 holds
+    /// them. Reads them from L2 into L1 in the background, in chain order and stopping at
+    /// the first block L2 lacks (what follows a gap cannot be used), so that the engine's
+    /// lookup at admission finds them in host memory. Never waits: with
+    /// [`PREFETCHES_IN_FLIGHT`] running, or no L2, the hint is dropped. Each key is
+    /// counted once by what became of it: `loaded`, `in_l1` (already there), `miss` (not in
+    /// L2, or after a gap), `dropped`.
+    pub fn prefetch(self: &Arc<Self>, keys: Vec<u64>) {
+        let count = |result: &'static str, n: usize| {
+            counter!(crate::metric_names::AGENT_PREFETCH_BLOCKS_TOTAL, "result" => result)
+                .increment(n as u64);
+        };
+        if keys.is_empty() {
+            return;
+        }
+        let layouts = self
+            .layouts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let (Some(l2), false) = (self.l2.clone(), layouts.is_empty()) else {
+            count("dropped", keys.len());
+            return;
+        };
+        let Ok(slot) = self.prefetch_slots.clone().try_acquire_owned() else {
+            count("dropped", keys.len());
+            return;
+        };
+        let agent = self.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            // The layout that holds the chain's first block (one model per engine: the
+            // others would be a wasted L2 round trip each).
+            let mut chosen = None;
+            for &layout in &layouts {
+                let first = BlockId::new(layout, keys[0]);
+                if agent.lock_l1().contains(&first) {
+                    chosen = Some(layout);
+                    break;
+                }
+                if let Ok(found) = agent.timed_l2("contains", l2.contains(&[first])).await {
+                    if found.first() == Some(&true) {
+                        chosen = Some(layout);
+                        break;
+                    }
+                }
+            }
+            let Some(layout) = chosen else {
+                count("miss", keys.len());
+                return;
+            };
+            let mut accounted = 0;
+            let ids: Vec<BlockId> = keys.iter().map(|&k| BlockId::new(layout, k)).collect();
+            for chunk in ids.chunks(PREFETCH_READS) {
+                let in_l1: Vec<bool> = {
+                    let l1 = agent.lock_l1();
+                    chunk.iter().map(|id| l1.contains(id)).collect()
+                };
+                let reads = join_all(
+                    chunk
+                        .iter()
+                        .zip(&in_l1)
+                        .filter(|(_, &there)| !there)
+                        .map(|(id, _)| agent.read_l2(&l2, *id)),
+                )
+                .await;
+                let mut reads = reads.into_iter();
+                let (mut promoted, mut already) = (Vec::new(), 0);
+                let mut gap = false;
+                for (id, &there) in chunk.iter().zip(&in_l1) {
+                    if there {
+                        already += 1;
+                    } else if let Some(block) = reads.next().flatten() {
+                        promoted.push((*id, block));
+                    } else {
+                        gap = true;
+                        break;
+                    }
+                }
+                count("in_l1", already);
+                count("loaded", promoted.len());
+                agent.promote(&promoted);
+                accounted += already + promoted.len();
+                if gap {
+                    break;
+                }
+            }
+            count("miss", ids.len() - accounted);
+        });
     }
 
     /// One block from L2, checked; damage and errors are counted misses.
@@ -748,6 +872,10 @@ fn describe_metrics() {
     describe_counter!(
         crate::metric_names::AGENT_EVICTIONS_TOTAL,
         "Blocks evicted, by tier."
+    );
+    describe_counter!(
+        crate::metric_names::AGENT_PREFETCH_BLOCKS_TOTAL,
+        "Blocks of routers' prefetch hints, by what became of them: loaded (read from L2 into L1), in_l1 (already there), miss (not in L2, or past a block it lacks), dropped (no L2, or the agent was already running its most prefetches)."
     );
     describe_counter!(
         crate::metric_names::AGENT_PROMOTIONS_TOTAL,

@@ -41,6 +41,7 @@ pub const AGENT_MISSES_TOTAL: &str = "warmpath_agent_misses_total";
 pub const AGENT_OCCUPANCY_BYTES: &str = "warmpath_agent_occupancy_bytes";
 pub const AGENT_OP_DURATION_SECONDS: &str = "warmpath_agent_op_duration_seconds";
 pub const AGENT_PINNED_BLOCKS: &str = "warmpath_agent_pinned_blocks";
+pub const AGENT_PREFETCH_BLOCKS_TOTAL: &str = "warmpath_agent_prefetch_blocks_total";
 pub const AGENT_PROMOTIONS_TOTAL: &str = "warmpath_agent_promotions_total";
 pub const AGENT_PROTOCOL_ERRORS_TOTAL: &str = "warmpath_agent_protocol_errors_total";
 pub const AGENT_PUT_REFUSED_TOTAL: &str = "warmpath_agent_put_refused_total";
@@ -85,6 +86,7 @@ pub const ALL: &[&str] = &[
     AGENT_OCCUPANCY_BYTES,
     AGENT_OP_DURATION_SECONDS,
     AGENT_PINNED_BLOCKS,
+    AGENT_PREFETCH_BLOCKS_TOTAL,
     AGENT_PROMOTIONS_TOTAL,
     AGENT_PROTOCOL_ERRORS_TOTAL,
     AGENT_PUT_REFUSED_TOTAL,

@@ -129,7 +129,7 @@ fn main() {
         let target = AgentTarget::parse(&quic.to_string()).expect("target");
         let (_stop, stopped) = tokio::sync::oneshot::channel();
         let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
-        tokio::spawn(follow(ep, target, Duration::from_secs(5), tx, stopped, tenants));
+        tokio::spawn(follow(ep, target, Duration::from_secs(5), tx, stopped, tenants, Default::default()));
 
         // Publish at RATE; remember when each block's event left.
         let sent: std::sync::Arc<std::sync::Mutex<HashMap<u64, Instant>>> = Default::default();

@@ -266,12 +266,15 @@ pub async fn serve(
             quic.local_addr()?
         );
         let (residency, changed) = agent.residency();
-        let learner = agent.clone();
+        let (learner, prefetcher) = (agent.clone(), agent.clone());
         tokio::spawn(warmpath_residency::net::serve(
             quic,
             residency,
             changed,
-            std::sync::Arc::new(move |salts| learner.learn_tenants(salts)),
+            warmpath_residency::net::FromRouters {
+                tenants: std::sync::Arc::new(move |salts| learner.learn_tenants(salts)),
+                prefetch: std::sync::Arc::new(move |_instance, keys| prefetcher.prefetch(keys)),
+            },
         ));
     }
     if let Some(at) = &config.metrics_listen {

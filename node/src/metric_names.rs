@@ -24,6 +24,7 @@ pub const ROUTER_INSTANCE_CLUSTER_IN_FLIGHT: &str = "warmpath_router_instance_cl
 pub const ROUTER_INSTANCE_HEALTHY: &str = "warmpath_router_instance_healthy";
 pub const ROUTER_INSTANCE_IN_FLIGHT: &str = "warmpath_router_instance_in_flight";
 pub const ROUTER_OVERHEAD_SECONDS: &str = "warmpath_router_overhead_seconds";
+pub const ROUTER_PREFETCHES_TOTAL: &str = "warmpath_router_prefetches_total";
 pub const ROUTER_PREDICTIONS_CONTRADICTED_TOTAL: &str =
     "warmpath_router_predictions_contradicted_total";
 pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "warmpath_router_prompt_tokens_total";
@@ -62,6 +63,7 @@ pub const ALL: &[&str] = &[
     ROUTER_INSTANCE_HEALTHY,
     ROUTER_INSTANCE_IN_FLIGHT,
     ROUTER_OVERHEAD_SECONDS,
+    ROUTER_PREFETCHES_TOTAL,
     ROUTER_PREDICTIONS_CONTRADICTED_TOTAL,
     ROUTER_PROMPT_TOKENS_TOTAL,
     ROUTER_RATE_LIMITED_TOTAL,

@@ -19,12 +19,14 @@
 use std::net::SocketAddr;
 
 pub use quinn;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{broadcast, mpsc};
 
-use crate::{decode, encode, Msg, Outcome, Publisher, Reply, Subscriber, Wire};
+use crate::{decode, encode, Msg, Outcome, Publisher, Reply, Subscriber, Wire, MAX_PREFETCH_KEYS};
 
 /// Largest residency message accepted (a snapshot chunk of 2,048 blocks is about 40 KiB).
 pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
@@ -62,12 +64,12 @@ async fn read_msg(recv: &mut quinn::RecvStream) -> Result<Wire, String> {
 
 /// Serves residency on `endpoint` (a QUIC server endpoint with the agent's mTLS config)
 /// until the endpoint closes.
-/// `on_tenants` gets each tenant table a router sends ((salt, tenant id) pairs).
+/// `from_routers` gets each tenant table and prefetch hint a router sends.
 pub async fn serve(
     endpoint: quinn::Endpoint,
     residency: Arc<Mutex<Publisher>>,
     changed: Arc<tokio::sync::Notify>,
-    on_tenants: OnTenants,
+    from_routers: FromRouters,
 ) {
     let (tx, _) = broadcast::channel::<Arc<Msg>>(BACKLOG);
     {
@@ -89,7 +91,7 @@ pub async fn serve(
         });
     }
     while let Some(incoming) = endpoint.accept().await {
-        let (tx, residency, on_tenants) = (tx.clone(), residency.clone(), on_tenants.clone());
+        let (tx, residency, from_routers) = (tx.clone(), residency.clone(), from_routers.clone());
         tokio::spawn(async move {
             let conn = match incoming.await {
                 Ok(c) => c,
@@ -102,7 +104,7 @@ pub async fn serve(
                 }
             };
             metrics::gauge!(crate::metric_names::AGENT_RESIDENCY_SUBSCRIBERS).increment(1.0);
-            if let Err(e) = session(conn, &tx, &residency, on_tenants).await {
+            if let Err(e) = session(conn, &tx, &residency, from_routers).await {
                 tracing::debug!(error = %e, "residency session ended");
             }
             metrics::gauge!(crate::metric_names::AGENT_RESIDENCY_SUBSCRIBERS).decrement(1.0);
@@ -114,7 +116,7 @@ async fn session(
     conn: quinn::Connection,
     tx: &broadcast::Sender<Arc<Msg>>,
     residency: &Mutex<Publisher>,
-    on_tenants: OnTenants,
+    from_routers: FromRouters,
 ) -> Result<(), String> {
     let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
     // The first message must be a resync request.
@@ -133,7 +135,11 @@ async fn session(
                         return;
                     }
                 }
-                Ok(Wire::V1Reply(Reply::Tenants(table))) => on_tenants(table),
+                Ok(Wire::V1Reply(Reply::Tenants(table))) => (from_routers.tenants)(table),
+                Ok(Wire::V1Reply(Reply::Prefetch { instance, mut keys })) => {
+                    keys.truncate(MAX_PREFETCH_KEYS);
+                    (from_routers.prefetch)(instance, keys);
+                }
                 _ => return,
             }
         }
@@ -175,6 +181,139 @@ pub type TenantsWatch = tokio::sync::watch::Receiver<Arc<Vec<(String, String)>>>
 /// What an agent does with a tenant table a router sent ((cache salt, tenant id) pairs).
 pub type OnTenants = Arc<dyn Fn(Vec<(String, String)>) + Send + Sync>;
 
+/// What an agent does with a prefetch hint a router sent (instance, keys in chain order; see
+/// [`Reply::Prefetch`]). Called on the link's reader: it must not block.
+pub type OnPrefetch = Arc<dyn Fn(String, Vec<u64>) + Send + Sync>;
+
+/// What an agent does with what routers send besides resync requests.
+#[derive(Clone)]
+pub struct FromRouters {
+    pub tenants: OnTenants,
+    pub prefetch: OnPrefetch,
+}
+
+impl std::fmt::Debug for FromRouters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FromRouters").finish_non_exhaustive()
+    }
+}
+
+/// Prefetch hints waiting for one agent's link: a link that is down or slow drops hints
+/// beyond this many rather than queue stale ones.
+const PREFETCH_BACKLOG: usize = 64;
+
+/// Where a router's prefetch hints go: each instance's name to the link of the agent whose
+/// snapshot names it. Filled by [`follow`]; cheap to clone (one shared table).
+#[derive(Clone, Debug, Default)]
+pub struct Prefetchers {
+    routes: Arc<Mutex<HashMap<String, Route>>>,
+    next_link: Arc<AtomicU64>,
+}
+
+/// An instance's prefetch route: the id of the link it goes to, and that link.
+type Route = (u64, mpsc::Sender<Reply>);
+
+/// What became of a prefetch hint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchSent {
+    /// Queued on the agent's link.
+    Sent,
+    /// No followed agent reports the instance.
+    NoAgent,
+    /// The agent's link is down or behind: dropped.
+    Dropped,
+}
+
+impl PrefetchSent {
+    /// The metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefetchSent::Sent => "sent",
+            PrefetchSent::NoAgent => "no_agent",
+            PrefetchSent::Dropped => "dropped",
+        }
+    }
+}
+
+impl Prefetchers {
+    /// Asks the agent that reports `instance` to promote `keys` (see [`Reply::Prefetch`]).
+    /// Never waits.
+    pub fn send(&self, instance: &str, keys: Vec<u64>) -> PrefetchSent {
+        let link = self
+            .routes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(instance)
+            .map(|(_, tx)| tx.clone());
+        let Some(link) = link else {
+            return PrefetchSent::NoAgent;
+        };
+        let instance = instance.to_string();
+        match link.try_send(Reply::Prefetch { instance, keys }) {
+            Ok(()) => PrefetchSent::Sent,
+            Err(_) => PrefetchSent::Dropped,
+        }
+    }
+
+    /// Routes `instances` to link `id` (and no other instance to it).
+    fn route(&self, id: u64, instances: &[String], tx: &mpsc::Sender<Reply>) {
+        let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        routes.retain(|_, (link, _)| *link != id);
+        for i in instances {
+            routes.insert(i.clone(), (id, tx.clone()));
+        }
+    }
+
+    /// Routes nothing to link `id`.
+    fn unroute(&self, id: u64) {
+        self.route(id, &[], &mpsc::channel(1).0);
+    }
+}
+
+/// One follower's prefetch link: its hints, and the instances its agent reported last.
+struct PrefetchLink {
+    id: u64,
+    prefetchers: Prefetchers,
+    tx: mpsc::Sender<Reply>,
+    /// Shared by the follower's successive connections; the writer of the one up takes
+    /// from it.
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Reply>>>,
+    routed: Mutex<Vec<String>>,
+}
+
+impl PrefetchLink {
+    fn new(prefetchers: Prefetchers) -> PrefetchLink {
+        let (tx, rx) = mpsc::channel(PREFETCH_BACKLOG);
+        PrefetchLink {
+            id: prefetchers.next_link.fetch_add(1, Ordering::Relaxed),
+            prefetchers,
+            tx,
+            rx: Arc::new(tokio::sync::Mutex::new(rx)),
+            routed: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Follows what the subscriber made of the agent's instances.
+    fn observe(&self, outcome: &Outcome) {
+        let instances: &[String] = match outcome {
+            Outcome::Apply { instances, .. } => instances,
+            Outcome::Reset { .. } => &[],
+            Outcome::Nothing => return,
+        };
+        let mut routed = self.routed.lock().unwrap_or_else(|p| p.into_inner());
+        if routed.as_slice() != instances {
+            self.prefetchers.route(self.id, instances, &self.tx);
+            *routed = instances.to_vec();
+        }
+    }
+}
+
+impl Drop for PrefetchLink {
+    fn drop(&mut self) {
+        self.prefetchers.unroute(self.id);
+    }
+}
+
 /// Where a router reaches an agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AgentTarget {
@@ -211,7 +350,8 @@ impl From<warmpath_spec::AgentAddress> for AgentTarget {
 /// Follows one agent from `endpoint` (a QUIC client endpoint with the router's mTLS
 /// config) until `out` is closed or `stop` fires (or its sender is dropped): every outcome
 /// of the subscriber goes to `out`. On `stop`, what the agent reported is withdrawn (a
-/// last [`Outcome::Reset`]).
+/// last [`Outcome::Reset`]). The instances the agent reports are routed in `prefetchers`
+/// to this link while it follows them.
 pub async fn follow(
     endpoint: quinn::Endpoint,
     target: AgentTarget,
@@ -219,7 +359,9 @@ pub async fn follow(
     out: mpsc::Sender<Outcome>,
     stop: tokio::sync::oneshot::Receiver<()>,
     tenants: TenantsWatch,
+    prefetchers: Prefetchers,
 ) {
+    let prefetch = PrefetchLink::new(prefetchers);
     let start = Instant::now();
     let now_us = move || start.elapsed().as_micros() as u64;
     let subscriber = Arc::new(Mutex::new(Subscriber::new(expiry.as_micros() as u64)));
@@ -241,7 +383,7 @@ pub async fn follow(
         })
     };
     tokio::select! {
-        () = links(&endpoint, &target, &subscriber, &out, now_us, &tenants) => {}
+        () = links(&endpoint, &target, &subscriber, &out, now_us, &tenants, &prefetch) => {}
         _ = stop => {}
     }
     expiry_task.abort();
@@ -262,13 +404,14 @@ async fn links(
     out: &mpsc::Sender<Outcome>,
     now_us: impl Fn() -> u64 + Copy,
     tenants: &TenantsWatch,
+    prefetch: &PrefetchLink,
 ) {
     let mut backoff = Duration::from_millis(200);
     loop {
         if out.is_closed() {
             return;
         }
-        match run_once(endpoint, target, subscriber, out, now_us, tenants).await {
+        match run_once(endpoint, target, subscriber, out, now_us, tenants, prefetch).await {
             Ok(()) => return,
             Err(e) => {
                 metrics::counter!(crate::metric_names::ROUTER_RESIDENCY_DISCONNECTS_TOTAL)
@@ -288,6 +431,7 @@ async fn run_once(
     out: &mpsc::Sender<Outcome>,
     now_us: impl Fn() -> u64,
     tenants: &TenantsWatch,
+    prefetch: &PrefetchLink,
 ) -> Result<(), String> {
     let addr = tokio::net::lookup_host(&target.address)
         .await
@@ -301,21 +445,30 @@ async fn run_once(
         .map_err(|e| e.to_string())?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
     write_msg(&mut send, &Wire::V1Reply(Reply::Resync)).await?;
-    // One writer owns the send half: resync requests from the loop below, and the tenant
-    // table now and at every change.
+    // One writer owns the send half: resync requests from the loop below, the tenant
+    // table now and at every change, and prefetch hints.
     let (replies, mut to_send) = mpsc::channel::<Reply>(4);
     let mut tenants = tenants.clone();
     tenants.mark_changed();
+    let hints = prefetch.rx.clone();
     let writer = tokio::spawn(async move {
+        let mut hints = hints.lock().await;
+        // A tenant table that can no longer change has been sent: stop watching it (but
+        // go on sending the rest).
+        let mut tenants_open = true;
         loop {
             let reply = tokio::select! {
                 r = to_send.recv() => match r {
                     Some(r) => r,
                     None => return,
                 },
-                c = tenants.changed() => match c {
+                Some(hint) = hints.recv() => hint,
+                c = tenants.changed(), if tenants_open => match c {
                     Ok(()) => Reply::Tenants(tenants.borrow_and_update().as_ref().clone()),
-                    Err(_) => std::future::pending().await,
+                    Err(_) => {
+                        tenants_open = false;
+                        continue;
+                    }
                 },
             };
             if write_msg(&mut send, &Wire::V1Reply(reply)).await.is_err() {
@@ -323,7 +476,7 @@ async fn run_once(
             }
         }
     });
-    let result = read_loop(&mut recv, subscriber, out, now_us, &replies).await;
+    let result = read_loop(&mut recv, subscriber, out, now_us, &replies, prefetch).await;
     writer.abort();
     result
 }
@@ -334,6 +487,7 @@ async fn read_loop(
     out: &mpsc::Sender<Outcome>,
     now_us: impl Fn() -> u64,
     replies: &mpsc::Sender<Reply>,
+    prefetch: &PrefetchLink,
 ) -> Result<(), String> {
     loop {
         // The agent sends at least a heartbeat every 500 ms: a longer silence is a dead agent
@@ -349,6 +503,7 @@ async fn read_loop(
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .handle(now_us(), msg);
+        prefetch.observe(&outcome);
         let resync = matches!(outcome, Outcome::Reset { resync: true, .. });
         if outcome != Outcome::Nothing && out.send(outcome).await.is_err() {
             return Ok(());

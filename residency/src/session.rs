@@ -75,7 +75,16 @@ pub enum Reply {
     /// The configuration's tenants as (cache salt, tenant id): what an agent needs to key
     /// the chains its engines report. Sent after each connect and on every change.
     Tenants(Vec<(String, String)>),
+    /// Prefetch: a request was just routed to `instance`, whose host holds these blocks of
+    /// its prompt (in chain order, at most [`MAX_PREFETCH_KEYS`]) only in the global L2;
+    /// the agent promotes them into its L1 so that the engine loads them from host memory
+    /// at admission. A hint: an agent may drop it, and an agent that predates it closes
+    /// the link (upgrade agents before routers).
+    Prefetch { instance: String, keys: Vec<u64> },
 }
+
+/// Most keys one [`Reply::Prefetch`] carries (a 128k-token prompt in 16-token blocks).
+pub const MAX_PREFETCH_KEYS: usize = 8192;
 
 /// The versioned envelope on the wire.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -380,6 +380,10 @@ fn describe_metrics() {
         crate::metric_names::ROUTER_RESIDENCY_AGENTS,
         "Agent entries this router follows (flags and the pools' agents; a dns: entry counts once, however many agents it resolves to)."
     );
+    describe_counter!(
+        crate::metric_names::ROUTER_PREFETCHES_TOTAL,
+        "Prefetch hints: a request went to an instance whose host held part of its prefix only in the global L2, and the router asked that host's agent to promote it into L1 (sent, no_agent: no followed agent reports the instance, dropped: the agent's link was down or behind)."
+    );
     describe_gauge!(crate::metric_names::INDEX_HOLDERS, "(instance, block) pairs in the index, by source: predicted (routing decisions, own and peers') or observed (agents).");
     describe_gauge!(
         crate::metric_names::INDEX_BYTES_PER_ENTRY,

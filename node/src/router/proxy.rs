@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use warmpath_index::keys::token_block_keys;
+use warmpath_index::keys::{token_block_keys, BlockKey};
 use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody, PromptInput};
 use warmpath_index::InstanceId;
 
@@ -466,6 +466,7 @@ async fn handle(
         }
         metrics::counter!(crate::metric_names::ROUTER_DECISIONS_TOTAL, "reason" => chosen.decision.reason.name())
             .increment(1);
+        prefetch(&app, &chosen, &keys);
         tried.push(chosen.instance);
         match attempt_once(
             &app,
@@ -516,6 +517,23 @@ async fn handle(
         model: parsed.model,
         retry_after_s: app.config.retry_after_s,
     })
+}
+
+/// When the chosen instance's host holds part of the prompt's prefix only in the global
+/// L2 (past what its GPU and its host's L1 hold), asks the host's agent to promote those
+/// blocks into L1 now, so that they load while the request queues and the engine reads
+/// them from host memory at admission.
+fn prefetch(app: &App, chosen: &Chosen, keys: &[BlockKey]) {
+    let m = &chosen.decision.matched;
+    let (from, to) = (m.l1 as usize, (m.l2 as usize).min(keys.len()));
+    if from >= to {
+        return;
+    }
+    let Some(residency) = app.residency.get() else {
+        return;
+    };
+    let to = to.min(from + warmpath_residency::MAX_PREFETCH_KEYS);
+    residency.prefetch(&chosen.url, keys[from..to].iter().map(|k| k.0).collect());
 }
 
 fn explanation(app: &App, chosen: &Chosen) -> serde_json::Value {

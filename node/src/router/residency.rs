@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use tokio::sync::{mpsc, oneshot, watch};
-use warmpath_residency::net::{endpoint, follow, AgentTarget};
+use warmpath_residency::net::{endpoint, follow, AgentTarget, PrefetchSent, Prefetchers};
 use warmpath_residency::tls::TlsFiles;
 use warmpath_residency::Outcome;
 
@@ -51,6 +51,8 @@ pub struct Residency {
     /// Address → the follower's stop (dropping it stops the follower).
     following: Mutex<HashMap<String, oneshot::Sender<()>>>,
     tenants: watch::Sender<Arc<Vec<(String, String)>>>,
+    /// Each followed agent's link for prefetch hints, by the instances it reports.
+    prefetchers: Prefetchers,
 }
 
 impl Residency {
@@ -77,6 +79,7 @@ impl Residency {
             fixed: fixed.to_vec(),
             following: Mutex::new(HashMap::new()),
             tenants: watch::Sender::new(Arc::new(Vec::new())),
+            prefetchers: Prefetchers::default(),
         });
         residency.set_agents(&[]);
         Ok(residency)
@@ -94,10 +97,11 @@ impl Residency {
                 return None;
             };
             let (stop, stopped) = oneshot::channel();
-            let (quic, out, tenants) = (
+            let (quic, out, tenants, prefetchers) = (
                 self.quic.clone(),
                 self.out.clone(),
                 self.tenants.subscribe(),
+                self.prefetchers.clone(),
             );
             if every_address {
                 tokio::spawn(follow_each(
@@ -107,13 +111,31 @@ impl Residency {
                     out,
                     stopped,
                     tenants,
+                    prefetchers,
                 ));
             } else {
-                tokio::spawn(follow(quic, target, self.expiry, out, stopped, tenants));
+                tokio::spawn(follow(
+                    quic,
+                    target,
+                    self.expiry,
+                    out,
+                    stopped,
+                    tenants,
+                    prefetchers,
+                ));
             }
             Some(stop)
         });
         metrics::gauge!(crate::metric_names::ROUTER_RESIDENCY_AGENTS).set(following.len() as f64);
+    }
+
+    /// Asks the agent that reports `instance` (its URL) to promote `keys` from L2 into its
+    /// L1 (a hint: see `warmpath_residency::Reply::Prefetch`), and counts what became of it.
+    pub fn prefetch(&self, instance: &str, keys: Vec<u64>) -> PrefetchSent {
+        let sent = self.prefetchers.send(instance, keys);
+        metrics::counter!(crate::metric_names::ROUTER_PREFETCHES_TOTAL, "result" => sent.name())
+            .increment(1);
+        sent
     }
 
     /// The tenants' (cache salt, tenant id), sent to every agent now and on each change.
@@ -139,6 +161,7 @@ async fn follow_each(
     out: mpsc::Sender<Outcome>,
     mut stop: oneshot::Receiver<()>,
     tenants: watch::Receiver<Arc<Vec<(String, String)>>>,
+    prefetchers: Prefetchers,
 ) {
     let mut following: HashMap<SocketAddr, oneshot::Sender<()>> = HashMap::new();
     let mut tick = tokio::time::interval(RESOLVE_EVERY);
@@ -167,6 +190,7 @@ async fn follow_each(
                 out.clone(),
                 stopped,
                 tenants.clone(),
+                prefetchers.clone(),
             ));
             Some(stop_one)
         });
