@@ -1,0 +1,407 @@
+//! The agent as the node's HyperPod daemon: real `warmpath agent` processes with the
+//! HyperPod API on, driven by LMCache's own `SageMakerHyperPodConnector` (the published
+//! lmcache 0.5.6, on CPU, from `target/lmcache-venv`: tests/tools/setup-lmcache-venv.sh)
+//! and by hand-written HTTP for what that client never sends (bad keys, short bodies,
+//! forged leases), and restarted to show that clients then see misses, never stale bytes.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::{scratch_dir, Proc};
+
+/// A segment name no other test or run uses (removed when dropped).
+struct Shm(String);
+
+impl Shm {
+    fn new(tag: &str) -> Shm {
+        Shm(format!("wp-it-{tag}-{}", std::process::id()))
+    }
+    fn path(&self) -> PathBuf {
+        Path::new("/dev/shm").join(&self.0)
+    }
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.path());
+    }
+}
+
+/// An agent with the HyperPod API on `shm` of `bytes`; `extra` flags after. Returns it and
+/// the API's HOST:PORT (its metrics URL is `lines[1]`'s when `--metrics-listen` is given).
+fn agent(shm: &Shm, bytes: &str, extra: &[&str]) -> (Proc, String) {
+    let mut args = vec![
+        "agent",
+        "--listen",
+        "127.0.0.1:0",
+        "--hyperpod-listen",
+        "127.0.0.1:0",
+        "--hyperpod-shm-name",
+        &shm.0,
+        "--hyperpod-shm-bytes",
+        bytes,
+    ];
+    args.extend_from_slice(extra);
+    let lines = if extra.contains(&"--metrics-listen") {
+        3
+    } else {
+        2
+    };
+    let p = Proc::start_lines(&args, lines, "warn");
+    let line = p.lines[lines - 1].clone();
+    let addr = line
+        .split("hyperpod API on ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or_else(|| panic!("no hyperpod line in {:?}", p.lines))
+        .to_string();
+    (p, addr)
+}
+
+/// One HTTP/1.1 exchange on a fresh connection: (status, body).
+fn http(addr: &str, method: &str, path: &str, headers: &[&str], body: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("the HyperPod API accepts");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for h in headers {
+        req += h;
+        req += "\r\n";
+    }
+    req += "\r\n";
+    s.write_all(req.as_bytes()).unwrap();
+    let _ = s.write_all(body);
+    read_answer(s)
+}
+
+fn read_answer(mut s: TcpStream) -> (u16, String) {
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {text:?}"));
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (status, body)
+}
+
+/// An object as LMCache sends it: the 28-byte RemoteMetadata header, then `payload`.
+fn object(payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for x in [
+        payload.len() as i32,
+        1,
+        3,
+        payload.len() as i32 / 2,
+        1,
+        0,
+        0,
+    ] {
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.extend_from_slice(payload);
+    v
+}
+
+fn put(addr: &str, key: &str, body: &[u8]) -> (u16, String) {
+    let len = format!("Content-Length: {}", body.len());
+    http(addr, "PUT", &format!("/v1/kv/lmcache/{key}"), &[&len], body)
+}
+
+fn lease(addr: &str, key: &str, ttl_s: f64) -> (u16, serde_json::Value) {
+    let (status, body) = http(
+        addr,
+        "POST",
+        &format!("/v1/kv/lmcache/{key}/leases?timeout_ms=2000&ttl_s={ttl_s}"),
+        &["Content-Length: 0"],
+        b"",
+    );
+    (status, serde_json::from_str(&body).expect("a JSON answer"))
+}
+
+fn release(addr: &str, id: &str) -> (u16, String) {
+    http(
+        addr,
+        "POST",
+        &format!("/v1/leases/{id}/release"),
+        &["Content-Length: 0"],
+        b"",
+    )
+}
+
+/// What a lease's offsets point at in the segment.
+fn leased_bytes(shm: &Shm, grant: &serde_json::Value) -> Vec<u8> {
+    let seg = std::fs::read(shm.path()).expect("the segment is readable");
+    let mut out = Vec::new();
+    for o in grant["offsets"].as_array().expect("offsets") {
+        let (at, len) = (
+            o["offset"].as_u64().unwrap() as usize,
+            o["len"].as_u64().unwrap() as usize,
+        );
+        out.extend_from_slice(&seg[at..at + len]);
+    }
+    out
+}
+
+fn metric(url: &str, line_start: &str) -> f64 {
+    let out = Command::new("curl")
+        .args(["-s", &format!("{url}/metrics")])
+        .output()
+        .expect("curl runs");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The venv with lmcache 0.5.6 (`WARMPATH_LMCACHE_VENV`, or `target/lmcache-venv`), made
+/// by tests/tools/setup-lmcache-venv.sh when missing; None when WARMPATH_SKIP_LMCACHE=1.
+fn lmcache_venv() -> Option<PathBuf> {
+    if std::env::var_os("WARMPATH_SKIP_LMCACHE").is_some_and(|v| v == "1") {
+        return None;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let venv = std::env::var_os("WARMPATH_LMCACHE_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/lmcache-venv"));
+    let status = Command::new("sh")
+        .arg(root.join("tests/tools/setup-lmcache-venv.sh"))
+        .arg(&venv)
+        .status()
+        .expect("sh runs");
+    assert!(
+        status.success(),
+        "could not set up {} with lmcache 0.5.6 (python3 with venv and pip, PyPI, about \
+         6 GB of disk): run tests/tools/setup-lmcache-venv.sh {0}, or set \
+         WARMPATH_SKIP_LMCACHE=1 to leave this test out",
+        venv.display()
+    );
+    Some(venv)
+}
+
+#[test]
+fn lmcaches_own_hyperpod_connector_stores_and_loads_through_the_agent() {
+    let Some(venv) = lmcache_venv() else {
+        println!("WARMPATH_SKIP_LMCACHE=1: LMCache's connector was not run");
+        return;
+    };
+    let shm = Shm::new("lmcache");
+    let (agent, addr) = agent(&shm, "64MiB", &["--metrics-listen", "127.0.0.1:0"]);
+    let metrics = agent.lines[1]
+        .split("metrics on ")
+        .nth(1)
+        .and_then(|u| u.trim().strip_suffix("/metrics"))
+        .expect("the metrics line")
+        .to_string();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/lmcache_hyperpod.py");
+    let out = Command::new(venv.join("bin/python"))
+        .args(["-W", "ignore"])
+        .arg(script)
+        .arg(&addr)
+        .arg(&shm.0)
+        .output()
+        .expect("the venv's python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    print!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}\n{stderr}");
+    // What the agent counted of it: 1 + 4 objects stored, the second put a conflict, the
+    // misses the script asked for, the lease the script never released expired.
+    for (name, want) in [
+        ("warmpath_agent_hyperpod_puts_total{result=\"stored\"}", 5.0),
+        ("warmpath_agent_hyperpod_conflicts_total", 1.0),
+        ("warmpath_agent_hyperpod_lease_expiries_total", 1.0),
+        ("warmpath_agent_hyperpod_leases ", 0.0),
+        ("warmpath_agent_hyperpod_objects", 5.0),
+    ] {
+        assert_eq!(metric(&metrics, name), want, "{name}");
+    }
+    assert!(metric(&metrics, "warmpath_agent_hyperpod_misses_total") >= 3.0);
+}
+
+#[test]
+fn hyperpod_api_refuses_bad_input_with_clear_errors_and_shows_nothing_half_written() {
+    // Room for one two-page object (a header page, then two data pages).
+    let shm = Shm::new("bad");
+    let (_agent, addr) = agent(&shm, "12288", &[]);
+    let a = object(&[7u8; 5000]);
+
+    // Keys that are not what a client's quoting gives, or too long.
+    for (key, want) in [
+        ("a|b", "not URL-safe"),
+        ("a%zzb", "not URL-safe"),
+        ("a%00b", "control character"),
+        (&"k".repeat(1025), "longer than 1024"),
+    ] {
+        let (status, body) = put(&addr, key, &a);
+        assert_eq!(status, 400, "{key}: {body}");
+        assert!(body.contains(want), "{key}: {body}");
+    }
+    // Larger than the segment: refused before a byte of body is read.
+    let (status, body) = http(
+        &addr,
+        "PUT",
+        "/v1/kv/lmcache/big",
+        &["Content-Length: 9000"],
+        b"",
+    );
+    assert_eq!(status, 413, "{body}");
+    assert!(body.contains("larger than the segment"), "{body}");
+    // No length: refused.
+    let (status, body) = http(
+        &addr,
+        "PUT",
+        "/v1/kv/lmcache/chunked",
+        &["Transfer-Encoding: chunked"],
+        b"0\r\n\r\n",
+    );
+    assert_eq!(status, 411, "{body}");
+    // A header that disagrees with the body: refused, nothing stored.
+    let mut lying = a.clone();
+    lying[..4].copy_from_slice(&9999i32.to_le_bytes());
+    let (status, body) = put(&addr, "lying", &lying);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("RemoteMetadata header says 9999"), "{body}");
+    assert_eq!(lease(&addr, "lying", 5.0).0, 404);
+
+    // A body that stops early: the connection closes half-way; nothing is visible, and the
+    // name and the place are free again.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    let head = format!(
+        "PUT /v1/kv/lmcache/a HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        a.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(&a[..2000]).unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let (status, body) = read_answer(s);
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("body ended after 2000 of 5028 bytes"),
+        "{body}"
+    );
+    let (status, miss) = lease(&addr, "a", 5.0);
+    assert_eq!(status, 404, "a half-written object is never leased: {miss}");
+
+    // Stored, then a second put of the same key: 409, the first bytes stay.
+    assert_eq!(put(&addr, "a", &a).0, 200);
+    let (status, body) = put(&addr, "a", &object(&[9u8; 5000]));
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("already stored"), "{body}");
+
+    // Lease ids: malformed, forged, released twice.
+    let (status, grant) = lease(&addr, "a", 5.0);
+    assert_eq!(status, 200, "{grant}");
+    assert_eq!(
+        leased_bytes(&shm, &grant),
+        a,
+        "the lease points at the object"
+    );
+    let id = grant["id"].as_str().unwrap().to_string();
+    let (status, body) = release(&addr, "not-a-lease");
+    assert_eq!(status, 400, "{body}");
+    let forged = format!("{}{:016x}{}", &id[..16], 999_999, &id[32..]);
+    let (status, body) = release(&addr, &forged);
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("not issued by this agent"), "{body}");
+    assert_eq!(release(&addr, &id).0, 200);
+    let (status, body) = release(&addr, &id);
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("released, or expired"), "{body}");
+
+    // A client that never releases: its lease (ttl clamped by the client's ask, 0.3 s)
+    // keeps the object until it expires; then the object is evictable like any other.
+    let (status, grant) = lease(&addr, "a", 0.3);
+    assert_eq!(status, 200, "{grant}");
+    let b = object(&[8u8; 5000]);
+    let (status, body) = put(&addr, "b", &b);
+    assert_eq!(status, 507, "a leased object is never evicted: {body}");
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(
+        put(&addr, "b", &b).0,
+        200,
+        "the expired lease no longer holds a"
+    );
+    assert_eq!(lease(&addr, "a", 5.0).0, 404, "a was evicted for b");
+    let (status, grant_b) = lease(&addr, "b", 1e9);
+    assert_eq!(status, 200);
+    assert_eq!(grant_b["ttl_s"], 60.0, "ttl clamped to the agent's maximum");
+    assert_eq!(leased_bytes(&shm, &grant_b), b);
+}
+
+#[test]
+fn a_restarted_agent_answers_misses_never_stale_bytes() {
+    let shm = Shm::new("restart");
+    let (mut first, addr) = agent(&shm, "1MiB", &[]);
+    let a = object(&[1u8; 10_000]);
+    assert_eq!(put(&addr, "a", &a).0, 200);
+    let (status, grant) = lease(&addr, "a", 30.0);
+    assert_eq!(status, 200);
+    assert_eq!(leased_bytes(&shm, &grant), a);
+    let old_id = grant["id"].as_str().unwrap().to_string();
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(shm.path()).unwrap().ino();
+
+    // While it runs, a second agent cannot take the segment.
+    let out = Command::new(crate::warmpath_bin())
+        .args([
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--hyperpod-listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--hyperpod-shm-name",
+            &shm.0,
+            "--hyperpod-shm-bytes",
+            "1MiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by another running agent"), "{err}");
+
+    first.kill();
+    let (_second, addr) = agent(&shm, "1MiB", &[]);
+    // The same inode (a client's mapping stays the segment), a new generation, no objects.
+    assert_eq!(std::fs::metadata(shm.path()).unwrap().ino(), inode);
+    assert_eq!(lease(&addr, "a", 30.0).0, 404, "after a restart: a miss");
+    let (status, body) = release(&addr, &old_id);
+    assert_eq!(status, 410, "{body}");
+    assert!(body.contains("earlier run of the agent"), "{body}");
+    // New bytes under the same key: a lease points at them, not at the old ones.
+    let a2 = object(&[2u8; 10_000]);
+    assert_eq!(put(&addr, "a", &a2).0, 200);
+    let (status, grant) = lease(&addr, "a", 30.0);
+    assert_eq!(status, 200);
+    assert_eq!(leased_bytes(&shm, &grant), a2);
+}
+
+#[test]
+fn hyperpod_api_off_loopback_needs_a_token() {
+    let dir = scratch_dir("hyperpod-token");
+    let out = Command::new(crate::warmpath_bin())
+        .args([
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--hyperpod-listen",
+            "0.0.0.0:0",
+        ])
+        .args(["--hyperpod-shm-name", "wp-it-never-created"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs a token"), "{err}");
+    assert!(!Path::new("/dev/shm/wp-it-never-created").exists());
+}
