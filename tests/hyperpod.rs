@@ -405,3 +405,51 @@ fn hyperpod_api_off_loopback_needs_a_token() {
     assert!(err.contains("needs a token"), "{err}");
     assert!(!Path::new("/dev/shm/wp-it-never-created").exists());
 }
+
+#[test]
+fn objects_evicted_from_the_segment_go_to_l2_and_a_lease_loads_them_back() {
+    // Room for one object: each put evicts the other to the directory L2.
+    let shm = Shm::new("l2");
+    let dir = scratch_dir("hyperpod-l2");
+    let l2 = format!("dir:{}", dir.join("l2").display());
+    let (_agent, addr) = agent(&shm, "12288", &["--l2", &l2]);
+    let a = object(&[3u8; 5000]);
+    let b = object(&[4u8; 5000]);
+    assert_eq!(put(&addr, "a", &a).0, 200);
+    assert_eq!(put(&addr, "b", &b).0, 200, "a leaves the segment for L2");
+    // The copy to L2 runs in the background: a lease finds a there once it landed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let grant = loop {
+        let (status, grant) = lease(&addr, "a", 5.0);
+        if status == 200 {
+            break grant;
+        }
+        assert_eq!(status, 404, "{grant}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a never came back from L2"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(leased_bytes(&shm, &grant), a, "loaded back byte for byte");
+    release(&addr, grant["id"].as_str().unwrap());
+    // b went to L2 to make room for a, and comes back the same way.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let grant = loop {
+        let (status, grant) = lease(&addr, "b", 5.0);
+        if status == 200 {
+            break grant;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b never came back from L2"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(leased_bytes(&shm, &grant), b);
+    assert_eq!(
+        lease(&addr, "never-put", 5.0).0,
+        404,
+        "in neither tier: a miss"
+    );
+}

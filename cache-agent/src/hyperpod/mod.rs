@@ -171,7 +171,7 @@ impl HyperPod {
 
     /// What the store holds now.
     pub fn stats(&self) -> store::StoreStats {
-        self.lock().stats()
+        self.lock_current().stats()
     }
 
     fn now_us(&self) -> u64 {
@@ -180,6 +180,17 @@ impl HyperPod {
 
     fn lock(&self) -> MutexGuard<'_, Store> {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The store with the leases due by now ended: a lease ends on time even when the
+    /// timer runs late (a loaded machine), so what it held is evictable when it should be.
+    fn lock_current(&self) -> MutexGuard<'_, Store> {
+        let mut s = self.lock();
+        let expired = s.expire(self.now_us());
+        if expired > 0 {
+            counter!(names::AGENT_HYPERPOD_LEASE_EXPIRIES_TOTAL).increment(expired as u64);
+        }
+        s
     }
 
     /// Serves the API on `listener` until `shutdown` resolves.
@@ -352,7 +363,7 @@ impl HyperPod {
     fn place(&self, name: ObjectName, len: u64) -> Result<Placement, PutError> {
         let mut spilled = Vec::new();
         let placed = {
-            let mut s = self.lock();
+            let mut s = self.lock_current();
             let mut spill = |n: &ObjectName, offset: u64, len: u64| {
                 if self.l2_writes.is_some() {
                     if let Some(obj) = self.read_for_l2(n, offset, len) {
@@ -462,9 +473,13 @@ impl HyperPod {
         client: IpAddr,
     ) -> Answer {
         let ttl_us = (ttl_s.unwrap_or(DEFAULT_TTL_S) * 1e6).min(u64::MAX as f64) as u64;
-        let mut granted = self.lock().lease(&name, client, ttl_us, self.now_us());
+        let mut granted = self
+            .lock_current()
+            .lease(&name, client, ttl_us, self.now_us());
         if matches!(granted, Err(LeaseError::Miss(_))) && self.load_from_l2(&name).await {
-            granted = self.lock().lease(&name, client, ttl_us, self.now_us());
+            granted = self
+                .lock_current()
+                .lease(&name, client, ttl_us, self.now_us());
         }
         match granted {
             Ok(g) => {
