@@ -11,6 +11,7 @@ mod compose;
 mod deploy;
 mod helm;
 mod house;
+mod kv_events;
 mod hyperpod;
 mod raft;
 mod readme;

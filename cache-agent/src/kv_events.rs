@@ -361,8 +361,8 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], shape: Shape) -> Vec<u8> {
         Err(_) => Value::Binary(h.0.clone()),
     };
     let opt_s = |s: &Option<String>| s.as_ref().map_or(Value::Nil, |s| Value::from(s.as_str()));
-    let event = |e: &KvEvent| -> Value {
-        let (tag, fields): (&str, Vec<(&str, Value)>) = match e {
+    let event = |e: &KvEvent| -> (&'static str, Vec<(&'static str, Value)>) {
+        match e {
             KvEvent::Stored {
                 block_hashes,
                 parent,
@@ -429,33 +429,80 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], shape: Shape) -> Vec<u8> {
                 ("BlockRemoved", f)
             }
             KvEvent::Cleared => ("AllBlocksCleared", Vec::new()),
-        };
-        match shape {
-            Shape::Array => Value::Array(
-                std::iter::once(Value::from(tag))
-                    .chain(fields.into_iter().map(|(_, v)| v))
-                    .collect(),
-            ),
-            Shape::Map | Shape::VllmMaps => Value::Map(
-                std::iter::once((Value::from("type"), Value::from(tag)))
-                    .chain(fields.into_iter().map(|(k, v)| (Value::from(k), v)))
-                    .collect(),
-            ),
         }
-    };
-    let events = Value::Array(events.iter().map(event).collect());
-    let batch = match shape {
-        Shape::Array => Value::Array(vec![Value::F64(ts), events]),
-        Shape::Map => Value::Map(vec![
-            (Value::from("ts"), Value::F64(ts)),
-            (Value::from("events"), events),
-        ]),
-        Shape::VllmMaps => Value::Array(vec![Value::F64(ts), events, Value::from(0)]),
     };
     let mut out = Vec::new();
     // Writing to a Vec cannot fail.
+    if shape == Shape::VllmMaps {
+        // By hand, for msgspec's headers: it sizes a struct's map header by the fields the
+        // type has, not by those written, so a `BlockStored` (15 fields and the tag) always
+        // has a 16-bit map header, even with its defaults omitted.
+        out.extend_from_slice(&[0x93, 0xcb]);
+        out.extend_from_slice(&ts.to_bits().to_be_bytes());
+        header(&mut out, [0x90, 0xdc, 0xdd], events.len());
+        for e in events {
+            let (tag, fields) = event(e);
+            let n = fields.len() + 1;
+            match tag {
+                "BlockStored" => {
+                    out.push(0xde);
+                    out.extend_from_slice(&(n as u16).to_be_bytes());
+                }
+                _ => header(&mut out, [0x80, 0xde, 0xdf], n),
+            }
+            let _ = rmpv::encode::write_value(&mut out, &Value::from("type"));
+            let _ = rmpv::encode::write_value(&mut out, &Value::from(tag));
+            for (k, v) in fields {
+                let _ = rmpv::encode::write_value(&mut out, &Value::from(k));
+                let _ = rmpv::encode::write_value(&mut out, &v);
+            }
+        }
+        out.push(0x00); // data_parallel_rank 0, which vLLM's publisher fills in
+        return out;
+    }
+    let events = Value::Array(
+        events
+            .iter()
+            .map(|e| {
+                let (tag, fields) = event(e);
+                match shape {
+                    Shape::Array => Value::Array(
+                        std::iter::once(Value::from(tag))
+                            .chain(fields.into_iter().map(|(_, v)| v))
+                            .collect(),
+                    ),
+                    _ => Value::Map(
+                        std::iter::once((Value::from("type"), Value::from(tag)))
+                            .chain(fields.into_iter().map(|(k, v)| (Value::from(k), v)))
+                            .collect(),
+                    ),
+                }
+            })
+            .collect(),
+    );
+    let batch = match shape {
+        Shape::Array => Value::Array(vec![Value::F64(ts), events]),
+        _ => Value::Map(vec![
+            (Value::from("ts"), Value::F64(ts)),
+            (Value::from("events"), events),
+        ]),
+    };
     let _ = rmpv::encode::write_value(&mut out, &batch);
     out
+}
+
+/// A msgpack array or map header for `n` items: `kinds` is the fix form's base, then the
+/// 16-bit and 32-bit forms' markers.
+fn header(out: &mut Vec<u8>, kinds: [u8; 3], n: usize) {
+    if n < 16 {
+        out.push(kinds[0] | n as u8);
+    } else if let Ok(n) = u16::try_from(n) {
+        out.push(kinds[1]);
+        out.extend_from_slice(&n.to_be_bytes());
+    } else {
+        out.push(kinds[2]);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
 }
 
 #[cfg(test)]
