@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use warmpath_cache_agent::client::{AgentAddr, AgentClient};
 use warmpath_cache_agent::kv_events::{encode_batch, EngineHash, KvEvent, Shape};
 
-use crate::router::{client, completion, long_prompt, post, HttpClient};
+use crate::router::{client, completion, get_text, long_prompt, metric, post, HttpClient};
 use crate::{scratch_dir, Proc};
 
 fn script() -> PathBuf {
@@ -219,10 +219,13 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
     let mut vllm = Publisher::start(events_port, &replay, &salt);
     assert_eq!(vllm.plan["block_tokens"], 16);
     let quic = warmpath_testkit::free_udp_addr().to_string();
+    let metrics = crate::free_addr().to_string();
     let agent = Proc::start(&[
         "agent",
         "--listen",
         "127.0.0.1:0",
+        "--metrics-listen",
+        &metrics,
         "--kv-events",
         &format!("{}=tcp://127.0.0.1:{events_port},{replay}", engine.url),
         "--kv-tenant",
@@ -342,5 +345,12 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         (s.kv_gaps, s.kv_malformed, s.kv_unresolved),
         (0, 0, 0),
         "{s:?}"
+    );
+    // The agent rebuilt its view when it started, from vLLM 0.33's replay socket, whose
+    // answers carry the topic frame that vLLM 0.26 added.
+    let text = get_text(&format!("http://{metrics}/metrics")).await;
+    assert!(
+        metric(&text, "warmpath_agent_kv_resyncs_total") >= 1.0,
+        "no resync through vLLM's replay socket: {text}"
     );
 }
