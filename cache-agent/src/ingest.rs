@@ -31,7 +31,10 @@
 //! block covers it there (a count per scope and key: a pool block under two engines' CPU
 //! chunks is one L1 block), and absent when the last goes. So a `BlockRemoved` of a chunk
 //! removes the pool blocks it alone covered. A pool block that straddles two event blocks
-//! belongs to the one that completed it.
+//! belongs to the one that completed it. A hash the CPU tier announces twice (vLLM's
+//! offloading re-announces a block shared by two chunks, once per chunk) needs two
+//! removals; the GPU's re-announcements (of reused blocks, with no removal to match) do
+//! not count.
 //!
 //! **Whose block is it.** A warmpath key is keyed by the tenant (`TenantKey(tenant,
 //! cache_salt)`), so the agent must know each stored chain's tenant. vLLM hashes a request's
@@ -143,23 +146,47 @@ struct Node {
     tail: Box<[u32]>,
     /// The pool blocks it completed, in order.
     covers: Box<[BlockKey]>,
-    /// Whether the engine's GPU, and its CPU tier (the host's L1), hold it.
+    /// Whether the engine's GPU holds it; how many times its CPU tier (the host's L1)
+    /// announced it and did not remove it yet: vLLM's offloading re-announces a block
+    /// shared by two chunks once per chunk and asks consumers to count. The GPU's
+    /// announcements are not counted: vLLM announces a reused GPU block again, without a
+    /// removal to match.
     gpu: bool,
-    l1: bool,
+    l1: u16,
 }
 
 impl Node {
-    fn held(&self, scope: Scope) -> bool {
+    fn held(&self) -> bool {
+        self.gpu || self.l1 > 0
+    }
+
+    fn holds(&self, scope: Scope) -> bool {
         match scope {
-            Scope::L1 => self.l1,
+            Scope::L1 => self.l1 > 0,
             _ => self.gpu,
         }
     }
 
-    fn set(&mut self, scope: Scope, held: bool) {
+    /// One more announcement in `scope`; whether it was not held there before.
+    fn announce(&mut self, scope: Scope) -> bool {
         match scope {
-            Scope::L1 => self.l1 = held,
-            _ => self.gpu = held,
+            Scope::L1 => {
+                self.l1 = self.l1.saturating_add(1);
+                self.l1 == 1
+            }
+            _ => !std::mem::replace(&mut self.gpu, true),
+        }
+    }
+
+    /// One removal in `scope`; whether that was the last one holding it there.
+    fn retract(&mut self, scope: Scope) -> bool {
+        match scope {
+            Scope::L1 => {
+                let was = self.l1;
+                self.l1 = was.saturating_sub(1);
+                was == 1
+            }
+            _ => std::mem::replace(&mut self.gpu, false),
         }
     }
 }
@@ -353,7 +380,7 @@ impl Ingest {
     pub fn len(&self, engine: usize) -> usize {
         self.engines
             .get(engine)
-            .map_or(0, |e| e.blocks.values().filter(|n| n.gpu || n.l1).count())
+            .map_or(0, |e| e.blocks.values().filter(|n| n.held()).count())
     }
 
     /// Forgets everything of `engine` (a publisher restart, a lost connection), returning
@@ -372,7 +399,7 @@ impl Ingest {
         }
         for n in &nodes {
             for scope in [Scope::Gpu(engine as u16), Scope::L1] {
-                if n.held(scope) {
+                if n.holds(scope) {
                     uncover(&mut self.covered, scope, &n.covers, &mut out);
                 }
             }
@@ -468,8 +495,7 @@ impl Ingest {
                         // A block this engine announced before (in another medium, or
                         // again): its chain is known.
                         if let Some(node) = self.engines[engine].blocks.get_mut(hash) {
-                            if !node.held(scope) {
-                                node.set(scope, true);
+                            if node.announce(scope) {
                                 cover(&mut self.covered, scope, node, &mut out);
                             }
                             prev = Some((node.slot, node.key, node.tail.to_vec()));
@@ -537,9 +563,9 @@ impl Ingest {
                             tail: tail.clone().into_boxed_slice(),
                             covers: covers.into_boxed_slice(),
                             gpu: false,
-                            l1: false,
+                            l1: 0,
                         };
-                        node.set(scope, true);
+                        node.announce(scope);
                         cover(&mut self.covered, scope, &node, &mut out);
                         self.engines[engine].blocks.insert(hash.clone(), node);
                         prev = Some((slot, key, tail));
@@ -564,18 +590,19 @@ impl Ingest {
                         let Some(node) = view.blocks.get_mut(hash) else {
                             continue;
                         };
-                        if !node.held(scope) {
+                        if !node.holds(scope) {
                             continue;
                         }
-                        node.set(scope, false);
-                        uncover(&mut self.covered, scope, &node.covers, &mut out);
-                        if !node.gpu && !node.l1 {
+                        if node.retract(scope) {
+                            uncover(&mut self.covered, scope, &node.covers, &mut out);
+                        }
+                        if !node.held() {
                             view.ghosts.push_back(hash.clone());
                         }
                     }
                     while view.ghosts.len() > GHOSTS {
                         if let Some(h) = view.ghosts.pop_front() {
-                            if view.blocks.get(&h).is_some_and(|n| !n.gpu && !n.l1) {
+                            if view.blocks.get(&h).is_some_and(|n| !n.held()) {
                                 view.blocks.remove(&h);
                             }
                         }
@@ -943,6 +970,34 @@ mod tests {
         };
         assert!(ing.apply(0, 1, &batch(vec![remove(1)])).is_empty());
         assert_eq!(ing.apply(1, 1, &batch(vec![remove(2)])).len(), 2);
+    }
+
+    #[test]
+    fn cpu_announcements_are_counted_gpu_ones_are_not() {
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        ing.set_block_tokens(Some(4));
+        let cpu = with(stored(&[1], None, 0..4, Some("s")), |e| {
+            if let KvEvent::Stored { medium, .. } = e {
+                *medium = Some("CPU".into());
+            }
+        });
+        let removed = |medium: &str| KvEvent::Removed {
+            block_hashes: vec![h(1)],
+            medium: Some(medium.into()),
+        };
+        // vLLM's offloading announces a block shared by two chunks twice: it stays in L1
+        // until both chunks are gone.
+        assert_eq!(ing.apply(0, 0, &batch(vec![cpu.clone()])).len(), 1);
+        assert!(ing.apply(0, 1, &batch(vec![cpu])).is_empty());
+        assert!(ing.apply(0, 2, &batch(vec![removed("CPU")])).is_empty());
+        assert_eq!(ing.apply(0, 3, &batch(vec![removed("CPU")])).len(), 1);
+        // The GPU re-announces a reused block without a removal to match: one removal
+        // ends it.
+        let gpu = stored(&[1], None, 0..4, Some("s"));
+        assert_eq!(ing.apply(0, 4, &batch(vec![gpu.clone()])).len(), 1);
+        assert!(ing.apply(0, 5, &batch(vec![gpu])).is_empty());
+        assert_eq!(ing.apply(0, 6, &batch(vec![removed("GPU")])).len(), 1);
+        assert_eq!(ing.len(0), 0);
     }
 
     #[test]
