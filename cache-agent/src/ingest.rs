@@ -44,7 +44,8 @@
 //! of the first block's extra keys that is not the LoRA name (vLLM puts the LoRA name
 //! first, then multimodal hashes, then the salt). A first block of another medium than the
 //! GPU without extra keys (LMCache's chunks, vLLM 0.33's CPU offload) takes the tenant of
-//! the GPU chain on the same engine whose first pool block has the same tokens. A chain
+//! the GPU chain on the same engine whose first pool block has the same tokens and is held
+//! now (none when several tenants' chains do: the agent does not guess). A chain
 //! whose tenant cannot be resolved is not reported (counted `unresolved`): a router then
 //! predicts instead, which costs hits and never shares them across tenants.
 //!
@@ -295,7 +296,8 @@ impl Ingest {
     }
 
     /// The slot of the GPU chain on `engine` whose first pool block is `tokens`' first,
-    /// under `adapter`.
+    /// under `adapter`; none when several tenants' chains start so (the agent does not
+    /// guess between tenants).
     fn gpu_chain_slot(
         &self,
         engine: usize,
@@ -307,13 +309,13 @@ impl Ingest {
         let gpu = Scope::Gpu(u16::try_from(engine).ok()?);
         let mut bytes = Vec::with_capacity(pool * 4);
         warmpath_index::keys::token_block_bytes(first, &mut bytes);
-        self.keys
-            .iter()
-            .position(|(k, a)| {
-                a.as_deref() == adapter
-                    && self.covered.contains_key(&(gpu, k.chain(None, &bytes).0))
-            })
-            .map(|i| i as u32)
+        let mut found = self.keys.iter().enumerate().filter(|(_, (k, a))| {
+            a.as_deref() == adapter && self.covered.contains_key(&(gpu, k.chain(None, &bytes).0))
+        });
+        match (found.next(), found.next()) {
+            (Some((i, _)), None) => Some(i as u32),
+            _ => None,
+        }
     }
 
     /// A chunk of `tokens` tokens in the engine's CPU tier announced without tokens, by
@@ -944,6 +946,29 @@ mod tests {
         // Its node stays a while: a chunk stored after it again keys from it.
         let again = ing.apply(0, 5, &batch(vec![chunk(101, Some(100), 12..24)]));
         assert_eq!(present(&again, Scope::L1), want[3..6]);
+    }
+
+    #[test]
+    fn a_chunk_two_tenants_gpu_chains_start_like_is_not_guessed() {
+        let table = Tenants::Table(HashMap::from([
+            ("sa".to_string(), "a".to_string()),
+            ("sb".to_string(), "b".to_string()),
+        ]));
+        let mut ing = Ingest::new(table, 1);
+        ing.apply(0, 0, &batch(vec![stored(&[1], None, 0..4, Some("sa"))]));
+        assert_eq!(
+            present(
+                &ing.apply(0, 1, &batch(vec![chunk(9, None, 0..12)])),
+                Scope::L1
+            )
+            .len(),
+            3
+        );
+        ing.apply(0, 2, &batch(vec![stored(&[2], None, 0..4, Some("sb"))]));
+        assert!(ing
+            .apply(0, 3, &batch(vec![chunk(10, None, 0..12)]))
+            .is_empty());
+        assert_eq!(ing.stats.unresolved, 1);
     }
 
     #[test]
