@@ -77,8 +77,11 @@ use crate::kv_events::{Decoded, EngineHash, KvEvent};
 use warmpath_residency::{Change, Scope};
 
 /// Event blocks one engine's view keeps at most (held, and removed ones kept as
-/// [`GHOSTS`]); a node costs about 100 bytes plus 8 per pool block it covers.
-pub const MAX_BLOCKS: usize = 1 << 21;
+/// [`GHOSTS`]); a node costs about 200 bytes with its map entry, plus 8 per pool block it
+/// covers. An engine's GPU holds some 10⁴ to 10⁵ blocks, and a host's CPU tier of a few
+/// hundred GB some 10⁵ more: the bound leaves room and caps a misbehaving publisher at
+/// about 200 MB.
+pub const MAX_BLOCKS: usize = 1 << 20;
 
 /// Removed event blocks kept per engine for their chain ends (their children may follow).
 pub const GHOSTS: usize = 1 << 16;
