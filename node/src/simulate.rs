@@ -70,6 +70,11 @@ pub struct SimulateArgs {
     /// vLLM's KV connectors load (the model before issue 24).
     #[arg(long)]
     pub blocking_loads: bool,
+    /// Routers send no prefetch hints (by default a request routed to an instance whose
+    /// host holds part of its prefix only in L2 has those blocks read into the host's L1
+    /// while it queues, as live routers ask the host's agent).
+    #[arg(long)]
+    pub no_prefetch: bool,
     /// GPU KV-cache capacity of each instance, tokens.
     #[arg(long, default_value_t = 400_000)]
     pub gpu_kv_tokens: u64,
@@ -267,6 +272,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             l2_blocks: args.l2_kv_tokens / u64::from(bt),
             max_prompt_tokens: args.max_prompt_tokens,
             seed: args.seed,
+            prefetch: !args.no_prefetch,
         })
         .collect();
     // With tiers, each policy also runs without them, in the same batch.

@@ -40,6 +40,7 @@ fn main() {
             l2_blocks: 0,
             max_prompt_tokens: 1 << 20,
             seed: 1,
+            prefetch: false,
         };
         let mut times: Vec<f64> = (0..3)
             .map(|_| {

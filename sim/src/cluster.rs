@@ -71,6 +71,10 @@ pub struct ClusterConfig {
     /// Prompts longer than this are refused before the run.
     pub max_prompt_tokens: u32,
     pub seed: u64,
+    /// Routers send prefetch hints: a request routed to an instance whose host holds part
+    /// of its prefix only in L2 has those blocks read into the host's L1 while it queues
+    /// ([`Engine::prefetch`]), as live routers ask the host's agent.
+    pub prefetch: bool,
 }
 
 /// Why a run could not start.
@@ -122,6 +126,8 @@ pub struct RunReport {
     pub prefill_gpu_s_per_request: f64,
     /// Seconds of tier loads (L1 and L2) per completed request.
     pub load_s_per_request: f64,
+    /// Blocks prefetch hints brought from L2 into the hosts' L1s.
+    pub prefetched_blocks: u64,
     /// Simulated seconds from the first arrival to the last completion.
     pub makespan_s: f64,
     /// Follow-up turns: how much of the context each inherits from an earlier turn was
@@ -493,6 +499,11 @@ impl<'a> Run<'a> {
         if self.config.policy.strategy.uses_index() {
             self.share(now, r, inst, &req.keys);
         }
+        let m = decision.matched;
+        let (from, to) = (m.l1 as usize, (m.l2 as usize).min(req.keys.len()));
+        if self.config.prefetch && from < to {
+            self.engines[inst as usize].prefetch(now, &req.keys[from..to], &self.l2);
+        }
         self.tracks[i] = Track {
             router: r,
             instance: inst,
@@ -753,7 +764,7 @@ impl<'a> Run<'a> {
         let mut busy = Vec::new();
         let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
             (0u64, 0u64, 0u64, 0u64, 0u64);
-        let (mut prefill_us, mut load_us) = (0u64, 0u64);
+        let (mut prefill_us, mut load_us, mut prefetched_blocks) = (0u64, 0u64, 0u64);
         for e in &self.engines {
             let s = e.stats();
             busy.push(s.busy_us as f64);
@@ -764,6 +775,7 @@ impl<'a> Run<'a> {
             preemptions += s.preemptions;
             prefill_us += s.prefill_us;
             load_us += s.load_us;
+            prefetched_blocks += s.prefetched_blocks;
         }
         let per_request = |us: u64| us as f64 / 1e6 / completed.max(1) as f64;
         let mean_busy = busy.iter().sum::<f64>() / busy.len() as f64;
@@ -808,6 +820,7 @@ impl<'a> Run<'a> {
             preemptions,
             prefill_gpu_s_per_request: per_request(prefill_us),
             load_s_per_request: per_request(load_us),
+            prefetched_blocks,
             makespan_s,
             follow_ups: {
                 let of_context = |x: u64| {
@@ -931,6 +944,7 @@ mod tests {
             l2_blocks: 0,
             max_prompt_tokens: 1 << 20,
             seed: 7,
+            prefetch: false,
         }
     }
 

@@ -70,6 +70,16 @@
 //! false); an empty answer (the store failed or had nothing) costs a recompute. The
 //! simulator never turns this on.
 //!
+//! # Prefetch
+//!
+//! A router that sends a request here while the global L2 holds the next blocks of its
+//! prompt (past what this host's GPU and L1 hold) tells the host's agent, which reads them
+//! into L1 while the request queues ([`Engine::prefetch`]). The reads run one after
+//! another on the host's network link at the profile's L2 bandwidth, beside everything
+//! else; a block lands in L1 (`Stored{L1}`, offloading what L1 evicts as usual) at the
+//! first step that starts after its read ended, if L2 still holds it and the GPU and L1 do
+//! not. An admission before that loads it from L2 as without prefetch.
+//!
 //! # Steps
 //!
 //! A step's budget is `max_batch_tokens`. Decoding sequences take one token each, oldest
@@ -122,7 +132,7 @@
 //! blocks) per admission and per prefill completion, never O(cache size).
 
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::keys::BlockKey;
@@ -270,6 +280,8 @@ pub struct EngineStats {
     pub rejected: u64,
     /// Requests dropped by [`Engine::cancel`] while waiting or running.
     pub cancelled: u64,
+    /// Blocks a prefetch brought from L2 into L1 ([`Engine::prefetch`]).
+    pub prefetched_blocks: u64,
 }
 
 /// A request inside the engine, waiting or running.
@@ -355,6 +367,12 @@ pub struct Engine {
     lookups: Vec<Lookup>,
     /// The next lookup's ticket.
     next_ticket: u64,
+    /// When the host's network link to L2 is free for the next prefetch read.
+    net_free_us: u64,
+    /// Prefetched blocks on their way from L2 into L1, by landing time (ascending), and
+    /// the same keys for lookups.
+    promotions: VecDeque<(u64, BlockKey)>,
+    promoting: HashSet<BlockKey>,
     stats: EngineStats,
 }
 
@@ -381,7 +399,58 @@ impl Engine {
             outside: false,
             lookups: Vec::new(),
             next_ticket: 0,
+            net_free_us: 0,
+            promotions: VecDeque::new(),
+            promoting: HashSet::new(),
             stats: EngineStats::default(),
+        }
+    }
+
+    /// A router's prefetch hint: a request for a prompt whose next blocks are `keys` (in
+    /// chain order) was just sent here, and the global L2 holds them. The host reads them
+    /// into L1 over its network link, one after another at the profile's L2 bandwidth,
+    /// starting at `now_us`, so that an admission after they landed loads them from L1.
+    /// Stops at the first block L2 lacks; skips blocks already on the GPU or in L1 or on
+    /// their way; schedules nothing without an L1, or beyond what L1 could hold. Returns
+    /// the blocks scheduled. A block lands only if L2 still holds it then.
+    pub fn prefetch(&mut self, now_us: u64, keys: &[BlockKey], l2: &TierSet) -> usize {
+        let room = usize::try_from(self.l1.capacity()).unwrap_or(usize::MAX);
+        let read_us = (self
+            .profile
+            .load_ms(Tier::L2, u64::from(self.config.block_tokens))
+            * 1000.0)
+            .round() as u64;
+        let mut scheduled = 0;
+        for &key in keys {
+            if self.promotions.len() >= room || !l2.contains(key) {
+                break;
+            }
+            if self.resident.contains_key(&key)
+                || self.l1.contains(key)
+                || self.promoting.contains(&key)
+            {
+                continue;
+            }
+            self.net_free_us = self.net_free_us.max(now_us).saturating_add(read_us);
+            self.promotions.push_back((self.net_free_us, key));
+            self.promoting.insert(key);
+            scheduled += 1;
+        }
+        scheduled
+    }
+
+    /// Puts the prefetched blocks that have landed by `now_us` into L1.
+    fn land_promotions(&mut self, now_us: u64, l2: &mut TierSet, events: &mut Vec<EngineEvent>) {
+        while let Some(&(at, key)) = self.promotions.front() {
+            if at > now_us {
+                break;
+            }
+            self.promotions.pop_front();
+            self.promoting.remove(&key);
+            if !self.resident.contains_key(&key) && !self.l1.contains(key) && l2.touch(key) {
+                self.offload(key, l2, events);
+                self.stats.prefetched_blocks += 1;
+            }
         }
     }
 
@@ -518,6 +587,7 @@ impl Engine {
         events: &mut Vec<EngineEvent>,
     ) -> Option<u64> {
         self.flush_rejects(events);
+        self.land_promotions(now_us, l2, events);
         if self.step.is_some() || (self.waiting.is_empty() && self.running.is_empty()) {
             return None;
         }
@@ -1473,6 +1543,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn prefetched_blocks_land_in_l1_after_their_reads_and_load_from_there() {
+        let d = ModelProfile::dynamo_default();
+        let read_us = us(d.load_ms(Tier::L2, 16));
+        let mut l2 = TierSet::lru(100);
+        let mut events = Vec::new();
+        // L2 holds A0..A3 and B0, not B1.
+        for k in keys(1, 4).into_iter().chain(keys(2, 1)) {
+            l2.insert(k, &mut Vec::new());
+        }
+        let mut e = Engine::new(
+            EngineConfig {
+                l1_blocks: 100,
+                offload_to_l2: true,
+                ..config(16, 16)
+            },
+            d.clone(),
+        );
+        // B stops at the block L2 lacks; A is read block after block on the host's link.
+        assert_eq!(e.prefetch(0, &keys(2, 3), &l2), 1);
+        assert_eq!(e.prefetch(0, &keys(1, 4), &l2), 4);
+        // Asked again while on their way: nothing more to read.
+        assert_eq!(e.prefetch(0, &keys(1, 4), &l2), 0);
+        // Before the last read ends, three of A's blocks and B's are in L1.
+        assert_eq!(e.start_step(4 * read_us, &mut l2, &mut events), None);
+        assert_eq!(e.stats().prefetched_blocks, 4);
+        assert!(!e.l1().contains(keys(1, 4)[3]));
+        assert_eq!(e.start_step(5 * read_us, &mut l2, &mut events), None);
+        assert_eq!(e.stats().prefetched_blocks, 5);
+        assert!(keys(1, 4).iter().all(|&k| e.l1().contains(k)));
+        // A request for A now loads all four from L1.
+        e.submit(5 * read_us, req(0, keys(1, 4), 65, 1));
+        e.start_step(5 * read_us, &mut l2, &mut events);
+        assert_eq!(e.stats().l1_hit_tokens, 64);
+        assert_eq!(e.stats().l2_hit_tokens, 0);
     }
 
     #[test]
