@@ -9,6 +9,9 @@ one:
   hit        hit rate without -> with tiers (%)
   p50 p90 p99  TTFT with tiers over without (target: p50 <= 0.60, p99 <= 1.00)
   prefill    prefill GPU-seconds per request with over without (target <= 0.75)
+  turns      follow-up turns: share of the context they inherit from the turn before found
+             cached, without -> with tiers (%), and the part of it L1 and L2 brought back
+  pf         blocks prefetch hints brought from L2 into L1 (simulate --no-prefetch: 0)
 The simulator runs on a virtual clock with fixed seeds: the figures do not depend on the
 machine or the build. Usage: bench/tiers.py [--binary target/release/warmpath] [--quick]
 """
@@ -38,7 +41,7 @@ def main():
     ap.add_argument("extra", nargs="*", help="extra simulate flags")
     a = ap.parse_args()
     print(f"{'case':13} {'r':>1} {'tiers':5} {'policy':13} {'gpu/ws':>6} {'hit%':>11} "
-          f"{'p50':>5} {'p90':>5} {'p99':>5} {'prefill':>7}  targets")
+          f"{'p50':>5} {'p90':>5} {'p99':>5} {'prefill':>7} {'turns':>11} {'l1+l2':>5} {'pf':>6}  targets")
     misses = 0
     for name, args, l1, l2 in CASES:
         if name not in a.cases.split():
@@ -59,7 +62,10 @@ def main():
                     misses += bool(missed)
                     print(f"{name:13} {routers:>1} {tiers:5} {t['policy']:13} {ws:6.2f} "
                           f"{n['hit_rate']*100:5.1f}>{t['hit_rate']*100:5.1f} "
-                          f"{p50:5.2f} {p90:5.2f} {p99:5.2f} {pf:7.2f}  "
+                          f"{p50:5.2f} {p90:5.2f} {p99:5.2f} {pf:7.2f} "
+                          f"{n['follow_ups']['hit_rate']*100:5.1f}>{t['follow_ups']['hit_rate']*100:5.1f} "
+                          f"{(t['follow_ups']['hit_rate_l1']+t['follow_ups']['hit_rate_l2'])*100:5.1f} "
+                          f"{t['prefetched_blocks']:6d}  "
                           f"{'missed: ' + ','.join(missed) if missed else 'met'}", flush=True)
     print(f"{misses} rows miss a target")
 
