@@ -58,7 +58,9 @@
 //! An engine whose tiers live in another process (engine-sim and its host's cache-agent)
 //! turns on [`Engine::set_outside_lookups`]. Admission then works as above and, when the
 //! prompt continues past what the GPU and the engine's own tiers hold into blocks that
-//! could hit, it also asks for those blocks: it allocates all of the request's blocks,
+//! could hit, it also asks for those blocks (up to the first one the GPU holds after the
+//! gap, where a load from the engine's own tiers would stop too, and again when the answer
+//! comes): it allocates all of the request's blocks,
 //! queues a [`Lookup`] (the caller collects it with [`Engine::take_lookups`], asks the
 //! store, and answers with [`Engine::answer_lookup`]) and parks the request, holding its
 //! blocks, while the batch goes on and later requests are admitted, as vLLM parks a
@@ -209,7 +211,7 @@ pub struct Lookup {
     /// The request being admitted.
     pub id: u64,
     /// The prompt's blocks past what the GPU and the engine's own tiers hold, up to the
-    /// last that can hit.
+    /// last that can hit or the first the GPU holds after the gap, whichever comes first.
     pub keys: Vec<BlockKey>,
 }
 
@@ -217,8 +219,10 @@ pub struct Lookup {
 #[derive(Clone, Copy, Debug)]
 struct Pending {
     ticket: u64,
-    /// The lookup's first key is `keys[from]` (= the sequence's `named` at admission).
+    /// The lookup asked for `keys[from..to]` (`from` = the sequence's `named` at
+    /// admission).
     from: usize,
+    to: usize,
     /// When the request was admitted: its load may start then.
     admitted_us: u64,
     /// Whether this is the request's first admission (its hits are counted).
@@ -536,13 +540,14 @@ impl Engine {
         let Some(pending) = seq.lookup.take() else {
             return false;
         };
-        // The lookup was for keys[from..max_hit]; no more blocks than that may arrive.
-        let max_hit = seq
-            .keys
-            .len()
-            .min(usize::try_from((seq.prefill_len - 1) / bt).unwrap_or(usize::MAX));
-        let count = tiers.len().min(max_hit.saturating_sub(pending.from));
-        let arrived = seq.keys[pending.from..pending.from + count].to_vec();
+        // No more blocks than were asked for; as at admission, a block the GPU came to hold
+        // meanwhile ends the run (the rest is computed).
+        let asked = &seq.keys[pending.from..pending.to];
+        let count = asked[..tiers.len().min(asked.len())]
+            .iter()
+            .position(|k| self.resident.contains_key(k))
+            .unwrap_or(tiers.len().min(asked.len()));
+        let arrived = asked[..count].to_vec();
         seq.anon -= count as u64;
         seq.named = pending.from + count;
         let l1_blocks = tiers[..count].iter().filter(|t| **t == Tier::L1).count() as u64;
@@ -933,17 +938,25 @@ impl Engine {
             self.stats.l2_hit_tokens += u64::from(hits[2]);
             seq.first_hits = Some(hits);
         }
-        if self.outside && loaded < max_hit {
+        // As for the engine's own tiers, a block the GPU holds after the gap ends the run.
+        let to = match self.outside {
+            true => (loaded..max_hit)
+                .find(|&i| self.resident.contains_key(&seq.keys[i]))
+                .unwrap_or(max_hit),
+            false => loaded,
+        };
+        if loaded < to {
             let ticket = self.next_ticket;
             self.next_ticket += 1;
             self.lookups.push(Lookup {
                 ticket,
                 id: seq.id,
-                keys: seq.keys[loaded..max_hit].to_vec(),
+                keys: seq.keys[loaded..to].to_vec(),
             });
             seq.lookup = Some(Pending {
                 ticket,
                 from: loaded,
+                to,
                 admitted_us: now_us,
                 first,
             });
@@ -1867,6 +1880,34 @@ mod tests {
         assert_eq!(asked, [1, 2, 2]);
         let s = e.stats();
         assert_eq!((s.finished, s.preemptions, s.l1_hit_tokens), (2, 1, 0));
+    }
+
+    #[test]
+    fn an_outside_lookup_stops_at_a_block_the_gpu_holds() {
+        let mut e = Engine::new(config(16, 100), ModelProfile::dynamo_default());
+        e.set_outside_lookups(true);
+        let (mut l2, mut events, mut lookups) = (TierSet::lru(0), Vec::new(), Vec::new());
+        let k = |i: u64| BlockKey(100 + i);
+        // The GPU holds k2 (a one-block prompt, which asks for nothing) but not k0, k1: as
+        // for the engine's own tiers, the run to load ends at k2 and the rest is computed.
+        let mut now = 0;
+        for (id, keys, tokens) in [(1, vec![k(2)], 16), (2, (0..4).map(k).collect(), 70)] {
+            e.submit(now, req(id, keys, tokens, 1));
+            while e.in_flight() > 0 {
+                if let Some(end) = e.start_step(now, &mut l2, &mut events) {
+                    e.complete_step(end, &mut l2, &mut events);
+                    now = end;
+                }
+                e.take_lookups(&mut lookups);
+                for l in &lookups {
+                    e.answer_lookup(now, l.ticket, &[Tier::L2; 4], &mut events);
+                }
+                check_accounting(&e);
+            }
+        }
+        let asked: Vec<_> = lookups.iter().map(|l| l.keys.clone()).collect();
+        assert_eq!(asked, [vec![k(0), k(1)]]);
+        assert_eq!(e.stats().l2_hit_tokens, 32);
     }
 
     #[test]
