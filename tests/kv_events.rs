@@ -181,10 +181,10 @@ impl Drop for Publisher {
     }
 }
 
-/// The depths a router matched for a prompt of token ids: (GPU blocks an agent reported,
-/// blocks in the GPU or the host's L1).
-async fn matched(http: &HttpClient, router: &str, tokens: &[u32]) -> (u64, u64) {
-    let body = json!({"model": "sim-llama", "prompt": tokens, "max_tokens": 1}).to_string();
+/// The depths a router matched for a prompt of token ids to `model`: (GPU blocks an agent
+/// reported, blocks in the GPU or the host's L1).
+async fn matched(http: &HttpClient, router: &str, model: &str, tokens: &[u32]) -> (u64, u64) {
+    let body = json!({"model": model, "prompt": tokens, "max_tokens": 1}).to_string();
     let r = post(
         http,
         router,
@@ -193,7 +193,10 @@ async fn matched(http: &HttpClient, router: &str, tokens: &[u32]) -> (u64, u64) 
         &[("x-warmpath-explain", "1")],
     )
     .await;
-    assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+    // engine-sim serves no adapter: it answers a request for one 404, which the router
+    // passes on with its explanation.
+    let answered = if model == "sim-llama" { 200 } else { 404 };
+    assert_eq!(r.status, answered, "{:?}", String::from_utf8_lossy(&r.body));
     let e: Value = serde_json::from_slice(r.headers["x-warmpath-explain"].as_bytes()).unwrap();
     let m = &e["matched"];
     (
@@ -242,7 +245,7 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         &config,
         format!(
             "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\"]\n\
-             agents = [\"{quic}\"]\nblock_tokens = 16\n",
+             agents = [\"agent@{quic}\"]\nblock_tokens = 16\nadapters = [\"sql-lora\"]\n",
             engine.url
         ),
     )
@@ -285,7 +288,8 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         vllm.prompt("R"),
     );
     // Each step, the pool blocks the agent then reports, and what the router matches of
-    // each prompt (GPU, GPU or L1), in 16-token blocks.
+    // each prompt (GPU, GPU or L1), in 16-token blocks; "R@sql-lora" asks for R under the
+    // pool's adapter, every other prompt for the base model.
     type Want<'a> = Vec<(&'a str, &'a [u32], (u64, u64))>;
     let steps: Vec<(&str, u64, Want)> = vec![
         // vLLM's GPU blocks: 4 of P, 1 of S, 2 of Q.
@@ -304,9 +308,13 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         // LMCache's chunks of Q (256, 256, 88 tokens): 16 + 16 + 5 blocks in L1, the
         // tenant found through the GPU chain of Q's first block.
         ("lmcache", 47, vec![("Q", &q, (2, 37))]),
-        // A LoRA block pair: keyed for the adapter, which a base-model request never
-        // matches.
-        ("lora", 49, vec![("R", &r, (0, 0))]),
+        // A LoRA block pair: keyed for the adapter, which a request for the adapter
+        // matches and a base-model request never does.
+        (
+            "lora",
+            49,
+            vec![("R@sql-lora", &r, (2, 2)), ("R", &r, (0, 0))],
+        ),
         // LMCache evicts its second chunk: the 16 blocks it alone covered go.
         ("remove_chunk", 33, vec![("Q", &q, (2, 16))]),
         // A prefix-cache reset: the engine's view is dropped.
@@ -327,7 +335,8 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         for (name, tokens, want) in wants {
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
-                let got = matched(&http, &router.url, tokens).await;
+                let model = name.split_once('@').map_or("sim-llama", |(_, m)| m);
+                let got = matched(&http, &router.url, model, tokens).await;
                 if got == want {
                     println!("{step}: {name} matched {got:?} (GPU, GPU or L1)");
                     break;

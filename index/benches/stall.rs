@@ -57,6 +57,7 @@ fn main() {
                 key: u64::from(i),
             })
             .collect(),
+        ..CorePool::default()
     }]);
     let cached = prompts(7);
     let route = |core: &mut RouterCore, keys: &[BlockKey], now: u64| {

@@ -79,10 +79,14 @@ pub struct InstanceSpec {
 }
 
 /// The instances serving one model.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CorePool {
     pub model: String,
     pub instances: Vec<InstanceSpec>,
+    /// The LoRA adapters the instances serve: a request for one is routed among them as
+    /// one for `model` is (its keys are the caller's: keyed per adapter, they match only
+    /// the adapter's blocks).
+    pub adapters: Vec<String>,
 }
 
 /// What the core knows of one instance.
@@ -190,7 +194,9 @@ impl RouterCore {
     }
 
     /// Replaces the pools (a configuration change). New instances get new ids (ids are
-    /// never reused); instances no longer in any pool leave the pools and the index.
+    /// never reused); instances no longer in any pool leave the pools and the index. Each
+    /// adapter names its pool's instances (a name that is already a model keeps its own:
+    /// configurations are validated so that none is).
     pub fn set_pools(&mut self, pools: &[CorePool]) {
         let mut next: HashMap<String, Vec<InstanceId>> = HashMap::new();
         for pool in pools {
@@ -215,6 +221,12 @@ impl RouterCore {
                 if !members.contains(&id) {
                     members.push(id);
                 }
+            }
+            // An adapter's requests go where its base model's do.
+            let members = next.get(&pool.model).cloned().unwrap_or_default();
+            for adapter in &pool.adapters {
+                next.entry(adapter.clone())
+                    .or_insert_with(|| members.clone());
             }
         }
         let kept: HashSet<InstanceId> = next.values().flatten().copied().collect();
@@ -521,7 +533,8 @@ impl RouterCore {
         ids
     }
 
-    /// Models with at least one instance, sorted.
+    /// Models with at least one instance, and their pools' adapters (as vLLM lists its LoRA
+    /// modules), sorted.
     pub fn models(&self) -> Vec<String> {
         let mut m: Vec<String> = self.pools.keys().cloned().collect();
         m.sort();
@@ -570,6 +583,7 @@ mod tests {
                     key: 100 + i as u64,
                 })
                 .collect(),
+            adapters: Vec::new(),
         }
     }
 
@@ -604,6 +618,38 @@ mod tests {
         };
         c.route("t", &PREFIX, "m", &req, tried, false, now)
             .map(|d| d.instance.0)
+    }
+
+    #[test]
+    fn an_adapter_is_routed_among_its_pools_instances() {
+        let mut c = RouterCore::new(CoreConfig::default(), ModelProfile::dynamo_default());
+        let with_adapter = CorePool {
+            adapters: vec!["sql-lora".into()],
+            ..pool("m", &["a", "b"])
+        };
+        let mut other = pool("q", &["c"]);
+        other.instances[0].key = 200;
+        c.set_pools(&[with_adapter, other]);
+        let ks = keys(&[1, 2]);
+        let req = RouteRequest {
+            keys: &ks,
+            prompt_tokens: 129,
+        };
+        let route = |c: &mut RouterCore, model: &str, now: u64| {
+            c.route("t", &PREFIX, model, &req, &[], false, now)
+                .map(|d| c.instances()[d.instance.0 as usize].name.clone())
+        };
+        // The adapter's first request lands on one of the pool's instances; the next
+        // follows its prediction there.
+        let first = route(&mut c, "sql-lora", 0).unwrap();
+        assert!(first == "a" || first == "b", "{first}");
+        assert_eq!(route(&mut c, "sql-lora", 1).as_ref(), Ok(&first));
+        assert_eq!(route(&mut c, "q", 2).as_deref(), Ok("c"));
+        assert_eq!(c.models(), ["m", "q", "sql-lora"]);
+        // A pool that no longer lists it: the adapter is an unknown model.
+        c.set_pools(&[pool("m", &["a", "b"])]);
+        assert_eq!(route(&mut c, "sql-lora", 3), Err(NoRoute::UnknownModel));
+        assert!(route(&mut c, "m", 4).is_ok());
     }
 
     #[test]

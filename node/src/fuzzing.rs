@@ -264,6 +264,7 @@ pub fn decision_batch(data: &[u8]) {
                 key: instance_key(u),
             })
             .collect(),
+        ..CorePool::default()
     }]);
     let mut prompt = Vec::new();
     if let Ok(BatchWire::V1 { decisions, .. }) = decode_batch(text) {

@@ -861,6 +861,7 @@ fn replicas(config: &ClusterConfig) -> Vec<RouterCore> {
                 key: u64::from(i),
             })
             .collect(),
+        ..CorePool::default()
     }];
     (0..config.routers)
         .map(|r| {

@@ -249,6 +249,14 @@ pub struct PoolSpec {
     /// tenants of this pool. 0: each tenant's own.
     #[serde(default)]
     pub block_tokens: u32,
+    /// The LoRA adapters the engines serve (vLLM's `--lora-modules` names): a request
+    /// whose `model` is one of them goes to this pool and is keyed for the adapter, as the
+    /// engines cache its blocks apart from the base model's (record 0097). Each name is
+    /// the pool's alone: no other pool's model or adapter. Absent in entries written
+    /// before it (read as none).
+    #[serde(default)]
+    #[schema(example = json!(["sql-lora"]))]
+    pub adapters: Vec<String>,
 }
 
 /// A pool with the model it serves: what a router runs on, from its config file or from
@@ -369,6 +377,57 @@ pub fn pool_problems(model: &str, spec: &PoolSpec) -> Vec<String> {
         problems.push("block_tokens: at most 65536".to_string());
     }
     list_problems("agents", &spec.agents, check_agent_address, &mut problems);
+    list_problems(
+        "adapters",
+        &spec.adapters,
+        |a| check_adapter(model, a),
+        &mut problems,
+    );
+    problems
+}
+
+/// Whether `adapter` may be an adapter of pool `model`: a model name (as [`check_name`]
+/// has it), not the model itself.
+fn check_adapter(model: &str, adapter: &str) -> Result<(), String> {
+    if adapter.is_empty() {
+        Err("empty".into())
+    } else if adapter.len() > MAX_NAME_BYTES {
+        Err(format!("longer than {MAX_NAME_BYTES} bytes"))
+    } else if adapter.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        Err("contains whitespace or control characters".into())
+    } else if adapter == model {
+        Err("the pool's model itself".into())
+    } else {
+        Ok(())
+    }
+}
+
+/// What pool `model` (as `spec` gives it) clashes with among `others` (the other pools,
+/// by model; an entry for `model` itself is skipped): a request's `model` must name one
+/// pool, so no name is both a model and an adapter, or two pools' adapter.
+pub fn pool_clashes<'a>(
+    model: &str,
+    spec: &PoolSpec,
+    others: impl IntoIterator<Item = (&'a str, &'a PoolSpec)>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (other, o) in others {
+        if other == model {
+            continue;
+        }
+        if o.adapters.iter().any(|a| a == model) {
+            problems.push(format!("model: {model:?} is an adapter of pool {other:?}"));
+        }
+        for (i, a) in spec.adapters.iter().enumerate() {
+            if a == other {
+                problems.push(format!("adapters[{i}] {a:?}: the model of another pool"));
+            } else if o.adapters.contains(a) {
+                problems.push(format!(
+                    "adapters[{i}] {a:?}: already an adapter of pool {other:?}"
+                ));
+            }
+        }
+    }
     problems
 }
 
@@ -533,5 +592,50 @@ mod tests {
             let e = check_agent_address(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
         }
+    }
+
+    /// One pool's adapters, and a second pool's, and the problems found: each name routes
+    /// to one pool.
+    #[test]
+    fn adapters_are_names_of_one_pool_alone() {
+        let pool = |adapters: &[&str]| PoolSpec {
+            adapters: adapters.iter().map(|a| a.to_string()).collect(),
+            ..PoolSpec::default()
+        };
+        let check = |adapters: &[&str], other: (&str, &[&str]), want: &[&str]| {
+            let spec = pool(adapters);
+            let (other_model, other_spec) = (other.0, pool(other.1));
+            let mut got = pool_problems("llama", &spec);
+            got.extend(pool_clashes(
+                "llama",
+                &spec,
+                [
+                    ("llama", &pool(&["ignored-self"])),
+                    (other_model, &other_spec),
+                ],
+            ));
+            assert_eq!(got, want, "{adapters:?} next to {other:?}");
+        };
+        check(&["sql-lora", "chat-lora"], ("qwen", &["qwen-lora"]), &[]);
+        check(&[], ("qwen", &[]), &[]);
+        check(
+            &["sql-lora", "", "llama", "a b", "sql-lora"],
+            ("qwen", &[]),
+            &[
+                "adapters[1] \"\": empty",
+                "adapters[2] \"llama\": the pool's model itself",
+                "adapters[3] \"a b\": contains whitespace or control characters",
+                "adapters[4] \"sql-lora\": listed twice",
+            ],
+        );
+        check(
+            &["qwen", "sql-lora"],
+            ("qwen", &["sql-lora", "llama"]),
+            &[
+                "model: \"llama\" is an adapter of pool \"qwen\"",
+                "adapters[0] \"qwen\": the model of another pool",
+                "adapters[1] \"sql-lora\": already an adapter of pool \"qwen\"",
+            ],
+        );
     }
 }

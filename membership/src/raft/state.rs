@@ -321,7 +321,14 @@ impl ConfigState {
     }
 
     fn put_pool(&mut self, model: &str, spec: &PoolSpec) -> Result<(), CommandResult> {
-        invalid_unless_empty(pool_problems(model, spec))?;
+        let mut problems = pool_problems(model, spec);
+        // Only a pool with adapters can clash: logs written before adapters replay alike.
+        problems.extend(pool_clashes(
+            model,
+            spec,
+            self.pools.iter().map(|(m, p)| (m.as_str(), p)),
+        ));
+        invalid_unless_empty(problems)?;
         self.pools.insert(model.to_string(), spec.clone());
         Ok(())
     }
@@ -828,6 +835,61 @@ mod tests {
         let s = base();
         let json = serde_json::to_vec(&s).unwrap_or_default();
         assert_eq!(serde_json::from_slice::<ConfigState>(&json).ok(), Some(s));
+    }
+
+    #[test]
+    fn an_adapter_names_one_pool_and_old_entries_have_none() {
+        let with_adapters = |model: &str, adapters: &[&str]| {
+            Command::V1(CommandV1::PutPool {
+                model: model.into(),
+                spec: PoolSpec {
+                    instances: vec!["http://a:1".into()],
+                    adapters: adapters.iter().map(|a| a.to_string()).collect(),
+                    ..PoolSpec::default()
+                },
+                expected_version: None,
+            })
+        };
+        let mut s = base();
+        // A pool replaced with its own adapters is no clash with itself.
+        for version in [3, 4] {
+            assert_eq!(
+                s.apply(version, &with_adapters("m", &["sql-lora"])),
+                CommandResult::Applied { version }
+            );
+        }
+        for (model, adapters, problem) in [
+            (
+                "sql-lora",
+                &[][..],
+                "model: \"sql-lora\" is an adapter of pool \"m\"",
+            ),
+            (
+                "q",
+                &["sql-lora"][..],
+                "adapters[0] \"sql-lora\": already an adapter of pool \"m\"",
+            ),
+            (
+                "q",
+                &["m"][..],
+                "adapters[0] \"m\": the model of another pool",
+            ),
+        ] {
+            assert_eq!(
+                s.apply(5, &with_adapters(model, adapters)),
+                CommandResult::Invalid {
+                    problems: vec![problem.to_string()]
+                },
+                "{model} {adapters:?}"
+            );
+        }
+        assert_eq!(s.pools["m"].adapters, vec!["sql-lora".to_string()]);
+        // A log entry written before adapters (no field) reads as a pool without any.
+        let old = r#"{"V1":{"PutPool":{"model":"m","spec":{"instances":["http://a:1"],"agents":[],"tokenizer":"","chat_template":"","block_tokens":0},"expected_version":null}}}"#;
+        let Ok(Command::V1(CommandV1::PutPool { spec, .. })) = serde_json::from_str(old) else {
+            panic!("{old} does not decode");
+        };
+        assert!(spec.adapters.is_empty());
     }
 
     const H1: &str = "1111111111111111111111111111111111111111111111111111111111111111";

@@ -32,8 +32,12 @@ pub struct App {
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Gossip with the other replicas, once started (absent when running alone).
     pub gossip: std::sync::OnceLock<Arc<warmpath_membership::gossip::Gossip>>,
-    /// Each pool's tokenizer and chat template, by model (absent: the built-in ones).
+    /// Each pool's tokenizer and chat template, by model and by adapter (absent: the
+    /// built-in ones).
     tokenizers: std::sync::RwLock<Arc<HashMap<String, PoolTokenizer>>>,
+    /// The pools' LoRA adapters: a request for one is keyed for the adapter, whose blocks
+    /// its engines cache apart from the base model's.
+    adapters: std::sync::RwLock<Arc<std::collections::HashSet<String>>>,
     /// The cache-agents this router follows, once started (absent without mutual TLS).
     pub residency: std::sync::OnceLock<Arc<Residency>>,
     /// Peer routers rate limits are shared among (see [`PeerCount`]).
@@ -69,8 +73,17 @@ impl App {
             })
     }
 
+    /// Whether `model` is one of the pools' LoRA adapters.
+    pub fn is_adapter(&self, model: &str) -> bool {
+        self.adapters
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(model)
+    }
+
     /// Loads the pools' tokenizers and templates (at start and after every configuration
-    /// change; unchanged ones are kept). One that does not load on this router (a
+    /// change; unchanged ones are kept), and takes their adapters, which are tokenized as
+    /// their pool's model is. One that does not load on this router (a
     /// tokenizer.json missing here) is logged and counted, and its pool is tokenized with
     /// the built-in tokenizer: its keys then miss the engines' blocks (fewer hits, never a
     /// wrong answer).
@@ -88,18 +101,22 @@ impl App {
                 continue;
             }
             if let Some(kept) = previous.get(&p.model).filter(|t| t.from == from) {
+                for adapter in &p.spec.adapters {
+                    next.insert(adapter.clone(), kept.clone());
+                }
                 next.insert(p.model.clone(), kept.clone());
                 continue;
             }
             match crate::prompt::PoolText::load(&from.0, &from.1) {
                 Ok(t) => {
-                    next.insert(
-                        p.model.clone(),
-                        PoolTokenizer {
-                            from,
-                            tokenizer: t.into_tokenizer(),
-                        },
-                    );
+                    let loaded = PoolTokenizer {
+                        from,
+                        tokenizer: t.into_tokenizer(),
+                    };
+                    for adapter in &p.spec.adapters {
+                        next.insert(adapter.clone(), loaded.clone());
+                    }
+                    next.insert(p.model.clone(), loaded);
                 }
                 Err(error) => {
                     failed += 1;
@@ -109,6 +126,8 @@ impl App {
         }
         metrics::gauge!(crate::metric_names::ROUTER_TOKENIZER_ERRORS).set(f64::from(failed));
         *self.tokenizers.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
+        let adapters = pools.iter().flat_map(|p| p.spec.adapters.iter().cloned());
+        *self.adapters.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(adapters.collect());
     }
 
     /// Points residency at the configuration's agents and tenants (at start and after
@@ -118,7 +137,8 @@ impl App {
         match self.residency.get() {
             Some(r) => {
                 r.set_agents(&agents);
-                r.set_tenants(self.tenants().salts());
+                let table = self.tenants();
+                r.set_tenants(table.version(), table.salts());
             }
             None if !agents.is_empty() => tracing::warn!(
                 agents = agents.len(),
@@ -165,6 +185,7 @@ impl App {
             gossip: std::sync::OnceLock::new(),
             residency: std::sync::OnceLock::new(),
             tokenizers,
+            adapters: Default::default(),
             peers: std::sync::atomic::AtomicUsize::new(0),
             peer_count: Mutex::new(Default::default()),
             peer_list: Mutex::new(Vec::new()),

@@ -10,6 +10,7 @@
 //! [[pools]]
 //! model = "sim-llama"
 //! instances = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+//! adapters = ["sql-lora"]         # LoRA adapters the instances serve (optional)
 //!
 //! [[tenants]]
 //! id = "acme"
@@ -29,7 +30,7 @@ use warmpath_index::policy::Strategy;
 pub use warmpath_membership::raft::state::Pool;
 use warmpath_membership::raft::state::{
     api_key_hash, canonical_instance_url, check_plain_key, check_tenant_id, instance_url,
-    pool_problems, validate_tenant, PoolSpec, TenantSpec,
+    pool_clashes, pool_problems, validate_tenant, PoolSpec, TenantSpec,
 };
 
 /// The only config file version this build reads.
@@ -226,6 +227,10 @@ pub struct PoolSection {
     /// The engines' KV block size in tokens (0: each tenant's `block_tokens`).
     #[serde(default)]
     pub block_tokens: u32,
+    /// The LoRA adapters its engines serve: requests naming one come to this pool, keyed
+    /// for the adapter (see [`PoolSpec::adapters`]).
+    #[serde(default)]
+    pub adapters: Vec<String>,
 }
 
 /// A tenant in the config file: its id, plain API keys (hashed at once, never stored),
@@ -465,8 +470,14 @@ impl FileConfig {
                 tokenizer: p.tokenizer.clone(),
                 chat_template,
                 block_tokens: p.block_tokens,
+                adapters: p.adapters.clone(),
             };
             for problem in pool_problems(&p.model, &spec) {
+                problems.push(format!("pools[{i}].{problem}"));
+            }
+            // Each pair once: this pool against the ones before it.
+            let before = pools.iter().map(|b: &Pool| (b.model.as_str(), &b.spec));
+            for problem in pool_clashes(&p.model, &spec, before) {
                 problems.push(format!("pools[{i}].{problem}"));
             }
             pools.push(Pool {
@@ -757,6 +768,53 @@ mod tests {
             ..TenantSpec::with_defaults("a", "m")
         };
         assert_eq!(Tenant::compile("a", &spec).strategy, Strategy::PrefixAware);
+    }
+
+    #[test]
+    fn each_adapter_names_one_pool() {
+        let check = |pools: &str, want: &[&str]| {
+            let got = FileConfig::parse(&format!("version = 1\n{pools}"))
+                .unwrap()
+                .validate()
+                .map(|c| {
+                    let adapters = c.pools.iter().map(|p| p.spec.adapters.clone());
+                    adapters.collect::<Vec<_>>()
+                })
+                .map_err(|e| e.to_string());
+            match want {
+                [] => assert!(got.is_ok(), "{pools}: {got:?}"),
+                _ => {
+                    let e = got.unwrap_err();
+                    for w in want {
+                        assert!(e.contains(w), "{pools}: {w:?} not in {e}");
+                    }
+                }
+            }
+        };
+        let ok = "[[pools]]\nmodel = \"m\"\ninstances = [\"http://a:1\"]\n\
+                  adapters = [\"sql-lora\", \"chat-lora\"]\n\
+                  [[pools]]\nmodel = \"q\"\ninstances = [\"http://b:1\"]\n";
+        check(ok, &[]);
+        check(
+            "[[pools]]\nmodel = \"m\"\ninstances = [\"http://a:1\"]\n\
+             adapters = [\"m\", \"x y\", \"sql-lora\", \"sql-lora\"]\n",
+            &[
+                "pools[0].adapters[0] \"m\": the pool's model itself",
+                "pools[0].adapters[1] \"x y\": contains whitespace",
+                "pools[0].adapters[3] \"sql-lora\": listed twice",
+            ],
+        );
+        check(
+            "[[pools]]\nmodel = \"m\"\ninstances = [\"http://a:1\"]\nadapters = [\"lora\"]\n\
+             [[pools]]\nmodel = \"lora\"\ninstances = [\"http://b:1\"]\nadapters = [\"m\"]\n\
+             [[pools]]\nmodel = \"q\"\ninstances = [\"http://c:1\"]\nadapters = [\"lora\"]\n",
+            &[
+                "pools[1].model: \"lora\" is an adapter of pool \"m\"",
+                "pools[1].adapters[0] \"m\": the model of another pool",
+                "pools[2].adapters[0] \"lora\": the model of another pool",
+                "pools[2].adapters[0] \"lora\": already an adapter of pool \"m\"",
+            ],
+        );
     }
 
     #[test]

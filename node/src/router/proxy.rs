@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use warmpath_index::keys::{token_block_keys, BlockKey};
+use warmpath_index::keys::{token_block_keys, BlockKey, TenantKey};
 use warmpath_index::openai::{ChatRequest, CompletionRequest, ErrorBody, PromptInput};
 use warmpath_index::InstanceId;
 
@@ -226,7 +226,13 @@ fn explain_with(
     };
     let mut parsed = parse(endpoint, body, |m| app.tokenizer(m))?;
     let tokens = std::mem::take(&mut parsed.tokens);
-    let keys = token_block_keys(&entry.key, &tokens, entry.tenant.block_tokens as usize);
+    let keys = prompt_keys(
+        app,
+        &entry.key,
+        &parsed.model,
+        &tokens,
+        entry.tenant.block_tokens,
+    );
     // Bound first: the lock guard must be gone before `explanation` takes it again.
     let chosen = app
         .core()
@@ -245,6 +251,25 @@ fn explain_with(
             model: parsed.model,
             retry_after_s: app.config.retry_after_s,
         }),
+    }
+}
+
+/// A prompt's block keys for a request to `model`: keyed for the adapter
+/// ([`TenantKey::for_adapter`]) when `model` is a pool's LoRA adapter, as the agent reports
+/// the blocks engines store under it; the tenant's own key for a base model. Either key
+/// derives from the tenant's, so tenants still never share a hit.
+fn prompt_keys(
+    app: &App,
+    key: &TenantKey,
+    model: &str,
+    tokens: &[u32],
+    block_tokens: u32,
+) -> Vec<BlockKey> {
+    let block_tokens = block_tokens as usize;
+    if app.is_adapter(model) {
+        token_block_keys(&key.for_adapter(model), tokens, block_tokens)
+    } else {
+        token_block_keys(key, tokens, block_tokens)
     }
 }
 
@@ -423,7 +448,13 @@ async fn handle(
     // The prompt is tokenized and hashed once; every attempt reuses the keys.
     let tokens = std::mem::take(&mut parsed.tokens);
     let prompt_tokens = tokens.len() as u32;
-    let keys = token_block_keys(&tenant.key, &tokens, tenant.tenant.block_tokens as usize);
+    let keys = prompt_keys(
+        &app,
+        &tenant.key,
+        &parsed.model,
+        &tokens,
+        tenant.tenant.block_tokens,
+    );
     let upstream_body = with_cache_salt(&body, &tenant.tenant.cache_salt, parsed.own_salt)?;
     // Explanations name instances and their loads: only for tenants allowed to see them.
     let explain = tenant.tenant.allow_explain

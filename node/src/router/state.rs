@@ -92,6 +92,7 @@ impl RouterState {
                         key: instance_key(url),
                     })
                     .collect(),
+                adapters: p.spec.adapters.clone(),
             })
             .collect();
         self.core.set_pools(&specs);
