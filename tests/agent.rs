@@ -946,7 +946,8 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
     })
     .await;
 
-    // engine-sim keeps what it publishes and answers the same protocol.
+    // engine-sim keeps what it publishes and answers as vLLM 0.33 does (the replay above
+    // answers as vLLM up to 0.25 did, without the topic frame: the agent reads both).
     let (events, replay) = (
         format!("tcp://{}", crate::free_addr()),
         format!("tcp://{}", crate::free_addr()),
@@ -978,14 +979,17 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
                 .expect("a replay answer")
                 .unwrap()
                 .into_vec();
-            assert_eq!(f.len(), 3, "[empty, sequence, batch]");
-            if f[2].is_empty() {
-                assert_eq!(f[1][..], (-1i64).to_be_bytes()[..], "the end marker");
+            // vLLM 0.33's answer, as a DEALER receives it: the topic (empty) after the
+            // delimiter, for every batch and for the end marker.
+            assert_eq!(f.len(), 4, "[empty, topic, sequence, batch]");
+            assert!(f[0].is_empty() && f[1].is_empty(), "{f:?}");
+            if f[3].is_empty() {
+                assert_eq!(f[2][..], (-1i64).to_be_bytes()[..], "the end marker");
                 break;
             }
-            let batch = warmpath_cache_agent::kv_events::decode_batch(&f[2]).expect("a batch");
+            let batch = warmpath_cache_agent::kv_events::decode_batch(&f[3]).expect("a batch");
             assert!(!batch.events.is_empty());
-            seqs.push(u64::from_be_bytes(f[1][..].try_into().unwrap()));
+            seqs.push(u64::from_be_bytes(f[2][..].try_into().unwrap()));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -18,13 +18,15 @@
 //! the batch, which the subscriber sees as a sequence gap).
 //!
 //! With a replay endpoint (`--kv-replay tcp://HOST:PORT`), the last [`REPLAY_BATCHES`]
-//! batches are kept and served as vLLM's replay socket serves them: a ROUTER socket takes a
-//! request whose last frame is the 8-byte big-endian sequence number to start from, and
-//! answers each kept batch from there as `[empty, sequence, payload]`, then an end marker (the
-//! sequence -1, an empty payload). That is vLLM's replay answer up to 0.25; from 0.26 vLLM
-//! puts the topic between the empty frame and the sequence (`kv_events::parse_replay`
-//! reads both). FIXME: answer as 0.33 does once tests/agent.rs's replay test expects the
-//! four frames.
+//! batches are kept and served as vLLM 0.33's replay socket serves them
+//! (`ZmqEventPublisher._service_replay`): a ROUTER socket takes a request `[identity,
+//! empty, start]` (a DEALER's or REQ's empty delimiter, then the 8-byte big-endian
+//! sequence number to start from; any other shape is ignored, as vLLM logs and drops it),
+//! and answers each kept batch from there as `[identity, empty, topic, sequence, payload]`,
+//! then an end marker `[identity, empty, empty, -1, empty]` (the sequence -1 as a signed
+//! 8-byte number; the topic frame empty). A DEALER peer sees `[empty, topic, sequence,
+//! payload]`. vLLM up to 0.25 answered without the topic frame; the agent reads both
+//! (`kv_events::parse_replay`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -193,9 +195,8 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Kept) {
         let Ok(request) = router.recv().await else {
             return;
         };
-        let frames = request.into_vec();
-        // [identity, (empty delimiter of a REQ peer), start sequence]
-        let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
+        // [identity, empty delimiter, start sequence], as vLLM 0.33 requires.
+        let [identity, _, start] = &request.into_vec()[..] else {
             continue;
         };
         let Ok(start) = <[u8; 8]>::try_from(&start[..]) else {
@@ -211,9 +212,9 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Kept) {
             .collect();
         let end = (u64::MAX, Bytes::new()); // -1 as a signed 8-byte number
         for (seq, payload) in batches.into_iter().chain(std::iter::once(end)) {
-            // vLLM answers `[identity, empty, sequence, batch]`: a published message's
-            // frames behind the peer's identity.
-            let mut reply = vec![identity.clone()];
+            // vLLM 0.33 answers `[identity, empty, topic, sequence, batch]` (its end
+            // marker's topic is empty too; engine-sim publishes under the empty topic).
+            let mut reply = vec![identity.clone(), Bytes::new()];
             reply.extend(warmpath_cache_agent::kv_events::message(seq, payload));
             let Ok(msg) = ZmqMessage::try_from(reply) else {
                 break;
