@@ -363,3 +363,61 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         "no resync through vLLM's replay socket: {text}"
     );
 }
+
+/// An agent given the pool's block size (`--kv-block-tokens 16`) reports LMCache's CPU
+/// chunks that came before any GPU store (an agent started while its engine kept serving,
+/// whose resync replays them); one left to learn the size from a GPU store cannot cut them
+/// and reports nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_given_the_pools_block_size_reports_cpu_chunks_before_any_gpu_store() {
+    // LMCache's chunks of Q (256, 256, 88 tokens), published before any agent follows:
+    // vLLM's replay socket keeps them.
+    let events_port = crate::free_addr().port();
+    let replay = format!("tcp://{}", crate::free_addr());
+    let mut vllm = Publisher::start(events_port, &replay, "");
+    vllm.step("lmcache");
+    let events = format!("e0=tcp://127.0.0.1:{events_port},{replay}");
+    // No --kv-tenant: every chain is the agent's fixed tenant, as LMCache's chunks carry no
+    // salt and no GPU chain names one here.
+    let agent = |extra: &[&str]| {
+        let mut args = vec!["agent", "--listen", "127.0.0.1:0", "--kv-events", &events];
+        args.extend_from_slice(extra);
+        Proc::start(&args)
+    };
+    let (sized, learning) = (agent(&["--kv-block-tokens", "16"]), agent(&[]));
+    let connect = |url: String| async move {
+        AgentClient::connect(&AgentAddr::Tcp(url), "", Duration::from_secs(5))
+            .await
+            .expect("the agent")
+    };
+    let (sized_c, learning_c) = (
+        connect(sized.url.clone()).await,
+        connect(learning.url.clone()).await,
+    );
+    // 16 + 16 + 5 whole 16-token blocks.
+    let s = crate::until(
+        Duration::from_secs(20),
+        "the sized agent to hold Q's 37 blocks",
+        || async {
+            let s = sized_c.stats().await.unwrap();
+            (s.residency_blocks == 37).then_some(s)
+        },
+    )
+    .await;
+    assert_eq!(
+        (s.kv_gaps, s.kv_malformed, s.kv_unresolved),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    // The other agent applied the same batch and could cut none of it.
+    let s = crate::until(
+        Duration::from_secs(20),
+        "the learning agent to apply the batch",
+        || async {
+            let s = learning_c.stats().await.unwrap();
+            (s.kv_batches >= 1).then_some(s)
+        },
+    )
+    .await;
+    assert_eq!(s.residency_blocks, 0, "{s:?}");
+}

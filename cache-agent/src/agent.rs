@@ -176,7 +176,11 @@ impl Agent {
                     .collect(),
             )
         };
-        let ingest = Arc::new(Mutex::new(Ingest::new(tenants, config.kv_events.len())));
+        let mut ingest = Ingest::new(tenants, config.kv_events.len());
+        // The pool's block size, when given: before the first batch, so every key is cut
+        // to it, and CPU-tier blocks that come before any GPU store are reported.
+        ingest.set_block_tokens(Some(config.kv_block_tokens));
+        let ingest = Arc::new(Mutex::new(ingest));
         let config_l1_bytes = config.l1_bytes;
         let agent = Arc::new(Agent {
             l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),

@@ -138,6 +138,8 @@ pub const DEFAULT_L1_BYTES: u64 = 1 << 30;
 pub const DEFAULT_L2_DIR_BYTES: u64 = 16 << 30;
 pub const DEFAULT_REDIS_PREFIX: &str = "wp:b:";
 pub const DEFAULT_MAX_BLOCK_BYTES: u64 = 64 << 20;
+/// The largest `kv_block_tokens`: a pool's largest `block_tokens`.
+pub const MAX_KV_BLOCK_TOKENS: u32 = 65_536;
 
 /// A validated agent configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -173,6 +175,10 @@ pub struct AgentConfig {
     /// The tenants whose chains KV events may carry: (id, cache salt). Empty: every chain
     /// belongs to tenant `engine-sim` with its own salt (engine-sim served directly).
     pub kv_tenants: Vec<(String, String)>,
+    /// The pool's block size in tokens (the routers' `block_tokens`), which KV-event blocks
+    /// of any size are re-cut into. 0: each engine's GPU block size, learnt from its first
+    /// GPU store (until then its CPU-tier blocks are counted `no_block_size`, not reported).
+    pub kv_block_tokens: u32,
     /// The HyperPod daemon API, when on.
     pub hyperpod: Option<HyperPodConfig>,
 }
@@ -197,6 +203,7 @@ impl Default for AgentConfig {
             max_connections: 256,
             kv_events: Vec::new(),
             kv_tenants: Vec::new(),
+            kv_block_tokens: 0,
             hyperpod: None,
         }
     }
@@ -223,6 +230,9 @@ pub struct FileConfig {
     pub max_keys: Option<usize>,
     pub max_lease_ms: Option<u64>,
     pub max_connections: Option<usize>,
+    /// The pool's block size in tokens, which KV events are re-cut into (0 or absent: each
+    /// engine's GPU block size).
+    pub kv_block_tokens: Option<u32>,
     #[serde(default)]
     pub l1: L1Section,
     #[serde(default)]
@@ -341,6 +351,9 @@ impl FileConfig {
         if let Some(v) = self.max_connections {
             c.max_connections = v;
         }
+        if let Some(v) = self.kv_block_tokens {
+            c.kv_block_tokens = v;
+        }
         if let Some(v) = self.l1.bytes {
             c.l1_bytes = v;
         }
@@ -406,6 +419,12 @@ impl AgentConfig {
                      followed by ,tcp://HOST:PORT of the engine's replay socket"
                 ));
             }
+        }
+        if self.kv_block_tokens > MAX_KV_BLOCK_TOKENS {
+            return Err(format!(
+                "kv_block_tokens {}: at most {MAX_KV_BLOCK_TOKENS}, as a pool's block_tokens",
+                self.kv_block_tokens
+            ));
         }
         if self.max_keys == 0 || self.max_connections == 0 || self.l2_deadline.is_zero() {
             return Err("max_keys, max_connections and l2 deadline must be positive".into());
@@ -539,6 +558,7 @@ mod tests {
             r#"
             version = 1
             listen = "127.0.0.1:0"
+            kv_block_tokens = 16
             [l1]
             bytes = "64MiB"
             eviction = "s3fifo"
@@ -555,7 +575,16 @@ mod tests {
         assert_eq!(c.l1_eviction, Eviction::S3Fifo);
         assert_eq!(c.l2_write, WritePolicy::Through);
         assert!(matches!(c.l2, L2Config::Redis { .. }));
+        assert_eq!(c.kv_block_tokens, 16);
         assert!(c.validate(false).is_ok());
+        let too_large = AgentConfig {
+            kv_block_tokens: MAX_KV_BLOCK_TOKENS + 1,
+            ..c.clone()
+        };
+        assert!(too_large
+            .validate(false)
+            .unwrap_err()
+            .contains("kv_block_tokens"));
 
         for (bad, want) in [
             ("version = 2", "version 2"),

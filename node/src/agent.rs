@@ -72,6 +72,13 @@ pub struct AgentArgs {
     /// without a router).
     #[arg(long = "kv-tenant", value_name = "ID[=SALT]")]
     pub kv_tenants: Vec<String>,
+    /// The pool's block size in tokens (the routers' pool `block_tokens`): KV-event blocks
+    /// of any size (LMCache's 256-token chunks, vLLM's CPU offload blocks) are re-cut into
+    /// keys of this size. Without it (or 0) each engine's GPU block size is used, learnt
+    /// from its first GPU store: a pool of another block size never matches, and CPU
+    /// blocks published before any GPU store are not reported.
+    #[arg(long = "kv-block-tokens", value_name = "N")]
+    pub kv_block_tokens: Option<u32>,
     /// UDP address for routers' residency sessions over QUIC (mutual TLS: needs --tls-dir
     /// and --tls-name).
     #[arg(long)]
@@ -166,6 +173,9 @@ impl AgentArgs {
                 bail!("--kv-tenant {t:?}: give ID or ID=SALT");
             }
             c.kv_tenants.push((id, salt));
+        }
+        if let Some(v) = self.kv_block_tokens {
+            c.kv_block_tokens = v;
         }
         let hyperpod_flags = self.hyperpod_shm_name.is_some()
             || self.hyperpod_shm_bytes.is_some()
