@@ -106,13 +106,13 @@ fn everything_on() -> Value {
             "replicas": 7, "raft": {"voters": 5},
             "pools": [{"model": "llama", "instances": ["http://vllm-0.vllm:8000"],
                        "agents": ["agent@10.0.3.17:7700"], "tokenizer": "builtin",
-                       "block_tokens": 16}],
+                       "block_tokens": 16, "adapters": ["sql-lora"]}],
             "tenants": [{"id": "acme", "api_key_hashes": ["ab".repeat(32)],
                          "strategy": "least-loaded", "rate_limit_rps": 50}],
             "settings": {"retries": 2, "request_timeout_ms": 600000},
         },
         "agent": {"kvEvents": ["http://$(NODE_IP):8000=tcp://$(NODE_IP):5557"],
-                  "kvTenants": ["acme"]},
+                  "kvTenants": ["acme"], "kvBlockTokens": 16},
         "metrics": {"serviceMonitor": {"enabled": true}},
     })
 }
@@ -208,8 +208,10 @@ fn the_chart_lints_and_every_rendering_passes_the_kubernetes_schemas() {
                 crate::deploy::assert_real_flags("the router StatefulSet", "router", &script);
                 assert!(args.contains(&"--l2=redis://redis.llm:6379/2".to_string()));
                 assert!(args.contains(&"--l1-bytes=64GiB".to_string()));
+                assert!(args.contains(&"--kv-block-tokens=16".to_string()));
                 let config = router_config(&docs);
                 assert!(config.contains("strategy = \"kv-aware\""), "{config}");
+                assert!(config.contains("adapters = [\"sql-lora\"]"), "{config}");
                 assert!(config.contains("retries = 2"), "{config}");
             }
             "tiers-off" => {
