@@ -8,9 +8,13 @@
 //! buffer's pages are mapped already. In a full L1 every put evicts about what it stores,
 //! so puts run on reused buffers.
 //!
-//! Bounded: the idle buffers held add up to at most `max_idle_bytes` (beyond it a returned
-//! buffer is freed), and buffers are matched by exact capacity, so a block never holds more
-//! memory than its length. Payloads below [`POOLED_MIN`] bytes are plain allocations.
+//! Bounded: the idle buffers held add up to at most `max_idle_bytes`, and buffers are
+//! matched by exact capacity, so a block never holds more memory than its length. A buffer
+//! that comes back to a full pool displaces idle buffers of the sizes least recently used
+//! (freed), and is itself freed only when those do not make room: when the block size
+//! changes (another model, or the benchmark's 1 MiB then 16 MiB rounds), the pool follows
+//! it instead of staying full of the old size while every new buffer is fresh pages.
+//! Payloads below [`POOLED_MIN`] bytes are plain allocations.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -29,11 +33,39 @@ pub struct BufPool {
 
 #[derive(Debug, Default)]
 struct Idle {
-    /// Idle buffers (length 0) by capacity.
-    by_size: HashMap<usize, Vec<Vec<u8>>>,
+    /// Idle buffers (length 0) by capacity, with when that size was last taken or given
+    /// back (a tick of `clock`).
+    by_size: HashMap<usize, (Vec<Vec<u8>>, u64)>,
     bytes: u64,
     max_bytes: u64,
     reused: u64,
+    clock: u64,
+}
+
+impl Idle {
+    /// Frees idle buffers of sizes other than `keep`, least recently used first, until
+    /// `need` more bytes fit; whether they do.
+    fn make_room(&mut self, need: u64, keep: usize) -> bool {
+        if need > self.max_bytes {
+            return false;
+        }
+        while self.bytes + need > self.max_bytes {
+            let oldest = self
+                .by_size
+                .iter()
+                .filter(|(&size, (bufs, _))| size != keep && !bufs.is_empty())
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(&size, _)| size);
+            let Some(size) = oldest else { return false };
+            let (bufs, _) = self.by_size.get_mut(&size).expect("a size just found");
+            bufs.pop();
+            self.bytes -= size as u64;
+            if bufs.is_empty() {
+                self.by_size.remove(&size);
+            }
+        }
+        true
+    }
 }
 
 /// What the pool did, for tests and the agent's stats.
@@ -62,10 +94,15 @@ impl BufPool {
     pub fn take(&self, len: usize) -> Vec<u8> {
         if len >= POOLED_MIN {
             let mut idle = self.lock();
-            if let Some(buf) = idle.by_size.get_mut(&len).and_then(Vec::pop) {
-                idle.bytes -= len as u64;
-                idle.reused += 1;
-                return buf;
+            idle.clock += 1;
+            let now = idle.clock;
+            if let Some((bufs, used)) = idle.by_size.get_mut(&len) {
+                *used = now;
+                if let Some(buf) = bufs.pop() {
+                    idle.bytes -= len as u64;
+                    idle.reused += 1;
+                    return buf;
+                }
             }
         }
         Vec::with_capacity(len)
@@ -111,11 +148,15 @@ impl Drop for Pooled {
         };
         let mut idle = pool.lock().unwrap_or_else(|p| p.into_inner());
         let size = self.buf.capacity();
-        if idle.bytes + size as u64 <= idle.max_bytes {
+        if idle.make_room(size as u64, size) {
             let mut buf = std::mem::take(&mut self.buf);
             buf.clear();
             idle.bytes += size as u64;
-            idle.by_size.entry(size).or_default().push(buf);
+            idle.clock += 1;
+            let now = idle.clock;
+            let (bufs, used) = idle.by_size.entry(size).or_default();
+            bufs.push(buf);
+            *used = now;
         }
     }
 }
@@ -152,5 +193,30 @@ mod tests {
         drop(big);
         drop(again);
         assert!(pool.stats().idle_bytes <= 3 * POOLED_MIN as u64);
+    }
+
+    /// When the block size changes, the pool follows: buffers of the new size displace idle
+    /// ones of the old, so the new size is served from the pool, not from fresh pages.
+    #[test]
+    fn a_new_block_size_displaces_the_old_one() {
+        let (small, large) = (POOLED_MIN, 4 * POOLED_MIN);
+        let pool = BufPool::new(8 * POOLED_MIN as u64);
+        let fill = |len: usize| {
+            let mut b = pool.take(len);
+            b.resize(len, 1);
+            pool.freeze(b)
+        };
+        // The pool full of the old size.
+        drop((0..8).map(|_| fill(small)).collect::<Vec<_>>());
+        assert_eq!(pool.stats().idle_bytes, 8 * small as u64);
+        // Two large buffers come back: they push out the small ones they need room for.
+        drop((0..2).map(|_| fill(large)).collect::<Vec<_>>());
+        assert_eq!(pool.stats().idle_bytes, 2 * large as u64);
+        let reused = pool.stats().reused;
+        drop((0..2).map(|_| fill(large)).collect::<Vec<_>>());
+        assert_eq!(pool.stats().reused, reused + 2);
+        // A buffer larger than the bound is never kept, and evicts nothing.
+        drop(fill(16 * POOLED_MIN));
+        assert_eq!(pool.stats().idle_bytes, 2 * large as u64);
     }
 }
