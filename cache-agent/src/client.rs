@@ -22,7 +22,7 @@ use crate::proto::{
     self, AgentStats, ErrorKind, Outgoing, ProtoError, PutItem, PutRefusal, Request, Response,
     StoreTier,
 };
-use crate::server::{read_body, write_frame};
+use crate::server::{read_body, write_frame, READ_BUFFER_BYTES};
 
 /// Idle buffers a client keeps for the payloads gets bring back (see [`crate::pool`]).
 pub const CLIENT_POOL_BYTES: u64 = 64 << 20;
@@ -178,7 +178,7 @@ impl AgentClient {
         let pool = BufPool::new(CLIENT_POOL_BYTES);
         let reader = tokio::spawn(async move {
             let limit = u64::from(u32::MAX);
-            let mut rd = tokio::io::BufReader::with_capacity(64 << 10, rd);
+            let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER_BYTES, rd);
             let get_lens = |r: &Response| match r {
                 Response::Get { blocks } => {
                     Some(blocks.iter().flatten().map(|b| b.bytes).collect())
