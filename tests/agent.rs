@@ -9,6 +9,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use warmpath_cache_agent::client::{AgentAddr, AgentClient};
 use warmpath_cache_agent::proto::{self, PutRefusal, Request, Response, StoreTier};
+use warmpath_cache_agent::resp;
 
 use crate::router::{client, completion, get_text, long_prompt, post};
 use crate::{scratch_dir, Proc, Redis};
@@ -224,6 +225,92 @@ async fn a_redis_outage_costs_counted_errors_and_l2_comes_back() {
         }
     })
     .await;
+}
+
+/// Sends `args` to the Redis server at `port` on a connection of its own (after `auth`, if
+/// given) and returns the reply.
+async fn redis_raw(port: u16, auth: Option<&str>, args: &[&[u8]]) -> resp::Reply {
+    let mut s = tokio::io::BufReader::new(
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap(),
+    );
+    let mut cmd = Vec::new();
+    if let Some(password) = auth {
+        resp::command(&mut cmd, &[b"AUTH", password.as_bytes()]);
+    }
+    resp::command(&mut cmd, args);
+    s.write_all(&cmd).await.unwrap();
+    if auth.is_some() {
+        resp::read_reply(&mut s, 1 << 20).await.unwrap();
+    }
+    resp::read_reply(&mut s, 1 << 20).await.unwrap()
+}
+
+/// Issue 24's own Redis client (record 0099): it logs in with the URL's password, works in
+/// the URL's database, reads back what it wrote byte for byte, and when Redis closes its
+/// idle connections (a restart, a `timeout`, an operator's `CLIENT KILL`) the next
+/// operation goes through on a new connection, without an error; a wrong password is an
+/// error and then the back-off, never a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_backend_logs_in_keeps_to_its_database_and_outlives_killed_connections() {
+    use warmpath_cache_agent::block::{decode_object, Block};
+    use warmpath_cache_agent::l2::{L2Backend, L2Error, RedisL2};
+    use warmpath_tiers::BlockId;
+
+    let redis = Redis::start();
+    let port = redis.port;
+    let set = redis_raw(port, None, &[b"CONFIG", b"SET", b"requirepass", b"s3cret"]).await;
+    assert_eq!(set, resp::Reply::Simple("OK".into()));
+    let url = |auth: &str, db: u32| format!("redis://:{auth}@127.0.0.1:{port}/{db}");
+    let deadline = Duration::from_secs(2);
+    let l2 = RedisL2::new(&url("s3cret", 3), "t:", deadline).unwrap();
+
+    let ids: Vec<BlockId> = (0..8).map(|k| BlockId::new(LAYOUT, k)).collect();
+    let blocks: Vec<Block> = (0..8u64)
+        .map(|k| Block::new(payload(k, 100_000 + k as usize)))
+        .collect();
+    let puts = ids.iter().zip(&blocks).map(|(id, b)| l2.put_block(*id, b));
+    for r in futures_util::future::join_all(puts).await {
+        r.unwrap();
+    }
+    for (id, b) in ids.iter().zip(&blocks) {
+        let got = l2.get(*id).await.unwrap().expect("stored");
+        assert_eq!(decode_object(id, got).unwrap(), *b);
+    }
+    let missing = BlockId::new(LAYOUT, 99);
+    assert_eq!(l2.get(missing).await.unwrap(), None);
+    assert_eq!(
+        l2.contains(&[ids[0], missing, ids[7]]).await.unwrap(),
+        vec![true, false, true]
+    );
+    // In database 3: database 0 does not hold them.
+    let key = format!("t:{LAYOUT:016x}:{:016x}", 0);
+    let in_db0 = redis_raw(port, Some("s3cret"), &[b"EXISTS", key.as_bytes()]).await;
+    assert_eq!(in_db0, resp::Reply::Integer(0));
+
+    // Redis drops every other client's connection: the pooled ones are dead.
+    let killed = redis_raw(
+        port,
+        Some("s3cret"),
+        &[b"CLIENT", b"KILL", b"TYPE", b"normal"],
+    )
+    .await;
+    assert!(
+        matches!(killed, resp::Reply::Integer(n) if n > 0),
+        "{killed:?}"
+    );
+    l2.remove(ids[0]).await.unwrap();
+    assert_eq!(l2.get(ids[0]).await.unwrap(), None);
+    assert!(l2.get(ids[1]).await.unwrap().is_some());
+
+    // A wrong password: an error, and the back-off after it.
+    let wrong = RedisL2::new(&url("wrong", 3), "t:", deadline).unwrap();
+    let started = Instant::now();
+    assert!(matches!(wrong.get(ids[1]).await, Err(L2Error::Redis(_))));
+    assert!(matches!(wrong.get(ids[1]).await, Err(L2Error::Backoff(_))));
+    assert!(started.elapsed() < deadline);
+    drop(redis);
 }
 
 /// Runs a raw handshake and returns (status, message).

@@ -10,8 +10,12 @@
 //!   ledger (the same policy code as L1); on a shared mount each agent bounds what it wrote
 //!   and read, so give each agent its share of the volume. Objects other agents wrote are
 //!   found by path and adopted into the ledger when read.
-//! - [`RedisL2`]: a Redis or Valkey server through the `redis` crate's connection manager
-//!   (reconnects by itself). Bounded by the server's own `maxmemory` and eviction policy
+//! - [`RedisL2`]: a Redis or Valkey server, spoken to by our own small client (`resp.rs`,
+//!   [record 0099](../../docs/decisions/0099-own-redis-client-for-l2.md)): a `SET` is one
+//!   vectored write of the command's head, the object's header and the payload as L1 holds
+//!   it, a `GET` reads the object straight into a buffer of its own. A pool of connections,
+//!   one per operation in flight; a connection that died while idle (Redis restarted) is
+//!   replaced on its next use. Bounded by the server's own `maxmemory` and eviction policy
 //!   (`allkeys-lru` is what an operator wants here). Each operation has a deadline; after a
 //!   failure the backend answers "unavailable" at once for a back-off period instead of
 //!   waiting on a dead server again, so a Redis outage costs errors, counted, and never a
@@ -26,7 +30,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use tokio::io::AsyncWriteExt;
+
 use crate::block::{encode_object, object_header, Block, HEADER_BYTES};
+use crate::resp::{self, Reply, RespError};
 use warmpath_tiers::{BlockId, Eviction, Ledger};
 
 /// Why an L2 operation failed (a miss is not a failure).
@@ -131,7 +138,14 @@ impl DirL2 {
     /// Opens (creating) `root`, bounded at `capacity_bytes`: removes temporary files a crash
     /// left and adopts the objects already there.
     pub fn open(root: &Path, capacity_bytes: u64) -> io::Result<DirL2> {
-        std::fs::create_dir_all(root.join("tmp"))?;
+        // The owner's only (0700, objects 0600): blocks are tenants' KV. A root an older
+        // release left open is closed again, which covers the objects inside it.
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(root.join("tmp"))?;
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))?;
         for e in std::fs::read_dir(root.join("tmp"))? {
             let _ = std::fs::remove_file(e?.path());
         }
@@ -223,9 +237,15 @@ impl L2Backend for DirL2 {
         ));
         let written = async {
             if let Some(parent) = path.parent() {
-                tokio::fs::create_dir_all(parent).await?;
+                tokio::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(parent)
+                    .await?;
             }
             tokio::fs::write(&tmp, &object).await?;
+            use std::os::unix::fs::PermissionsExt;
+            tokio::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).await?;
             tokio::fs::rename(&tmp, &path).await
         }
         .await;
@@ -286,7 +306,10 @@ impl L2Backend for DirL2 {
 
 /// The Redis backend.
 pub struct RedisL2 {
-    conn: redis::aio::ConnectionManager,
+    target: RedisTarget,
+    /// Connections between operations, at most [`REDIS_IDLE`]: one per operation in flight,
+    /// so a 1 MiB `SET` never queues behind another on one socket.
+    idle: Mutex<Vec<RedisConn>>,
     prefix: String,
     deadline: Duration,
     backoff: Duration,
@@ -294,9 +317,49 @@ pub struct RedisL2 {
     down_until: Mutex<Option<Instant>>,
 }
 
+/// Idle Redis connections kept (the L2 writer runs 8 writes at once, and gets come beside).
+const REDIS_IDLE: usize = 16;
+/// The longest object a `GET` reads back: a block the block API may carry, and its header.
+const REDIS_MAX_OBJECT: usize = u32::MAX as usize + HEADER_BYTES;
+
+/// Where the Redis server is and how to log in, from the URL.
+#[derive(Clone, Debug)]
+struct RedisTarget {
+    addr: RedisAddr,
+    username: Option<String>,
+    password: Option<String>,
+    db: i64,
+}
+
+#[derive(Clone, Debug)]
+enum RedisAddr {
+    Tcp(String, u16),
+    Unix(PathBuf),
+}
+
+/// A Redis connection: writes go straight to the socket, replies come through the buffer.
+type RedisConn = tokio::io::BufReader<Box<dyn RedisIo>>;
+
+trait RedisIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + Sync {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + Sync> RedisIo for T {}
+
+/// One operation of the Redis backend.
+enum RedisOp<'a> {
+    /// The object is written from its parts (a header and a payload, say) as they are.
+    Set {
+        key: String,
+        object: [&'a [u8]; 2],
+    },
+    Get(String),
+    Exists(Vec<String>),
+    Del(String),
+}
+
 impl std::fmt::Debug for RedisL2 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisL2")
+            .field("addr", &self.target.addr)
+            .field("db", &self.target.db)
             .field("prefix", &self.prefix)
             .field("deadline", &self.deadline)
             .finish_non_exhaustive()
@@ -304,19 +367,32 @@ impl std::fmt::Debug for RedisL2 {
 }
 
 impl RedisL2 {
-    /// A backend for the server at `url` (`redis://host:port/db`), connected lazily: the
-    /// agent starts whether or not Redis is up. Keys are `PREFIX{layout:016x}:{key:016x}`.
+    /// A backend for the server at `url` (`redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or a
+    /// Unix socket as the `redis` crate's URLs name one), connected lazily: the agent starts
+    /// whether or not Redis is up. Keys are `PREFIX{layout:016x}:{key:016x}`.
     pub fn new(url: &str, prefix: &str, deadline: Duration) -> Result<RedisL2, L2Error> {
+        // The `redis` crate parses the URL (its forms, percent-decoding); our own client
+        // below speaks to the server.
         let client = redis::Client::open(url).map_err(|e| L2Error::Redis(e.to_string()))?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(deadline))
-            .set_response_timeout(Some(deadline))
-            .set_number_of_retries(1)
-            .set_max_delay(deadline);
-        let conn = redis::aio::ConnectionManager::new_lazy_with_config(client, config)
-            .map_err(|e| L2Error::Redis(e.to_string()))?;
+        let info = client.get_connection_info();
+        let addr = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => RedisAddr::Tcp(host.clone(), *port),
+            redis::ConnectionAddr::Unix(path) => RedisAddr::Unix(path.clone()),
+            other => {
+                return Err(L2Error::Redis(format!(
+                    "{other} is not supported (TLS is not built in): use redis://"
+                )))
+            }
+        };
+        let settings = info.redis_settings();
         Ok(RedisL2 {
-            conn,
+            target: RedisTarget {
+                addr,
+                username: settings.username().map(str::to_owned),
+                password: settings.password().map(str::to_owned),
+                db: settings.db(),
+            },
+            idle: Mutex::new(Vec::new()),
             prefix: prefix.to_string(),
             deadline,
             backoff: Duration::from_secs(1),
@@ -328,23 +404,140 @@ impl RedisL2 {
         format!("{}{:016x}:{:016x}", self.prefix, id.layout, id.key.0)
     }
 
-    /// Runs one command or pipeline with the deadline and the back-off.
-    async fn run<T: redis::FromRedisValue>(
-        &self,
-        cmd: impl FnOnce(&mut redis::Pipeline),
-    ) -> Result<T, L2Error> {
+    /// A new connection, logged in and on its database.
+    async fn connect(&self) -> Result<RedisConn, RespError> {
+        let io: Box<dyn RedisIo> = match &self.target.addr {
+            RedisAddr::Tcp(host, port) => {
+                let s = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                s.set_nodelay(true)?;
+                Box::new(s)
+            }
+            RedisAddr::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
+        };
+        let mut conn = tokio::io::BufReader::with_capacity(64 << 10, io);
+        let mut setup = Vec::new();
+        let mut replies = 0;
+        if let Some(password) = &self.target.password {
+            match &self.target.username {
+                Some(user) => {
+                    resp::command(&mut setup, &[b"AUTH", user.as_bytes(), password.as_bytes()])
+                }
+                None => resp::command(&mut setup, &[b"AUTH", password.as_bytes()]),
+            }
+            replies += 1;
+        }
+        if self.target.db != 0 {
+            resp::command(
+                &mut setup,
+                &[b"SELECT", self.target.db.to_string().as_bytes()],
+            );
+            replies += 1;
+        }
+        if replies > 0 {
+            conn.write_all(&setup).await?;
+            for _ in 0..replies {
+                match resp::read_reply(&mut conn, 0).await? {
+                    Reply::Simple(_) => {}
+                    Reply::Error(e) => return Err(RespError::Protocol(e)),
+                    other => return Err(RespError::Protocol(format!("{other:?} to a login"))),
+                }
+            }
+        }
+        Ok(conn)
+    }
+
+    /// Sends `op` on `conn` and reads its answer(s).
+    async fn exchange(conn: &mut RedisConn, op: &RedisOp<'_>) -> Result<Answer, RespError> {
+        match op {
+            RedisOp::Set { key, object } => {
+                let len = object[0].len() + object[1].len();
+                let head = resp::command_head(&[b"SET", key.as_bytes()], len);
+                crate::server::write_all_vectored(conn, &[&head, object[0], object[1], resp::CRLF])
+                    .await?;
+                match resp::read_reply(conn, 0).await? {
+                    Reply::Simple(_) => Ok(Answer::Done),
+                    other => Ok(Answer::Refused(other)),
+                }
+            }
+            RedisOp::Get(key) => {
+                let mut cmd = Vec::new();
+                resp::command(&mut cmd, &[b"GET", key.as_bytes()]);
+                conn.write_all(&cmd).await?;
+                match resp::read_reply(conn, REDIS_MAX_OBJECT).await? {
+                    Reply::Bulk(b) => Ok(Answer::Object(b)),
+                    other => Ok(Answer::Refused(other)),
+                }
+            }
+            RedisOp::Exists(keys) => {
+                // Pipelined: every EXISTS in one write, then the answers in order.
+                let mut cmd = Vec::new();
+                for k in keys {
+                    resp::command(&mut cmd, &[b"EXISTS", k.as_bytes()]);
+                }
+                conn.write_all(&cmd).await?;
+                let mut found = Vec::with_capacity(keys.len());
+                let mut refused = None;
+                for _ in keys {
+                    match resp::read_reply(conn, 0).await? {
+                        Reply::Integer(n) => found.push(n > 0),
+                        other => {
+                            // Read every answer, so the connection stays in step.
+                            refused.get_or_insert(other);
+                        }
+                    }
+                }
+                Ok(refused.map_or(Answer::Found(found), Answer::Refused))
+            }
+            RedisOp::Del(key) => {
+                let mut cmd = Vec::new();
+                resp::command(&mut cmd, &[b"DEL", key.as_bytes()]);
+                conn.write_all(&cmd).await?;
+                match resp::read_reply(conn, 0).await? {
+                    Reply::Integer(_) => Ok(Answer::Done),
+                    other => Ok(Answer::Refused(other)),
+                }
+            }
+        }
+    }
+
+    /// Runs `op` with the deadline and the back-off: on an idle connection when there is
+    /// one (again on a new one if that one turns out dead: Redis restarted, or closed it),
+    /// else on a new one. A connection goes back to the idle ones only after a whole answer.
+    async fn run(&self, op: RedisOp<'_>) -> Result<Answer, L2Error> {
         let now = Instant::now();
         if let Some(until) = *self.down_until.lock().unwrap_or_else(|p| p.into_inner()) {
             if now < until {
                 return Err(L2Error::Backoff(until - now));
             }
         }
-        let mut pipe = redis::pipe();
-        cmd(&mut pipe);
-        let mut conn = self.conn.clone();
-        let result = tokio::time::timeout(self.deadline, pipe.query_async::<T>(&mut conn)).await;
-        let err = match result {
-            Ok(Ok(v)) => return Ok(v),
+        let attempt = async {
+            let reused = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            if let Some(mut conn) = reused {
+                match Self::exchange(&mut conn, &op).await {
+                    Ok(answer) => return Ok((conn, answer)),
+                    // Every command here may be sent twice (SET of the same bytes, reads).
+                    Err(RespError::Io(_)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            let mut conn = self.connect().await?;
+            let answer = Self::exchange(&mut conn, &op).await?;
+            Ok((conn, answer))
+        };
+        let err = match tokio::time::timeout(self.deadline, attempt).await {
+            Ok(Ok((conn, answer))) => {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                if idle.len() < REDIS_IDLE {
+                    idle.push(conn);
+                }
+                drop(idle);
+                match answer {
+                    Answer::Refused(reply) => {
+                        L2Error::Redis(format!("redis refused the command: {reply:?}"))
+                    }
+                    answer => return Ok(answer),
+                }
+            }
             Ok(Err(e)) => L2Error::Redis(e.to_string()),
             Err(_) => L2Error::Redis(format!("no answer within {:?}", self.deadline)),
         };
@@ -354,82 +547,77 @@ impl RedisL2 {
     }
 }
 
+/// What an operation answered.
+#[derive(Debug)]
+enum Answer {
+    Done,
+    Object(Option<Bytes>),
+    Found(Vec<bool>),
+    /// A reply that is not the command's success (an error, say OOM).
+    Refused(Reply),
+}
+
+fn unexpected(answer: Answer) -> L2Error {
+    L2Error::Redis(format!("unexpected answer {answer:?}"))
+}
+
 impl L2Backend for RedisL2 {
     async fn put(&self, id: BlockId, object: Bytes) -> Result<Vec<BlockId>, L2Error> {
-        let key = self.key(&id);
-        self.run::<()>(|p| {
-            p.cmd("SET").arg(key).arg(object.as_ref()).ignore();
-        })
-        .await?;
-        Ok(Vec::new())
+        match self
+            .run(RedisOp::Set {
+                key: self.key(&id),
+                object: [&object, &[]],
+            })
+            .await?
+        {
+            Answer::Done => Ok(Vec::new()),
+            other => Err(unexpected(other)),
+        }
     }
 
-    /// The object goes into the command as one argument written from its header and the
-    /// payload handle: one copy into the command (the crate then packs it for the socket),
-    /// where `put` would copy the payload into an encoded object first.
+    /// One vectored write of the command's head, the object's header and the payload as it
+    /// is in L1: no copy in user space (the kernel's copy into the socket is the only one).
     async fn put_block(&self, id: BlockId, block: &Block) -> Result<Vec<BlockId>, L2Error> {
-        let key = self.key(&id);
-        let object = ObjectArg {
-            header: object_header(&id, block),
-            payload: &block.payload,
-        };
-        self.run::<()>(|p| {
-            p.cmd("SET").arg(key).arg(object).ignore();
-        })
-        .await?;
-        Ok(Vec::new())
+        let header = object_header(&id, block);
+        match self
+            .run(RedisOp::Set {
+                key: self.key(&id),
+                object: [&header, &block.payload],
+            })
+            .await?
+        {
+            Answer::Done => Ok(Vec::new()),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn get(&self, id: BlockId) -> Result<Option<Bytes>, L2Error> {
-        let key = self.key(&id);
-        let (v,): (Option<Vec<u8>>,) = self
-            .run(|p| {
-                p.cmd("GET").arg(key);
-            })
-            .await?;
-        Ok(v.map(Bytes::from))
+        match self.run(RedisOp::Get(self.key(&id))).await? {
+            Answer::Object(v) => Ok(v),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn contains(&self, ids: &[BlockId]) -> Result<Vec<bool>, L2Error> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = ids.iter().map(|id| self.key(id)).collect();
-        self.run(|p| {
-            for k in keys {
-                p.cmd("EXISTS").arg(k);
-            }
-        })
-        .await
+        let keys = ids.iter().map(|id| self.key(id)).collect();
+        match self.run(RedisOp::Exists(keys)).await? {
+            Answer::Found(found) => Ok(found),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn remove(&self, id: BlockId) -> Result<(), L2Error> {
-        let key = self.key(&id);
-        self.run::<()>(|p| {
-            p.cmd("DEL").arg(key).ignore();
-        })
-        .await
+        match self.run(RedisOp::Del(self.key(&id))).await? {
+            Answer::Done => Ok(()),
+            other => Err(unexpected(other)),
+        }
     }
 
     fn name(&self) -> &'static str {
         "redis"
-    }
-}
-
-/// An L2 object as one Redis argument, written from its parts.
-struct ObjectArg<'a> {
-    header: [u8; HEADER_BYTES],
-    payload: &'a [u8],
-}
-
-impl redis::ToRedisArgs for ObjectArg<'_> {
-    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
-        use std::io::Write;
-        out.reserve_space_for_args([HEADER_BYTES + self.payload.len()]);
-        let mut arg = out.writer_for_next_arg();
-        // Writing into the command's buffer cannot fail.
-        let _ = arg.write_all(&self.header);
-        let _ = arg.write_all(self.payload);
     }
 }
 

@@ -13,6 +13,8 @@
 //! - [`l1`]: the L1 store, payloads beside the ledger.
 //! - [`pool`]: payload buffers used again instead of fresh pages for every block.
 //! - [`config`]: `agent.toml` and its validation.
+//! - [`resp`]: Redis's wire protocol, as much as the Redis backend speaks (commands
+//!   written from borrowed slices, a reader that trusts no reply).
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
 //! - [`agent`]: the service that answers requests from both tiers (I/O shell).
 //! - [`kv_subscribe`]: the ZMQ subscriptions to the engines' KV events (I/O).
@@ -35,6 +37,7 @@ pub mod l2;
 pub mod metric_names;
 pub mod pool;
 pub mod proto;
+pub mod resp;
 pub mod server;
 
 /// A current-thread runtime for the unit tests that drive async code.
