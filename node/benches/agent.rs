@@ -1,18 +1,22 @@
 //! The cache-agent's tiers against the plain tools that bound them, side by side in one run:
 //!
-//! - L1 put and get through the block API (a real `warmpath agent` process, its Unix
-//!   socket, the crate's client, 4 requests in flight) for 1 MiB and 16 MiB blocks, on a
-//!   full L1 (steady state: every put evicts), against a plain memcpy of the same sizes in
-//!   this process, both into one hot block and into 256 MiB of distinct blocks.
+//! - L1 put and get through the block API (a real `warmpath agent` process, over its Unix
+//!   socket and over loopback TCP, the crate's client, 4 requests in flight) for 1 MiB and
+//!   16 MiB blocks, on a full L1 (steady state: every put evicts), against a plain memcpy
+//!   of the same sizes in this process, both into one hot block and into 256 MiB of
+//!   distinct blocks.
 //! - lookup-and-lease of a 64-key chain held in L1: p50 and p99, one call at a time.
 //! - L2 Redis: the agent's Redis backend putting and getting 1 MiB objects, against
 //!   `redis-benchmark` SET and GET of 1 MiB values on the same server (one connection,
-//!   no pipelining, as the backend's one call at a time).
+//!   no pipelining, as the backend's one call at a time), its SET both of one key (its
+//!   default) and of as many keys as the backend writes (`-r`); both after an unmeasured
+//!   round, so that every measured SET replaces a value (steady state).
 //! - L2 directory: the agent's directory backend writing and reading 16 MiB objects,
 //!   against `dd` writing and reading the same sizes on the same filesystem (page cache,
 //!   no sync, as the backend).
 //!
-//! Run with `cargo bench -p warmpath --bench agent`. It needs `redis-server` and
+//! Run with `cargo bench -p warmpath --bench agent`; `-- l1`, `-- lookup`, `-- redis` or
+//! `-- dir` runs only those sections (to profile one). It needs `redis-server` and
 //! `redis-benchmark` (Debian's redis-server and redis-tools); without them the Redis rows
 //! are skipped, said so. Each figure is the median of 5 rounds.
 
@@ -100,19 +104,20 @@ async fn l1_round(c: &Arc<AgentClient>, size: usize, total: usize, round: usize)
     (put, get)
 }
 
-fn redis_benchmark(port: u16, n: usize, size: usize) -> Option<(f64, f64)> {
-    let out = Command::new("redis-benchmark")
-        .args([
-            "-p",
-            &port.to_string(),
-            "-t",
-            "set,get",
-            "-n",
-            &n.to_string(),
-        ])
-        .args(["-d", &size.to_string(), "-c", "1", "-P", "1", "--csv"])
-        .output()
-        .ok()?;
+/// `redis-benchmark` SET and GET (GB/s). By default it writes one key over and over (one
+/// value, hot in cache); with `keys`, SET only, of random keys among `keys` (`-r`), as the
+/// agent's backend round writes `keys` blocks.
+fn redis_benchmark(port: u16, n: usize, size: usize, keys: Option<usize>) -> Option<(f64, f64)> {
+    let distinct = keys.is_some();
+    let mut cmd = Command::new("redis-benchmark");
+    cmd.args(["-p", &port.to_string(), "-n", &n.to_string()])
+        .args(["-d", &size.to_string(), "-c", "1", "-P", "1", "--csv"]);
+    if let Some(keys) = keys {
+        cmd.args(["-t", "set", "-r", &keys.to_string()]);
+    } else {
+        cmd.args(["-t", "set,get"]);
+    }
+    let out = cmd.output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
     let rps = |name: &str| -> Option<f64> {
         let line = text
@@ -122,15 +127,25 @@ fn redis_benchmark(port: u16, n: usize, size: usize) -> Option<(f64, f64)> {
     };
     Some((
         rps("SET")? * size as f64 / 1e9,
-        rps("GET")? * size as f64 / 1e9,
+        if distinct {
+            f64::NAN
+        } else {
+            rps("GET")? * size as f64 / 1e9
+        },
     ))
 }
 
-async fn backend_round<B: L2Backend>(b: &B, size: usize, n: usize, round: usize) -> (f64, f64) {
+/// Puts then gets `n` blocks of `size` bytes through a backend, one call at a time: blocks
+/// `0..n` of layout `layout` (a layout already written: every put replaces a value).
+async fn backend_round<B: L2Backend>(
+    b: &B,
+    size: usize,
+    n: usize,
+    round: usize,
+    layout: u64,
+) -> (f64, f64) {
     let block = Block::new(Bytes::from(vec![round as u8; size]));
-    let ids: Vec<BlockId> = (0..n)
-        .map(|i| BlockId::new(round as u64, i as u64))
-        .collect();
+    let ids: Vec<BlockId> = (0..n).map(|i| BlockId::new(layout, i as u64)).collect();
     let object_len = encode_object(&ids[0], &block).len();
     // As the agent's L2 writer does: the block, encoded by the backend.
     let t = Instant::now();
@@ -175,6 +190,12 @@ fn dd(dir: &std::path::Path, size: usize, n: usize) -> (f64, f64) {
 }
 
 fn main() {
+    // `cargo bench` passes `--bench`; any other argument names the sections to run.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -197,38 +218,46 @@ fn main() {
         2,
     );
     println!(
-        "cache-agent benchmark: {} cores, median of {ROUNDS} rounds; agent = release `warmpath agent` over its Unix socket",
+        "cache-agent benchmark: {} cores, median of {ROUNDS} rounds; agent = release `warmpath agent`",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    let tcp = AgentAddr::Tcp(_agent.url.clone());
     rt.block_on(async {
         let c = Arc::new(
             AgentClient::connect(&AgentAddr::Unix(sock.clone()), "", Duration::from_secs(30))
                 .await
                 .expect("connect"),
         );
+        let over_tcp = Arc::new(
+            AgentClient::connect(&tcp, "", Duration::from_secs(30))
+                .await
+                .expect("connect over tcp"),
+        );
+        if run("l1") {
         println!(
             "\nL1 through the block API vs memcpy (GB/s); L1 {L1_BYTES}, 256 MiB per round, 4 in flight, \
              after one unmeasured round that fills L1 (steady state: puts evict)"
         );
         println!(
-            "{:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
-            "block", "cpy hot", "cpy 256M", "put", "put/hot", "put/256M", "get", "get/hot", "get/256M"
+            "{:>8} {:>5} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "block", "via", "cpy hot", "cpy 256M", "put", "put/hot", "put/256M", "get", "get/hot", "get/256M"
         );
+        for (via, c) in [("unix", &c), ("tcp", &over_tcp)] {
         for size in [MIB, 16 * MIB] {
             let total = 256 * MIB;
             let (mut h, mut m, mut p, mut g) = (vec![], vec![], vec![], vec![]);
-            l1_round(&c, size, total, ROUNDS + 1).await;
+            l1_round(c, size, total, ROUNDS + 1).await;
             for round in 0..ROUNDS {
                 let (hot, spread) = memcpy(size, total);
                 h.push(hot);
                 m.push(spread);
-                let (put, get) = l1_round(&c, size, total, round).await;
+                let (put, get) = l1_round(c, size, total, round).await;
                 p.push(put);
                 g.push(get);
             }
             let (h, m, p, g) = (median(h), median(m), median(p), median(g));
             println!(
-                "{:>6}Mi {h:>9.2} {m:>9.2} {p:>8.2} {:>8.3} {:>8.3} {g:>8.2} {:>8.3} {:>8.3}",
+                "{:>6}Mi {via:>5} {h:>9.2} {m:>9.2} {p:>8.2} {:>8.3} {:>8.3} {g:>8.2} {:>8.3} {:>8.3}",
                 size / MIB,
                 p / h,
                 p / m,
@@ -236,7 +265,10 @@ fn main() {
                 g / m
             );
         }
+        }
+        }
 
+        if run("lookup") {
         // lookup-and-lease of a 64-key chain, all in L1.
         let keys: Vec<u64> = (0..64).map(|k| 1u64 << 40 | k).collect();
         let blocks = keys
@@ -262,7 +294,9 @@ fn main() {
             percentile(&lat, 0.5),
             percentile(&lat, 0.99)
         );
+        }
 
+        if run("redis") {
         // L2 Redis.
         let port = free_addr().port();
         let redis = Command::new("redis-server")
@@ -284,15 +318,24 @@ fn main() {
                     Duration::from_secs(5),
                 )
                 .expect("redis backend");
-                let (mut bp, mut bg, mut rp, mut rg) = (vec![], vec![], vec![], vec![]);
+                let (mut bp, mut bg, mut rp, mut rg, mut rd) =
+                    (vec![], vec![], vec![], vec![], vec![]);
                 let n = 200;
+                // Unmeasured, once: the keys both write are created, so that every measured
+                // SET replaces a value (Redis frees the old one and takes its memory for the
+                // new, as a full Redis that evicts does: steady state, as the L1 rows).
+                backend_round(&backend, MIB, n, ROUNDS, 0).await;
+                redis_benchmark(port, 4 * n, MIB, Some(n));
                 for round in 0..ROUNDS {
-                    let (p, g) = backend_round(&backend, MIB, n, round).await;
+                    let (p, g) = backend_round(&backend, MIB, n, round, 0).await;
                     bp.push(p);
                     bg.push(g);
-                    if let Some((p, g)) = redis_benchmark(port, n, MIB) {
+                    if let Some((p, g)) = redis_benchmark(port, n, MIB, None) {
                         rp.push(p);
                         rg.push(g);
+                    }
+                    if let Some((p, _)) = redis_benchmark(port, n, MIB, Some(n)) {
+                        rd.push(p);
                     }
                 }
                 println!("\nL2 Redis, 1 MiB objects, one connection, one call at a time (GB/s)");
@@ -300,23 +343,28 @@ fn main() {
                     println!("  redis-benchmark missing: agent put {:.2}, get {:.2}", median(bp), median(bg));
                 } else {
                     let (bp, bg, rp, rg) = (median(bp), median(bg), median(rp), median(rg));
-                    println!("  {:>16} {:>10} {:>10}", "", "put/SET", "get/GET");
-                    println!("  {:>16} {bp:>10.2} {bg:>10.2}", "agent backend");
-                    println!("  {:>16} {rp:>10.2} {rg:>10.2}", "redis-benchmark");
-                    println!("  {:>16} {:>10.3} {:>10.3}", "ratio", bp / rp, bg / rg);
+                    let rd = if rd.is_empty() { f64::NAN } else { median(rd) };
+                    println!("  {:>28} {:>10} {:>10}", "", "put/SET", "get/GET");
+                    println!("  {:>28} {bp:>10.2} {bg:>10.2}", format!("agent backend ({n} keys)"));
+                    println!("  {:>28} {rp:>10.2} {rg:>10.2}", "redis-benchmark (one key)");
+                    println!("  {:>28} {rd:>10.2} {:>10}", format!("redis-benchmark ({n} keys)"), "-");
+                    println!("  {:>28} {:>10.3} {:>10.3}", "ratio to one key", bp / rp, bg / rg);
+                    println!("  {:>28} {:>10.3} {:>10}", format!("ratio to {n} keys"), bp / rd, "-");
                 }
                 let _ = redis.kill();
                 let _ = redis.wait();
             }
         }
+        }
 
+        if run("dir") {
         // L2 directory on this machine's temp filesystem.
         let l2dir = dir.path().join("l2");
         let backend = DirL2::open(&l2dir, 8 << 30).expect("dir backend");
         let (mut bp, mut bg, mut dw, mut dr) = (vec![], vec![], vec![], vec![]);
         let n = 16;
         for round in 0..ROUNDS {
-            let (p, g) = backend_round(&backend, 16 * MIB, n, round).await;
+            let (p, g) = backend_round(&backend, 16 * MIB, n, round, round as u64).await;
             bp.push(p);
             bg.push(g);
             let (w, r) = dd(dir.path(), 16 * MIB, n);
@@ -332,5 +380,6 @@ fn main() {
         println!("  {:>16} {bp:>10.2} {bg:>10.2}", "agent backend");
         println!("  {:>16} {dw:>10.2} {dr:>10.2}", "dd");
         println!("  {:>16} {:>10.3} {:>10.3}", "ratio", bp / dw, bg / dr);
+        }
     });
 }
