@@ -137,8 +137,7 @@ impl App {
         match self.residency.get() {
             Some(r) => {
                 r.set_agents(&agents);
-                let table = self.tenants();
-                r.set_tenants(table.version(), table.salts());
+                r.set_tenants(self.tenants().salts());
             }
             None if !agents.is_empty() => tracing::warn!(
                 agents = agents.len(),
