@@ -33,12 +33,17 @@ impl Drop for Shm {
 /// An agent with the HyperPod API on `shm` of `bytes`; `extra` flags after. Returns it and
 /// the API's HOST:PORT (its metrics URL is `lines[1]`'s when `--metrics-listen` is given).
 fn agent(shm: &Shm, bytes: &str, extra: &[&str]) -> (Proc, String) {
+    agent_on("127.0.0.1:0", shm, bytes, extra)
+}
+
+/// [`agent`] with the HyperPod API on `listen`.
+fn agent_on(listen: &str, shm: &Shm, bytes: &str, extra: &[&str]) -> (Proc, String) {
     let mut args = vec![
         "agent",
         "--listen",
         "127.0.0.1:0",
         "--hyperpod-listen",
-        "127.0.0.1:0",
+        listen,
         "--hyperpod-shm-name",
         &shm.0,
         "--hyperpod-shm-bytes",
@@ -452,4 +457,42 @@ fn objects_evicted_from_the_segment_go_to_l2_and_a_lease_loads_them_back() {
         404,
         "in neither tier: a miss"
     );
+}
+
+#[test]
+fn hyperpod_api_off_loopback_takes_the_agents_token_before_any_body() {
+    let dir = scratch_dir("hyperpod-token-on");
+    let token = dir.join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    let shm = Shm::new("token");
+    // On every address (not loopback): the agent's token is required.
+    let (_agent, addr) = agent_on(
+        "0.0.0.0:0",
+        &shm,
+        "1MiB",
+        &["--token-file", token.to_str().unwrap()],
+    );
+    let addr = addr.replace("0.0.0.0", "127.0.0.1");
+    let a = object(&[5u8; 100]);
+    let len = format!("Content-Length: {}", a.len());
+    let (status, body) = http(&addr, "PUT", "/v1/kv/lmcache/a", &[&len], &a);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("Authorization: Bearer"), "{body}");
+    let (status, body) = http(
+        &addr,
+        "PUT",
+        "/v1/kv/lmcache/a",
+        &[&len, "Authorization: Bearer wrong"],
+        &a,
+    );
+    assert_eq!(status, 401, "{body}");
+    let (status, body) = http(
+        &addr,
+        "PUT",
+        "/v1/kv/lmcache/a",
+        &[&len, "Authorization: Bearer s3cret"],
+        &a,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(lease(&addr, "a", 1.0).0, 401, "leases need it too");
 }

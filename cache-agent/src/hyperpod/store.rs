@@ -431,6 +431,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const UNIT: u64 = 4096;
 
@@ -611,6 +612,97 @@ mod tests {
         assert!(s.contains(&n("d")));
         s.release(gd.lease, 1).unwrap();
         assert_eq!(s.stats().pending, 0);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Step {
+        Put { key: u8, units: u8, commit: bool },
+        Lease { key: u8, ttl: u8 },
+        Release { nth: u8 },
+        Tick { us: u16 },
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (0u8..24, 1u8..6, proptest::bool::weighted(0.9))
+                .prop_map(|(key, units, commit)| Step::Put { key, units, commit }),
+            (0u8..24, 1u8..50).prop_map(|(key, ttl)| Step::Lease { key, ttl }),
+            any::<u8>().prop_map(|nth| Step::Release { nth }),
+            (0u16..2000).prop_map(|us| Step::Tick { us }),
+        ]
+    }
+
+    proptest! {
+        /// Whatever clients do: live objects never overlap and stay inside the data area,
+        /// the bound holds, a leased object is never evicted, and what a lease points at is
+        /// what was put under that name.
+        #[test]
+        fn placements_never_overlap_and_leases_hold(steps in proptest::collection::vec(step(), 1..200)) {
+            let mut s = store(16);
+            let mut now = 0u64;
+            // name -> (offset, len) of committed objects, as clients last saw them.
+            let mut live: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+            let mut leases: Vec<(LeaseId, String, u64)> = Vec::new();
+            for st in steps {
+                match st {
+                    Step::Put { key, units, commit } => {
+                        let name = n(&key.to_string());
+                        let len = u64::from(units) * UNIT - 7;
+                        let mut gone = Vec::new();
+                        let r = s.begin_put(name.clone(), len, &mut |n, _, _| gone.push(n.key.clone()));
+                        for g in &gone {
+                            prop_assert!(
+                                !leases.iter().any(|(_, k, exp)| k == g && *exp > now),
+                                "leased {g} evicted"
+                            );
+                            live.remove(g);
+                        }
+                        if let Ok(p) = r {
+                            prop_assert!(p.offset >= UNIT && p.offset + len <= UNIT + 16 * UNIT);
+                            for (k, &(o, l)) in &live {
+                                let (a, b) = (o, o + l.div_ceil(UNIT) * UNIT);
+                                let (c, d) = (p.offset, p.offset + len);
+                                prop_assert!(d <= a || c >= b, "{k} at {a}..{b} overlaps {c}..{d}");
+                            }
+                            if commit {
+                                prop_assert!(s.commit_put(p.seq));
+                                live.insert(key.to_string(), (p.offset, len));
+                            } else {
+                                s.abort_put(p.seq);
+                            }
+                        }
+                    }
+                    Step::Lease { key, ttl } => {
+                        let ttl = u64::from(ttl) * 100;
+                        match s.lease(&n(&key.to_string()), A, ttl, now) {
+                            Ok(g) => {
+                                let want = live.get(&key.to_string()).copied();
+                                prop_assert_eq!(Some((g.offset, g.len)), want);
+                                leases.push((g.lease, key.to_string(), now + ttl));
+                            }
+                            Err(LeaseError::Miss(_)) => {
+                                prop_assert!(!live.contains_key(&key.to_string()));
+                            }
+                            Err(_) => {}
+                        }
+                    }
+                    Step::Release { nth } => {
+                        if !leases.is_empty() {
+                            let (l, _, _) = leases.remove(usize::from(nth) % leases.len());
+                            let _ = s.release(l, now);
+                        }
+                    }
+                    Step::Tick { us } => {
+                        now += u64::from(us);
+                        s.expire(now);
+                        leases.retain(|(_, _, exp)| *exp > now);
+                    }
+                }
+                let st = s.stats();
+                prop_assert!(st.used_bytes <= st.capacity_bytes);
+                prop_assert_eq!(st.objects as usize, live.len());
+            }
+        }
     }
 
     #[test]
