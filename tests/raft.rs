@@ -830,8 +830,16 @@ async fn bad_admin_requests() {
     }
 
     // A pool's tokenizer must load and its template compile on the router taking the
-    // write; agents must be HOST:PORT.
+    // write; agents must be HOST:PORT; an adapter must be the pool's alone.
     for (pool, needle) in [
+        (
+            json!({"instances": [], "adapters": ["bad-pool"]}),
+            "the pool's model itself",
+        ),
+        (
+            json!({"instances": [], "adapters": ["sql-lora", POOL]}),
+            "the model of another pool",
+        ),
         (
             json!({"instances": [], "tokenizer": "tiktoken:p50k"}),
             "tiktoken:o200k_base",
