@@ -222,11 +222,12 @@ impl RouterCore {
                     members.push(id);
                 }
             }
-            // An adapter's requests go where its base model's do.
-            let members = next.get(&pool.model).cloned().unwrap_or_default();
-            for adapter in &pool.adapters {
-                next.entry(adapter.clone())
-                    .or_insert_with(|| members.clone());
+            // An adapter's requests go where its base model's do (a pool without instances
+            // serves neither: both are unknown models).
+            if let Some(members) = next.get(&pool.model).cloned() {
+                for adapter in &pool.adapters {
+                    next.entry(adapter.clone()).or_insert(members.clone());
+                }
             }
         }
         let kept: HashSet<InstanceId> = next.values().flatten().copied().collect();
@@ -650,6 +651,14 @@ mod tests {
         c.set_pools(&[pool("m", &["a", "b"])]);
         assert_eq!(route(&mut c, "sql-lora", 3), Err(NoRoute::UnknownModel));
         assert!(route(&mut c, "m", 4).is_ok());
+        // A pool without instances: its adapter is as unknown as its model.
+        let empty = CorePool {
+            adapters: vec!["sql-lora".into()],
+            ..pool("m", &[])
+        };
+        c.set_pools(&[empty]);
+        assert_eq!(route(&mut c, "sql-lora", 5), Err(NoRoute::UnknownModel));
+        assert_eq!(route(&mut c, "m", 6), Err(NoRoute::UnknownModel));
     }
 
     #[test]
