@@ -426,15 +426,32 @@ impl Store {
         data_dir: &Path,
         state_tx: Option<watch::Sender<ConfigState>>,
     ) -> Result<Store, StoreError> {
-        std::fs::create_dir_all(data_dir).map_err(|source| StoreError::DataDir {
-            path: data_dir.to_path_buf(),
-            source,
-        })?;
+        // The store holds API-key hashes and cache salts: the directory is 0700 and the file
+        // 0600, made so and, when an older release left them readable, made so again.
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+        let private = |mode: u32| std::fs::Permissions::from_mode(mode);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(data_dir)
+            .and_then(|()| std::fs::set_permissions(data_dir, private(0o700)))
+            .map_err(|source| StoreError::DataDir {
+                path: data_dir.to_path_buf(),
+                source,
+            })?;
         let path = data_dir.join("raft.redb");
         let open_err = |message: String| StoreError::Open {
             path: path.clone(),
             message,
         };
+        // redb initialises an empty file as a new database.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|f| f.set_permissions(private(0o600)))
+            .map_err(|e| open_err(e.to_string()))?;
         let db = Database::create(&path).map_err(|e| open_err(e.to_string()))?;
         let init = || -> Result<(), AnyError> {
             let txn = write_txn(&db, Durability::Immediate)?;
@@ -790,6 +807,21 @@ mod tests {
             let (log, sm) = store.into_parts();
             Ok((dir, log, sm))
         }
+    }
+
+    #[test]
+    fn the_store_is_readable_by_its_owner_only_even_when_an_older_release_made_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = temp_dir("modes");
+        let dir = tmp.path().join("raft");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        drop(Store::open(&dir).expect("a new store"));
+        assert_eq!((mode(&dir), mode(&dir.join("raft.redb"))), (0o700, 0o600));
+        let open = std::fs::Permissions::from_mode;
+        std::fs::set_permissions(&dir, open(0o755)).unwrap();
+        std::fs::set_permissions(dir.join("raft.redb"), open(0o644)).unwrap();
+        drop(Store::open(&dir).expect("the store again"));
+        assert_eq!((mode(&dir), mode(&dir.join("raft.redb"))), (0o700, 0o600));
     }
 
     #[test]
