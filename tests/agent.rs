@@ -1119,7 +1119,14 @@ impl Residency {
         let certs = dir.join("certs");
         let certs_s = certs.to_str().unwrap().to_string();
         let out = crate::warmpath(&[
-            "certs", "--out", &certs_s, "--name", "agent", "--name", "router",
+            "certs",
+            "--out",
+            &certs_s,
+            "--agent",
+            "agent",
+            "--router",
+            "router",
+            "--loopback",
         ]);
         assert!(
             out.status.success(),
@@ -1197,7 +1204,8 @@ impl Residency {
         let (tx, mut rx) = tokio::sync::mpsc::channel(16);
         let target = AgentTarget::parse(&self.quic).expect("target");
         let (stop, stopped) = tokio::sync::oneshot::channel();
-        let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
+        let (_tenants, tenants) =
+            tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
         tokio::spawn(follow(
             ep,
             target,
@@ -1292,7 +1300,7 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
         "certs",
         "--out",
         rogue.to_str().unwrap(),
-        "--name",
+        "--router",
         "router",
     ]);
     assert!(out.status.success());

@@ -211,7 +211,7 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
     let certs = dir.join("certs");
     let certs_s = certs.to_str().unwrap();
     let out = crate::warmpath(&[
-        "certs", "--out", certs_s, "--name", "agent", "--name", "router",
+        "certs", "--out", certs_s, "--agent", "agent", "--router", "router",
     ]);
     assert!(out.status.success());
     // The instance the events are about (engine-sim answers the router's requests).

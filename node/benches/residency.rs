@@ -83,9 +83,9 @@ fn main() {
             "certs",
             "--out",
             certs.to_str().expect("utf-8"),
-            "--name",
+            "--agent",
             "agent",
-            "--name",
+            "--router",
             "router",
         ])
         .output()
@@ -126,9 +126,9 @@ fn main() {
         let tls = TlsFiles::in_dir(&certs, "router");
         let ep = endpoint("127.0.0.1:0".parse().expect("addr"), None, Some(tls.client_config().expect("tls"))).expect("endpoint");
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Outcome>(65_536);
-        let target = AgentTarget::parse(&quic.to_string()).expect("target");
+        let target = AgentTarget::parse(&format!("agent@{quic}")).expect("target");
         let (_stop, stopped) = tokio::sync::oneshot::channel();
-        let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
+        let (_tenants, tenants) = tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
         tokio::spawn(follow(ep, target, Duration::from_secs(5), tx, stopped, tenants, Default::default()));
 
         // Publish at RATE; remember when each block's event left.

@@ -317,7 +317,9 @@ async fn start_host(
                 .next()
                 .context("the agent's residency line")?
                 .trim();
-            quic_addr = Some(quic.to_string());
+            // Followed by its certificate's name: the demo's certificates carry no
+            // loopback name.
+            quic_addr = Some(format!("agent@{quic}"));
         }
         if args.l1_kv_tokens > 0 {
             engine_args.extend([
@@ -346,10 +348,15 @@ async fn start_cluster(args: &DemoArgs, strategy: Strategy) -> Result<Cluster> {
     let run_dir = tempfile::tempdir().context("cannot make the run's directory")?;
     let certs = if args.residency {
         let certs = run_dir.path().join("certs");
+        use warmpath_residency::tls::Role;
         warmpath_residency::tls::generate(
             &certs,
-            &["agent".to_string(), "router".to_string()],
+            &[
+                ("agent".to_string(), Role::Agent),
+                ("router".to_string(), Role::Router),
+            ],
             &[],
+            false,
         )
         .map_err(anyhow::Error::msg)?;
         Some(certs.display().to_string())
