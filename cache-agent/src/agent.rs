@@ -249,17 +249,25 @@ impl Agent {
         (self.report.residency.clone(), self.report.changed.clone())
     }
 
-    /// Takes the tenant table a router sent ((cache salt, tenant id) pairs).
-    pub fn learn_tenants(&self, salts: Vec<(String, String)>) {
-        let n = salts.len();
-        let rekeyed = self
-            .ingest
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .learn_tenants(salts.into_iter().collect());
-        gauge!(crate::metric_names::AGENT_LEARNED_TENANTS).set(n as f64);
-        if rekeyed {
-            self.resyncs.send_modify(|n| *n += 1);
+    /// Takes the tenant table a router sent for configuration `version` ((cache salt,
+    /// tenant id) pairs), unless it is older than the one held or too large (counted).
+    pub fn learn_tenants(&self, version: u64, salts: Vec<(String, String)>) {
+        let mut ingest = self.ingest.lock().unwrap_or_else(|p| p.into_inner());
+        match ingest.learn_tenants_at(version, salts) {
+            Ok(rekeyed) => {
+                gauge!(crate::metric_names::AGENT_LEARNED_TENANTS)
+                    .set(ingest.learned_tenants() as f64);
+                gauge!(crate::metric_names::AGENT_LEARNED_TENANTS_VERSION).set(version as f64);
+                drop(ingest);
+                if rekeyed {
+                    self.resyncs.send_modify(|n| *n += 1);
+                }
+            }
+            Err(why) => {
+                counter!(crate::metric_names::AGENT_TENANT_TABLES_REFUSED_TOTAL, "reason" => why.name())
+                    .increment(1);
+                tracing::debug!(version, reason = why.name(), "tenant table refused");
+            }
         }
     }
 
@@ -931,7 +939,15 @@ fn describe_metrics() {
     );
     describe_gauge!(
         crate::metric_names::AGENT_LEARNED_TENANTS,
-        "Tenants in the table the routers last sent (cache salt to tenant)."
+        "Tenants in the routers' table held: the newest configuration version's (cache salt to tenant)."
+    );
+    describe_gauge!(
+        crate::metric_names::AGENT_LEARNED_TENANTS_VERSION,
+        "Configuration version of the routers' tenant table held."
+    );
+    describe_counter!(
+        crate::metric_names::AGENT_TENANT_TABLES_REFUSED_TOTAL,
+        "Tenant tables from routers not taken, by reason (stale: older than the one held; too_large)."
     );
     describe_histogram!(
         crate::metric_names::AGENT_OP_DURATION_SECONDS,

@@ -83,6 +83,30 @@ use warmpath_residency::{Change, Scope};
 /// about 200 MB.
 pub const MAX_BLOCKS: usize = 1 << 20;
 
+/// Tenant keys in use (one per tenant and adapter whose chains the engines report) at
+/// most: a chain that would need another is not reported (counted `capped`). Each costs
+/// 32 bytes and a scan at each chain's start; engines can name any number of salts.
+pub const MAX_SLOTS: usize = 1 << 12;
+
+/// Why a router's tenant table was not taken ([`Ingest::learn_tenants_at`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableRefused {
+    /// Of an older configuration version than the table held.
+    Stale,
+    /// More than [`warmpath_residency::MAX_TENANT_ENTRIES`] entries.
+    TooLarge,
+}
+
+impl TableRefused {
+    /// The metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            TableRefused::Stale => "stale",
+            TableRefused::TooLarge => "too_large",
+        }
+    }
+}
+
 /// Removed event blocks kept per engine for their chain ends (their children may follow).
 pub const GHOSTS: usize = 1 << 16;
 
@@ -129,7 +153,8 @@ pub struct IngestStats {
     pub malformed: u64,
     /// Blocks not reported because the pool's block size was not known yet.
     pub no_block_size: u64,
-    /// Blocks not reported because the engine's view was full ([`MAX_BLOCKS`]).
+    /// Blocks not reported because the engine's view was full ([`MAX_BLOCKS`]), or their
+    /// chain would have needed a tenant key past [`MAX_SLOTS`].
     pub capped: u64,
 }
 
@@ -222,6 +247,8 @@ pub struct Ingest {
     learned: HashMap<String, String>,
     /// Whether a router ever sent a non-empty table.
     learned_any: bool,
+    /// The configuration version of `learned` (None: no router sent one yet).
+    learned_version: Option<u64>,
     /// Tenant keys in use (with the adapter each is for), by slot: nodes hold a slot, not
     /// a 32-byte key each.
     keys: Vec<(TenantKey, Option<Box<str>>)>,
@@ -240,6 +267,7 @@ impl Ingest {
             tenants,
             learned: HashMap::new(),
             learned_any: false,
+            learned_version: None,
             keys: Vec::new(),
             engines: (0..engines).map(|_| EngineView::default()).collect(),
             covered: HashMap::new(),
@@ -253,6 +281,31 @@ impl Ingest {
     /// already keyed keep their keys: set it before the first batch.
     pub fn set_block_tokens(&mut self, block_tokens: Option<u32>) {
         self.block_tokens = block_tokens.filter(|&b| b > 0);
+    }
+
+    /// Takes the table a router sent for configuration `version`, unless the table held is
+    /// of a newer version (a router behind, or one replaying an old table) or it has more
+    /// than [`warmpath_residency::MAX_TENANT_ENTRIES`] entries. Of one version, the last
+    /// table sent is kept (routers of one version send the same one). What
+    /// [`Ingest::learn_tenants`] returns, when taken.
+    pub fn learn_tenants_at(
+        &mut self,
+        version: u64,
+        table: Vec<(String, String)>,
+    ) -> Result<bool, TableRefused> {
+        if table.len() > warmpath_residency::MAX_TENANT_ENTRIES {
+            return Err(TableRefused::TooLarge);
+        }
+        if self.learned_version.is_some_and(|held| version < held) {
+            return Err(TableRefused::Stale);
+        }
+        self.learned_version = Some(version);
+        Ok(self.learn_tenants(table.into_iter().collect()))
+    }
+
+    /// The tenants the routers' table holds (salt → tenant id entries).
+    pub fn learned_tenants(&self) -> usize {
+        self.learned.len()
     }
 
     /// Replaces the table the routers sent (salt → tenant id). Chains stored from now on
@@ -283,19 +336,21 @@ impl Ingest {
     }
 
     /// The slot of `tenant`'s key for `adapter` (the tenant's own key for none).
-    fn slot(&mut self, tenant: TenantKey, adapter: Option<&str>) -> u32 {
+    /// None when it would be a new one past [`MAX_SLOTS`].
+    fn slot(&mut self, tenant: TenantKey, adapter: Option<&str>) -> Option<u32> {
         let key = match adapter {
             Some(a) => tenant.for_adapter(a),
             None => tenant,
         };
         let i = match self.keys.iter().position(|(k, _)| *k == key) {
             Some(i) => i,
+            None if self.keys.len() >= MAX_SLOTS => return None,
             None => {
                 self.keys.push((key, adapter.map(Box::from)));
                 self.keys.len() - 1
             }
         };
-        i as u32
+        Some(i as u32)
     }
 
     /// The slot of the GPU chain on `engine` whose first pool block is `tokens`' first,
@@ -527,9 +582,16 @@ impl Ingest {
                                 };
                                 let slot = match by_gpu {
                                     Some(s) => Some(s),
-                                    None => {
-                                        self.resolve(&candidates).map(|k| self.slot(k, adapter))
-                                    }
+                                    None => match self.resolve(&candidates) {
+                                        Some(k) => match self.slot(k, adapter) {
+                                            Some(s) => Some(s),
+                                            None => {
+                                                self.stats.capped += left;
+                                                break;
+                                            }
+                                        },
+                                        None => None,
+                                    },
                                 };
                                 match slot {
                                     Some(s) => (s, None, Vec::new()),

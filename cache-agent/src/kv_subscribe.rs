@@ -43,6 +43,9 @@ use warmpath_residency::{Change, Publisher};
 /// KiB; vLLM batches per scheduler step).
 pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 
+/// Changes recorded under one hold of the residency publisher's lock.
+const REPORT_CHUNK: usize = 8192;
+
 /// How long a replay may take before the gap is left to `ingest`; in a resync, the
 /// longest wait for the replay's next message.
 pub const REPLAY_WAIT: Duration = Duration::from_millis(500);
@@ -149,7 +152,7 @@ pub async fn subscribe(
             }
             duplicates = None;
         }
-        let batch = match decode_batch(payload) {
+        let batch = match cpu(|| decode_batch(payload)) {
             Ok(b) => b,
             Err(e) => {
                 counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "malformed")
@@ -182,8 +185,22 @@ pub async fn subscribe(
                     .increment(1);
             }
         }
-        changes.extend(view.lock().apply(engine, seq, &batch));
-        view.report(changes);
+        cpu(|| {
+            changes.extend(view.lock().apply(engine, seq, &batch));
+            view.report(changes);
+        });
+    }
+}
+
+/// Runs `f`, CPU work that may take long (a batch of a quarter million blocks takes
+/// seconds in a debug build), without holding up the other tasks of the runtime's worker:
+/// the QUIC connections and heartbeats of residency, which a router takes for a dead agent
+/// after 1.5 s of silence.
+fn cpu<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
@@ -200,16 +217,17 @@ impl View {
         self.ingest.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Records `changes` a slice at a time: the publisher's lock is never held long
+    /// enough to delay a heartbeat (a router takes 1.5 s of silence for a dead agent).
     fn report(&self, changes: Vec<Change>) {
-        if changes.is_empty() {
-            return;
+        for part in changes.chunks(REPORT_CHUNK) {
+            let mut r = self.residency.lock().unwrap_or_else(|p| p.into_inner());
+            for c in part {
+                r.record(*c);
+            }
+            drop(r);
+            self.changed.notify_one();
         }
-        let mut r = self.residency.lock().unwrap_or_else(|p| p.into_inner());
-        for c in changes {
-            r.record(c);
-        }
-        drop(r);
-        self.changed.notify_one();
     }
 
     /// Drops the view and rebuilds it from every batch the engine's replay socket still

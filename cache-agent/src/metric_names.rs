@@ -33,6 +33,7 @@ pub const AGENT_L2_ERRORS_TOTAL: &str = "warmpath_agent_l2_errors_total";
 pub const AGENT_L2_OP_DURATION_SECONDS: &str = "warmpath_agent_l2_op_duration_seconds";
 pub const AGENT_L2_WRITE_DROPPED_TOTAL: &str = "warmpath_agent_l2_write_dropped_total";
 pub const AGENT_LEARNED_TENANTS: &str = "warmpath_agent_learned_tenants";
+pub const AGENT_LEARNED_TENANTS_VERSION: &str = "warmpath_agent_learned_tenants_version";
 pub const AGENT_LEASED_BLOCKS: &str = "warmpath_agent_leased_blocks";
 pub const AGENT_LEASES: &str = "warmpath_agent_leases";
 pub const AGENT_LEASES_TOTAL: &str = "warmpath_agent_leases_total";
@@ -46,6 +47,7 @@ pub const AGENT_PROMOTIONS_TOTAL: &str = "warmpath_agent_promotions_total";
 pub const AGENT_PROTOCOL_ERRORS_TOTAL: &str = "warmpath_agent_protocol_errors_total";
 pub const AGENT_PUT_REFUSED_TOTAL: &str = "warmpath_agent_put_refused_total";
 pub const AGENT_REQUEST_ERRORS_TOTAL: &str = "warmpath_agent_request_errors_total";
+pub const AGENT_TENANT_TABLES_REFUSED_TOTAL: &str = "warmpath_agent_tenant_tables_refused_total";
 
 /// Every name above.
 pub const ALL: &[&str] = &[
@@ -78,6 +80,7 @@ pub const ALL: &[&str] = &[
     AGENT_L2_OP_DURATION_SECONDS,
     AGENT_L2_WRITE_DROPPED_TOTAL,
     AGENT_LEARNED_TENANTS,
+    AGENT_LEARNED_TENANTS_VERSION,
     AGENT_LEASED_BLOCKS,
     AGENT_LEASES,
     AGENT_LEASES_TOTAL,
@@ -91,4 +94,5 @@ pub const ALL: &[&str] = &[
     AGENT_PROTOCOL_ERRORS_TOTAL,
     AGENT_PUT_REFUSED_TOTAL,
     AGENT_REQUEST_ERRORS_TOTAL,
+    AGENT_TENANT_TABLES_REFUSED_TOTAL,
 ];

@@ -282,7 +282,9 @@ pub async fn serve(
             residency,
             changed,
             warmpath_residency::net::FromRouters {
-                tenants: std::sync::Arc::new(move |salts| learner.learn_tenants(salts)),
+                tenants: std::sync::Arc::new(move |version, salts| {
+                    learner.learn_tenants(version, salts)
+                }),
                 prefetch: std::sync::Arc::new(move |_instance, keys| prefetcher.prefetch(keys)),
             },
         ));

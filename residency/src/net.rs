@@ -79,11 +79,12 @@ pub async fn serve(
             loop {
                 let _ = tokio::time::timeout(HEARTBEAT, changed.notified()).await;
                 let heartbeat = last_sent.elapsed() >= HEARTBEAT;
+                // Many changes go out as several deltas, none over what a router reads.
                 let next = residency
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .next(heartbeat, unix_ms());
-                if let Some(m) = next {
+                    .next_all(heartbeat, unix_ms());
+                for m in next {
                     last_sent = Instant::now();
                     let _ = tx.send(Arc::new(m));
                 }
@@ -135,7 +136,11 @@ async fn session(
                         return;
                     }
                 }
-                Ok(Wire::V1Reply(Reply::Tenants(table))) => (from_routers.tenants)(table),
+                // An older router's table, of no version: it never displaces a newer one.
+                Ok(Wire::V1Reply(Reply::Tenants(table))) => (from_routers.tenants)(0, table),
+                Ok(Wire::V1Reply(Reply::TenantsAt { version, tenants })) => {
+                    (from_routers.tenants)(version, tenants)
+                }
                 Ok(Wire::V1Reply(Reply::Prefetch { instance, mut keys })) => {
                     keys.truncate(MAX_PREFETCH_KEYS);
                     (from_routers.prefetch)(instance, keys);
@@ -149,7 +154,7 @@ async fn session(
         // follows the snapshot (older messages are ignored by the subscriber by sequence).
         let (snapshot, mut rx) = {
             let mut p = residency.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(m) = p.next(false, unix_ms()) {
+            for m in p.next_all(false, unix_ms()) {
                 let _ = tx.send(Arc::new(m));
             }
             (p.snapshot(), tx.subscribe())
@@ -174,12 +179,20 @@ async fn session(
     }
 }
 
-/// The tenant table a router sends its agents ((cache salt, tenant id) pairs), current
-/// and changing.
-pub type TenantsWatch = tokio::sync::watch::Receiver<Arc<Vec<(String, String)>>>;
+/// The tenant table a router sends its agents, current and changing.
+pub type TenantsWatch = tokio::sync::watch::Receiver<Arc<TenantTable>>;
 
-/// What an agent does with a tenant table a router sent ((cache salt, tenant id) pairs).
-pub type OnTenants = Arc<dyn Fn(Vec<(String, String)>) + Send + Sync>;
+/// A router's tenant table: (cache salt, tenant id) pairs, and the configuration version
+/// they come from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantTable {
+    pub version: u64,
+    pub tenants: Vec<(String, String)>,
+}
+
+/// What an agent does with a tenant table a router sent (its configuration version, and
+/// (cache salt, tenant id) pairs). Only a router's certificate reaches it.
+pub type OnTenants = Arc<dyn Fn(u64, Vec<(String, String)>) + Send + Sync>;
 
 /// What an agent does with a prefetch hint a router sent (instance, keys in chain order; see
 /// [`Reply::Prefetch`]). Called on the link's reader: it must not block.
@@ -464,7 +477,13 @@ async fn run_once(
                 },
                 Some(hint) = hints.recv() => hint,
                 c = tenants.changed(), if tenants_open => match c {
-                    Ok(()) => Reply::Tenants(tenants.borrow_and_update().as_ref().clone()),
+                    Ok(()) => {
+                        let t = tenants.borrow_and_update().clone();
+                        Reply::TenantsAt {
+                            version: t.version,
+                            tenants: t.tenants.clone(),
+                        }
+                    }
                     Err(_) => {
                         tenants_open = false;
                         continue;

@@ -81,7 +81,26 @@ pub enum Reply {
     /// at admission. A hint: an agent may drop it, and an agent that predates it closes
     /// the link (upgrade agents before routers).
     Prefetch { instance: String, keys: Vec<u64> },
+    /// As [`Reply::Tenants`], from configuration `version` (the Raft state's applied
+    /// index; 0 for a router's static configuration). An agent keeps the table of the
+    /// newest version any router sent, not the last one, so a router behind, or one
+    /// replaying an old table, changes nothing; a table of more than
+    /// [`MAX_TENANT_ENTRIES`] entries is refused. Routers send this one; agents still read
+    /// [`Reply::Tenants`] (as version 0). An agent that predates it closes the link
+    /// (upgrade agents before routers).
+    TenantsAt {
+        version: u64,
+        tenants: Vec<(String, String)>,
+    },
 }
+
+/// Most (cache salt, tenant id) entries an agent takes in one tenant table.
+pub const MAX_TENANT_ENTRIES: usize = 1 << 16;
+
+/// Most changes in one [`Msg::Delta`]: a change encodes in at most 25 bytes, so a delta
+/// stays under 1.6 MiB, well within what a router reads (4 MiB); more changes go in the
+/// deltas that follow ([`Publisher::next_all`]).
+pub const DELTA_CHUNK: usize = 1 << 16;
 
 /// Most keys one [`Reply::Prefetch`] carries (a 128k-token prompt in 16-token blocks).
 pub const MAX_PREFETCH_KEYS: usize = 8192;
@@ -159,6 +178,7 @@ impl Publisher {
 
     /// The next delta, stamped `now_ms`, if anything changed; else a heartbeat when
     /// `heartbeat` is true.
+    /// At most [`DELTA_CHUNK`] changes go in one delta: the rest wait for the next call.
     pub fn next(&mut self, heartbeat: bool, now_ms: u64) -> Option<Msg> {
         if self.pending.is_empty() {
             return heartbeat.then_some(Msg::Heartbeat {
@@ -167,12 +187,28 @@ impl Publisher {
             });
         }
         self.seq += 1;
+        let changes = if self.pending.len() > DELTA_CHUNK {
+            let rest = self.pending.split_off(DELTA_CHUNK);
+            std::mem::replace(&mut self.pending, rest)
+        } else {
+            std::mem::take(&mut self.pending)
+        };
         Some(Msg::Delta {
             epoch: self.epoch,
             seq: self.seq,
             sent_ms: now_ms,
-            changes: std::mem::take(&mut self.pending),
+            changes,
         })
+    }
+
+    /// Every delta it takes to send all changes recorded, in order (none: a heartbeat when
+    /// `heartbeat` is true).
+    pub fn next_all(&mut self, heartbeat: bool, now_ms: u64) -> Vec<Msg> {
+        let mut out: Vec<Msg> = self.next(heartbeat, now_ms).into_iter().collect();
+        while !self.pending.is_empty() {
+            out.extend(self.next(false, now_ms));
+        }
+        out
     }
 
     /// A full state for a new subscriber, at the current sequence number. Call [`next`]
@@ -536,6 +572,45 @@ mod tests {
 
     fn truth(p: &Publisher) -> HashSet<(Scope, u64)> {
         p.held.keys().copied().collect()
+    }
+
+    #[test]
+    fn a_large_delta_is_split_within_what_a_router_reads() {
+        let mut p = Publisher::new(7, vec!["e0".into()]);
+        let mut s = Subscriber::new(1_000_000);
+        let mut view = HashSet::new();
+        for m in p.snapshot() {
+            apply(&mut view, &s.handle(0, m));
+        }
+        // The largest changes there are: ten-byte keys and parents.
+        let n = 3 * DELTA_CHUNK + 5;
+        for i in 0..n as u64 {
+            p.record(add(Scope::Gpu(0), u64::MAX - i, Some(u64::MAX - i - 1)));
+        }
+        let msgs = p.next_all(true, u64::MAX);
+        assert_eq!(msgs.len(), 4);
+        for m in msgs {
+            let bytes = encode(&Wire::V1Msg(m.clone()));
+            assert!(bytes.len() < 2 << 20, "{} bytes", bytes.len());
+            assert!(!apply(&mut view, &s.handle(1, m)));
+        }
+        assert_eq!(view, truth(&p));
+        assert!(p.next_all(false, 0).is_empty());
+    }
+
+    #[test]
+    fn the_tenant_table_of_a_version_keeps_its_variant_and_the_old_one_still_reads() {
+        let old = Wire::V1Reply(Reply::Tenants(vec![("s".into(), "t".into())]));
+        assert_eq!(decode(&encode(&old)).unwrap(), old);
+        let new = Wire::V1Reply(Reply::TenantsAt {
+            version: 42,
+            tenants: vec![("s".into(), "t".into())],
+        });
+        assert_eq!(decode(&encode(&new)).unwrap(), new);
+        // The variants before it keep their tags: what an older router sends reads the same.
+        assert_eq!(encode(&Wire::V1Reply(Reply::Resync)), vec![1, 0]);
+        assert_eq!(encode(&old)[..2], [1, 1]);
+        assert_eq!(encode(&new)[..2], [1, 3]);
     }
 
     #[test]

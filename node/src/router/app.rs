@@ -137,7 +137,8 @@ impl App {
         match self.residency.get() {
             Some(r) => {
                 r.set_agents(&agents);
-                r.set_tenants(self.tenants().salts());
+                let table = self.tenants();
+                r.set_tenants(table.version(), table.salts());
             }
             None if !agents.is_empty() => tracing::warn!(
                 agents = agents.len(),

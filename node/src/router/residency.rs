@@ -21,7 +21,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use tokio::sync::{mpsc, oneshot, watch};
-use warmpath_residency::net::{endpoint, follow, AgentTarget, PrefetchSent, Prefetchers};
+use warmpath_residency::net::{
+    endpoint, follow, AgentTarget, PrefetchSent, Prefetchers, TenantTable,
+};
 use warmpath_residency::tls::TlsFiles;
 use warmpath_residency::Outcome;
 
@@ -50,7 +52,7 @@ pub struct Residency {
     fixed: Vec<String>,
     /// Address → the follower's stop (dropping it stops the follower).
     following: Mutex<HashMap<String, oneshot::Sender<()>>>,
-    tenants: watch::Sender<Arc<Vec<(String, String)>>>,
+    tenants: watch::Sender<Arc<TenantTable>>,
     /// Each followed agent's link for prefetch hints, by the instances it reports.
     prefetchers: Prefetchers,
 }
@@ -78,7 +80,7 @@ impl Residency {
             out,
             fixed: fixed.to_vec(),
             following: Mutex::new(HashMap::new()),
-            tenants: watch::Sender::new(Arc::new(Vec::new())),
+            tenants: watch::Sender::new(Arc::new(TenantTable::default())),
             prefetchers: Prefetchers::default(),
         });
         residency.set_agents(&[]);
@@ -138,13 +140,18 @@ impl Residency {
         sent
     }
 
-    /// The tenants' (cache salt, tenant id), sent to every agent now and on each change.
-    pub fn set_tenants(&self, mut salts: Vec<(String, String)>) {
+    /// The tenants' (cache salt, tenant id) of configuration `version`, sent to every
+    /// agent now and on each change.
+    pub fn set_tenants(&self, version: u64, mut salts: Vec<(String, String)>) {
         salts.sort_unstable();
+        let table = TenantTable {
+            version,
+            tenants: salts,
+        };
         self.tenants.send_if_modified(|t| {
-            let changed = **t != salts;
+            let changed = **t != table;
             if changed {
-                *t = Arc::new(salts);
+                *t = Arc::new(table);
             }
             changed
         });
@@ -160,7 +167,7 @@ async fn follow_each(
     expiry: Duration,
     out: mpsc::Sender<Outcome>,
     mut stop: oneshot::Receiver<()>,
-    tenants: watch::Receiver<Arc<Vec<(String, String)>>>,
+    tenants: watch::Receiver<Arc<TenantTable>>,
     prefetchers: Prefetchers,
 ) {
     let mut following: HashMap<SocketAddr, oneshot::Sender<()>> = HashMap::new();

@@ -63,6 +63,9 @@ impl std::fmt::Debug for TenantEntry {
 /// Tenants by id and by API key, with their key material derived once; each entry carries
 /// the configuration version it comes from.
 pub struct TenantTable {
+    /// The configuration version the table was compiled from (sent to agents with the
+    /// salts, so that they keep the newest table).
+    version: u64,
     by_id: HashMap<String, Arc<TenantEntry>>,
     by_key: HashMap<[u8; 32], String>,
     default_tenant: Option<String>,
@@ -102,6 +105,11 @@ impl TenantTable {
     /// The tenant of requests that name none (one that exists in this table).
     pub(super) fn default_tenant(&self) -> Option<&str> {
         self.default_tenant.as_deref()
+    }
+
+    /// The configuration version the table comes from.
+    pub fn version(&self) -> u64 {
+        self.version
     }
 
     /// Every tenant's (cache salt, id): what agents need to key their engines' chains.
@@ -168,6 +176,7 @@ impl TenantTable {
         }
         let default_tenant = default_tenant.filter(|d| by_id.contains_key(d));
         TenantTable {
+            version,
             by_id,
             by_key,
             default_tenant,
