@@ -17,6 +17,7 @@ mod raft;
 mod readme;
 mod report;
 mod router;
+mod security_tiers;
 mod simulate;
 
 pub use warmpath_testkit::{free_addr, scratch_dir, warmpath_bin, Proc, Redis};

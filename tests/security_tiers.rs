@@ -1,0 +1,531 @@
+//! Issue 26's attacks on residency over QUIC, KV-event ingestion and the stores' file
+//! modes (attacks 6 to 10), each against real `warmpath` processes: certificates carry
+//! their role, so an agent serves routers only and a router follows agents only, by the
+//! name it follows; an agent keeps the newest tenant table, bounded; a delta too large for
+//! one message reaches routers in pieces; every store is its owner's only.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use warmpath_cache_agent::kv_events::{encode_batch, message, EngineHash, KvEvent, Shape};
+use warmpath_residency::net::{endpoint, follow, AgentTarget, TenantTable};
+use warmpath_residency::tls::TlsFiles;
+use warmpath_residency::{decode, encode, Outcome, Reply, Wire};
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+use crate::router::{get_text, metric};
+use crate::{scratch_dir, until, Proc};
+
+/// `warmpath certs --out DIR/certs` with `args`; the directory.
+fn make_certs(dir: &Path, args: &[&str]) -> PathBuf {
+    let out_dir = dir.join("certs");
+    let mut all = vec!["certs", "--out", out_dir.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let out = crate::warmpath(&all);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out_dir
+}
+
+/// An agent serving residency with certificate `name` of `certs`: the process, its QUIC
+/// address and its metrics URL.
+fn residency_agent(certs: &Path, name: &str, extra: &[&str]) -> (Proc, String, String) {
+    let mut args = vec![
+        "agent",
+        "--listen",
+        "127.0.0.1:0",
+        "--residency-listen",
+        "127.0.0.1:0",
+        "--tls-dir",
+        certs.to_str().unwrap(),
+        "--tls-name",
+        name,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let p = Proc::start_lines(&args, 3, "warn");
+    let after = |what: &str| {
+        p.lines
+            .iter()
+            .find_map(|l| l.split(what).nth(1))
+            .unwrap_or_else(|| panic!("no {what:?} in {:?}", p.lines))
+            .trim()
+            .to_string()
+    };
+    let (quic, metrics) = (after("mutual TLS) on "), after("metrics on "));
+    (p, quic, metrics)
+}
+
+/// A QUIC client endpoint presenting certificate `name` of `certs`.
+fn client(certs: &Path, name: &str) -> warmpath_residency::net::quinn::Endpoint {
+    let tls = TlsFiles::in_dir(certs, name).client_config().unwrap();
+    endpoint("127.0.0.1:0".parse().unwrap(), None, Some(tls)).unwrap()
+}
+
+fn frame(w: &Wire) -> Vec<u8> {
+    let body = encode(w);
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(&body);
+    f
+}
+
+/// Opens the residency stream to the agent at `quic` (certificate name `server`) as
+/// `ep`, asks for a snapshot and sends `then`: whether the agent served a snapshot.
+async fn served(
+    ep: &warmpath_residency::net::quinn::Endpoint,
+    quic: &str,
+    server: &str,
+    then: &[Reply],
+) -> bool {
+    let attempt = async {
+        let conn = ep.connect(quic.parse().ok()?, server).ok()?.await.ok()?;
+        let (mut send, mut recv) = conn.open_bi().await.ok()?;
+        send.write_all(&frame(&Wire::V1Reply(Reply::Resync)))
+            .await
+            .ok()?;
+        for r in then {
+            send.write_all(&frame(&Wire::V1Reply(r.clone())))
+                .await
+                .ok()?;
+        }
+        let mut len = [0u8; 4];
+        recv.read_exact(&mut len).await.ok()?;
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        recv.read_exact(&mut body).await.ok()?;
+        let snapshot = matches!(
+            decode(&body).ok()?,
+            Wire::V1Msg(warmpath_residency::Msg::Snapshot { .. })
+        );
+        // Give the agent time to read what followed the request.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        conn.close(0u32.into(), b"done");
+        Some(snapshot)
+    };
+    tokio::time::timeout(Duration::from_secs(3), attempt)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
+/// Follows `target` as a router does (its own code, `net::follow`) with certificate
+/// `name`; the outcomes, until the returned stop is dropped.
+fn follow_as(
+    certs: &Path,
+    name: &str,
+    target: &str,
+) -> (
+    tokio::sync::mpsc::Receiver<Outcome>,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let (_, tenants) = tokio::sync::watch::channel(Arc::new(TenantTable::default()));
+    tokio::spawn(follow(
+        client(certs, name),
+        AgentTarget::parse(target).unwrap(),
+        Duration::from_secs(30),
+        tx,
+        stopped,
+        tenants,
+        Default::default(),
+    ));
+    (rx, stop)
+}
+
+/// Whether a follower gets the agent's snapshot within `within`.
+async fn snapshot_within(rx: &mut tokio::sync::mpsc::Receiver<Outcome>, within: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while let Ok(Some(o)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+        if matches!(o, Outcome::Apply { sent_ms: None, .. }) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Attack 7: an agent served its residency (every tenant's block keys) to a client
+/// holding another agent's certificate, or its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_serves_residency_to_router_certificates_only() {
+    let dir = scratch_dir("tiers-agent-serves-routers");
+    let certs = make_certs(&dir, &["--agent", "a1", "--agent", "a2", "--router", "r1"]);
+    let (_agent, quic, metrics) = residency_agent(&certs, "a1", &[]);
+    assert!(
+        served(&client(&certs, "r1"), &quic, "a1", &[]).await,
+        "a router's certificate is served"
+    );
+    for impostor in ["a2", "a1"] {
+        assert!(
+            !served(&client(&certs, impostor), &quic, "a1", &[]).await,
+            "agent certificate {impostor} was served residency"
+        );
+    }
+    let text = get_text(&metrics).await;
+    assert!(
+        metric(&text, "warmpath_agent_residency_refused_total") >= 2.0,
+        "{text}"
+    );
+}
+
+/// Attack 9: a router following an agent by bare address took any cluster certificate
+/// there, a router's included (every certificate had the loopback names). Now the
+/// certificate must be an agent's, valid for the name followed; and no certificate has a
+/// loopback name unless `warmpath certs --loopback` gave it one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_follows_only_an_agent_certificate_for_the_name_it_follows() {
+    let dir = scratch_dir("tiers-router-follows-agents");
+    let certs = make_certs(
+        &dir,
+        &[
+            "--agent",
+            "a1",
+            "--router",
+            "r1",
+            "--router",
+            "r2",
+            "--loopback",
+        ],
+    );
+    // A process holding a router's certificate stands where an agent is followed.
+    let (_impostor, fake, _) = residency_agent(&certs, "r2", &[]);
+    let (_genuine, real, _) = residency_agent(&certs, "a1", &[]);
+    for target in [fake.clone(), format!("a1@{fake}"), format!("r2@{fake}")] {
+        let (mut rx, _stop) = follow_as(&certs, "r1", &target);
+        assert!(
+            !snapshot_within(&mut rx, Duration::from_secs(3)).await,
+            "followed {target}, which holds a router's certificate"
+        );
+    }
+    for target in [real.clone(), format!("a1@{real}")] {
+        let (mut rx, _stop) = follow_as(&certs, "r1", &target);
+        assert!(
+            snapshot_within(&mut rx, Duration::from_secs(5)).await,
+            "did not follow the agent at {target}"
+        );
+    }
+    // A real router following the impostor counts the refused links.
+    let router = Proc::start(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--instance",
+        "http://127.0.0.1:9",
+        "--residency-agent",
+        &fake,
+        "--tls-dir",
+        certs.to_str().unwrap(),
+        "--tls-name",
+        "r1",
+    ]);
+    until(
+        Duration::from_secs(10),
+        "the router to count refused links",
+        || async {
+            let text = get_text(&format!("{}/metrics", router.url)).await;
+            (metric(&text, "warmpath_router_residency_disconnects_total") >= 2.0).then_some(())
+        },
+    )
+    .await;
+
+    // Without --loopback a certificate names only its name: the bare loopback address
+    // names no agent, NAME@ does.
+    let plain = make_certs(&dir.join("plain"), &["--agent", "a1", "--router", "r1"]);
+    let (_agent, at, _) = residency_agent(&plain, "a1", &[]);
+    let (mut rx, _stop) = follow_as(&plain, "r1", &at);
+    assert!(!snapshot_within(&mut rx, Duration::from_secs(3)).await);
+    let (mut rx, _stop) = follow_as(&plain, "r1", &format!("a1@{at}"));
+    assert!(snapshot_within(&mut rx, Duration::from_secs(5)).await);
+}
+
+/// Attack 8: any cluster certificate could send an agent a tenant table, whoever spoke
+/// last won, and a 180,000-entry table was taken. Now a table comes from a router's
+/// certificate only, an older configuration version than the one held changes nothing,
+/// and a table over the bound is refused, each refusal counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_keeps_the_newest_tenant_table_a_router_sent_within_a_bound() {
+    let dir = scratch_dir("tiers-tenant-table");
+    let certs = make_certs(&dir, &["--agent", "a1", "--agent", "a2", "--router", "r1"]);
+    let (_agent, quic, metrics) = residency_agent(&certs, "a1", &[]);
+    let table = |version: u64, entries: &[(&str, &str)]| Reply::TenantsAt {
+        version,
+        tenants: entries
+            .iter()
+            .map(|(s, t)| (s.to_string(), t.to_string()))
+            .collect(),
+    };
+    let learned = || async {
+        let text = get_text(&metrics).await;
+        (
+            metric(&text, "warmpath_agent_learned_tenants "),
+            metric(&text, "warmpath_agent_learned_tenants_version"),
+            metric(
+                &text,
+                "warmpath_agent_tenant_tables_refused_total{reason=\"stale\"}",
+            ),
+            metric(
+                &text,
+                "warmpath_agent_tenant_tables_refused_total{reason=\"too_large\"}",
+            ),
+        )
+    };
+    let router = client(&certs, "r1");
+    // Another agent's certificate is not served, and its table is not read.
+    let mallory = [table(100, &[("s", "mallory")])];
+    assert!(!served(&client(&certs, "a2"), &quic, "a1", &mallory).await);
+    assert!(
+        served(
+            &router,
+            &quic,
+            "a1",
+            &[table(7, &[("s1", "acme"), ("s2", "beta")])]
+        )
+        .await
+    );
+    let wait = |want: (f64, f64, f64, f64)| {
+        let learned = &learned;
+        async move {
+            until(
+                Duration::from_secs(5),
+                &format!("the agent at {want:?}"),
+                || async {
+                    let got = learned().await;
+                    (got == want).then_some(())
+                },
+            )
+            .await
+        }
+    };
+    wait((2.0, 7.0, 0.0, 0.0)).await;
+    // A router behind (version 3), and a router that predates versions (version 0).
+    assert!(served(&router, &quic, "a1", &[table(3, &[("s", "mallory")])]).await);
+    let old = Reply::Tenants(vec![("s".into(), "mallory".into())]);
+    assert!(served(&router, &quic, "a1", &[old]).await);
+    wait((2.0, 7.0, 2.0, 0.0)).await;
+    // 70,000 entries: over the bound, whatever its version.
+    let many: Vec<(String, String)> = (0..70_000)
+        .map(|i| (format!("s{i}"), format!("t{i}")))
+        .collect();
+    let huge = Reply::TenantsAt {
+        version: 8,
+        tenants: many,
+    };
+    assert!(served(&router, &quic, "a1", &[huge]).await);
+    wait((2.0, 7.0, 2.0, 1.0)).await;
+    // A newer version replaces the table.
+    assert!(served(&router, &quic, "a1", &[table(9, &[("s3", "gamma")])]).await);
+    wait((1.0, 9.0, 2.0, 1.0)).await;
+}
+
+/// Attack 10, in part: one delta was never split, so past about 175,000 changes it
+/// exceeded the 4 MiB a router reads and every router dropped the link (and took a new
+/// snapshot). 250,000 blocks stored in one KV-event batch now reach a follower as deltas
+/// on one link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delta_too_large_for_one_message_reaches_a_router_in_pieces() {
+    const BLOCKS: u64 = 250_000;
+    // One token a block: the batch decodes quickly even in a debug build.
+    const BLOCK: u32 = 1;
+    let dir = scratch_dir("tiers-split-delta");
+    let certs = make_certs(&dir, &["--agent", "a1", "--router", "r1"]);
+    let events = format!("tcp://{}", crate::free_addr());
+    let mut engine = zeromq::PubSocket::new();
+    engine.bind(&events).await.expect("bind the publisher");
+    let kv = format!("http://engine={events}");
+    let (_agent, quic, _) = residency_agent(&certs, "a1", &["--kv-events", &kv]);
+    let (mut rx, _stop) = follow_as(&certs, "r1", &format!("a1@{quic}"));
+    assert!(snapshot_within(&mut rx, Duration::from_secs(5)).await);
+    let stored = |first: u64, n: u64| KvEvent::Stored {
+        block_hashes: (first..first + n)
+            .map(|h| EngineHash(h.to_be_bytes().to_vec()))
+            .collect(),
+        parent: None,
+        // Token ids under 128: one byte each in msgpack, so the batch stays under the
+        // agent's 16 MiB.
+        token_ids: (0..n * u64::from(BLOCK))
+            .map(|t| (t % 100) as u32)
+            .collect(),
+        block_size: BLOCK,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: vec![],
+    };
+    let publish = |seq: u64, e: KvEvent| {
+        let payload = encode_batch(0.0, &[e], Shape::Array);
+        ZmqMessage::try_from(message(seq, Bytes::from(payload))).expect("frames")
+    };
+    // Until the agent is subscribed: one block, again, until a delta shows it.
+    let mut seq = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    'joined: loop {
+        assert!(Instant::now() < deadline, "the agent never applied a batch");
+        let mut one = stored(1 << 40, 1);
+        if let KvEvent::Stored { token_ids, .. } = &mut one {
+            // A token the large batch has not: a block of its own.
+            *token_ids = vec![127];
+        }
+        engine.send(publish(seq, one)).await.unwrap();
+        seq += 1;
+        let until = tokio::time::Instant::now() + Duration::from_millis(300);
+        while let Ok(Some(o)) = tokio::time::timeout_at(until, rx.recv()).await {
+            if matches!(&o, Outcome::Apply { sent_ms: Some(_), changes, .. } if !changes.is_empty())
+            {
+                break 'joined;
+            }
+        }
+    }
+    engine.send(publish(seq, stored(0, BLOCKS))).await.unwrap();
+    let mut added = 0u64;
+    let mut deltas = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while added < BLOCKS {
+        let o = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{added} of {BLOCKS} blocks arrived"))
+            .expect("the follower runs");
+        match o {
+            Outcome::Apply {
+                sent_ms: Some(_),
+                changes,
+                ..
+            } => {
+                deltas += 1;
+                added += changes.iter().filter(|c| c.present).count() as u64;
+            }
+            Outcome::Nothing => {}
+            other => panic!(
+                "the link was dropped after {added} blocks in {deltas} deltas: {}",
+                match other {
+                    Outcome::Apply { .. } => "a new snapshot",
+                    _ => "a reset",
+                }
+            ),
+        }
+    }
+    assert!(deltas >= 4, "{deltas} deltas");
+}
+
+/// Attack 6: the Raft directory was 0755 and `raft.redb` 0644 (API-key hashes and cache
+/// salts readable by any local user), and so was the agent's directory L2. Now every store
+/// warmpath writes is 0700 directories and 0600 files, and a store an older release left
+/// open is closed at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_warmpath_writes_is_its_owners_only() {
+    let dir = scratch_dir("tiers-file-modes");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let open =
+        |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+
+    // Certificates: the directory made 0700, keys 0600 even where an older key file was
+    // 0644.
+    let tls = make_certs(&dir, &["--agent", "a1", "--router", "r1"]);
+    assert_eq!(mode(&tls), 0o700);
+    open(&tls.join("a1.key"), 0o644);
+    make_certs(&dir, &["--agent", "a1", "--router", "r1"]);
+    for key in ["ca.key", "a1.key", "r1.key"] {
+        assert_eq!(mode(&tls.join(key)), 0o600, "{key}");
+    }
+
+    // Raft: a single voter, then again over the store opened up as an older release left
+    // it.
+    let raft = dir.join("raft");
+    let token = dir.join("admin.token");
+    std::fs::write(&token, "t0ken-t0ken-t0ken-t0ken-t0ken-t0ken").unwrap();
+    let router = || {
+        let admin = crate::free_addr().to_string();
+        let voter = format!("1=http://{admin}");
+        Proc::start(&[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--raft-node-id",
+            "1",
+            "--raft-dir",
+            raft.to_str().unwrap(),
+            "--admin-listen",
+            &admin,
+            "--admin-token-file",
+            token.to_str().unwrap(),
+            "--voter",
+            &voter,
+            "--insecure-raft-without-peer-token",
+        ])
+    };
+    let store = raft.join("raft.redb");
+    {
+        let _r = router();
+        until(Duration::from_secs(10), "the Raft store", || async {
+            store.exists().then_some(())
+        })
+        .await;
+        assert_eq!((mode(&raft), mode(&store)), (0o700, 0o600));
+    }
+    open(&raft, 0o755);
+    open(&store, 0o644);
+    {
+        let _r = router();
+        until(
+            Duration::from_secs(10),
+            "the Raft store closed again",
+            || async { (mode(&raft) == 0o700 && mode(&store) == 0o600).then_some(()) },
+        )
+        .await;
+    }
+
+    // The agent's directory L2: a block written through to it is the owner's only.
+    let l2 = dir.join("l2");
+    let (mut agent, addr) = {
+        let l2_flag = format!("dir:{}", l2.display());
+        let p = Proc::start(&[
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--l2",
+            &l2_flag,
+            "--l2-write",
+            "through",
+        ]);
+        let addr = warmpath_cache_agent::client::AgentAddr::Tcp(p.url.clone());
+        (p, addr)
+    };
+    let c = warmpath_cache_agent::client::AgentClient::connect(&addr, "", Duration::from_secs(5))
+        .await
+        .expect("the agent");
+    let layout = 7;
+    c.put(layout, vec![(1, Bytes::from_static(&[1u8; 4096]), false)])
+        .await
+        .expect("a put");
+    let objects = until(Duration::from_secs(10), "the block in L2", || async {
+        let found: Vec<PathBuf> = walk(&l2).into_iter().filter(|p| p.is_file()).collect();
+        (!found.is_empty()).then_some(found)
+    })
+    .await;
+    assert_eq!(mode(&l2), 0o700);
+    for p in walk(&l2) {
+        let want = if p.is_dir() { 0o700 } else { 0o600 };
+        assert_eq!(mode(&p), want, "{}", p.display());
+    }
+    assert!(!objects.is_empty());
+    agent.kill();
+}
+
+/// Every path under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        }
+        out.push(p);
+    }
+    out
+}
