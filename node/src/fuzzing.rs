@@ -47,6 +47,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("decision_batch", decision_batch),
     ("agent_frame", agent_frame),
     ("kv_events", kv_events),
+    ("residency_wire", residency_wire),
 ];
 
 /// A client's completions or chat body, as the router parses, salts and forwards it.
@@ -495,6 +496,41 @@ pub fn kv_events(data: &[u8]) {
     }
 }
 
+/// A residency message (postcard of `Wire`), as a router and an agent read it: what
+/// decodes encodes again to the same message; a router's subscriber takes any agent's
+/// message; an agent takes a tenant table within its bound and never an older version
+/// after it (issue 26).
+pub fn residency_wire(data: &[u8]) {
+    use warmpath_cache_agent::ingest::{Ingest, TableRefused, Tenants};
+    use warmpath_residency::{decode, encode, Reply, Subscriber, Wire, MAX_TENANT_ENTRIES};
+    let Ok(wire) = decode(data) else {
+        return;
+    };
+    assert_eq!(
+        decode(&encode(&wire)).expect("an encoded message decodes"),
+        wire
+    );
+    match wire {
+        Wire::V1Msg(m) => {
+            let _ = Subscriber::new(1_000_000).handle(0, m);
+        }
+        Wire::V1Reply(Reply::TenantsAt { version, tenants }) => {
+            let mut ingest = Ingest::new(Tenants::Fixed("t".into()), 1);
+            let too_large = tenants.len() > MAX_TENANT_ENTRIES;
+            match ingest.learn_tenants_at(version, tenants) {
+                Err(TableRefused::TooLarge) => assert!(too_large),
+                Err(TableRefused::Stale) => panic!("the first table is never stale"),
+                Ok(_) if version > 0 => assert_eq!(
+                    ingest.learn_tenants_at(version - 1, Vec::new()),
+                    Err(TableRefused::Stale)
+                ),
+                Ok(_) => {}
+            }
+        }
+        Wire::V1Reply(_) => {}
+    }
+}
+
 /// Starting inputs for each target, made from real values: what `fuzz/corpus` was seeded
 /// with (`WARMPATH_WRITE_FUZZ_SEEDS=1 cargo test -p warmpath --lib fuzzing` writes them again).
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
@@ -759,6 +795,57 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         .into_bytes(),
     );
     add("decision_batch", "key", b"d:00000000000000000042".to_vec());
+    {
+        use warmpath_residency::{Change, Msg, Reply, Scope, Wire};
+        let wire = |w: Wire| warmpath_residency::encode(&w);
+        add(
+            "residency_wire",
+            "resync",
+            wire(Wire::V1Reply(Reply::Resync)),
+        );
+        add(
+            "residency_wire",
+            "tenants",
+            wire(Wire::V1Reply(Reply::Tenants(vec![(
+                "s".into(),
+                "t".into(),
+            )]))),
+        );
+        add(
+            "residency_wire",
+            "tenants-at",
+            wire(Wire::V1Reply(Reply::TenantsAt {
+                version: 12,
+                tenants: vec![("s".into(), "t".into()), ("u".into(), "v".into())],
+            })),
+        );
+        add(
+            "residency_wire",
+            "delta",
+            wire(Wire::V1Msg(Msg::Delta {
+                epoch: 1,
+                seq: 1,
+                sent_ms: 5,
+                changes: vec![Change {
+                    scope: Scope::Gpu(0),
+                    key: 7,
+                    parent: Some(6),
+                    present: true,
+                }],
+            })),
+        );
+        add(
+            "residency_wire",
+            "snapshot",
+            wire(Wire::V1Msg(Msg::Snapshot {
+                epoch: 1,
+                seq: 0,
+                instances: vec!["http://10.0.0.1:8000".into()],
+                blocks: vec![(Scope::L1, 7, None)],
+                last: true,
+            })),
+        );
+    }
     out
 }
 
