@@ -25,6 +25,12 @@
 //! [`Ledger::touch_chain`]), so that within a chain the first block is the most recently
 //! used (LRU) or the last to leave a FIFO (S3-FIFO).
 //!
+//! Owners: a pin or a lease may name its owner (a plain id: the agent's block API gives each
+//! connection one). [`Ledger::release_owner`] ends every pin and lease of an owner at once,
+//! so holds end with the connection that took them; [`Ledger::holds_of`] counts them, for
+//! per-owner quotas; [`Ledger::pinned_bytes`] is what a cap on the pinned share of the tier
+//! reads. Owner 0 is nobody's: [`Ledger::insert`] and [`Ledger::lease`] hold for it.
+//!
 //! Pure: time is passed in (microseconds) and only leases read it. Every operation is O(1)
 //! apart from an eviction's walk over held blocks and [`Ledger::expire`]'s over the leases
 //! that expired.
@@ -89,6 +95,16 @@ pub enum Refused {
 /// A lease's handle.
 pub type LeaseId = u64;
 
+/// Who holds a pin or a lease (0: nobody in particular).
+pub type Owner = u64;
+
+/// An owner's pins and leases.
+#[derive(Clone, Debug, Default)]
+struct Holds {
+    pins: HashSet<BlockId>,
+    leases: HashSet<LeaseId>,
+}
+
 /// The queues: LRU keeps everything in MAIN; S3-FIFO uses both.
 const SMALL: usize = 0;
 const MAIN: usize = 1;
@@ -105,6 +121,8 @@ struct Node {
     /// Uses since insertion (S3-FIFO), saturating at MAX_FREQ.
     freq: u8,
     pinned: bool,
+    /// Who pinned it (0 when unpinned or pinned for nobody in particular).
+    pin_owner: Owner,
     /// Leases holding this block.
     leases: u32,
 }
@@ -119,6 +137,7 @@ impl Node {
 struct Lease {
     blocks: Vec<BlockId>,
     expires_us: u64,
+    owner: Owner,
 }
 
 /// Occupancy and holds, for metrics.
@@ -158,6 +177,10 @@ pub struct Ledger {
     /// Blocks pinned or leased, and their bytes: what eviction cannot touch.
     held: u64,
     held_bytes: u64,
+    /// Bytes of the pinned blocks.
+    pinned_bytes: u64,
+    /// Each owner's pins and leases (owner 0's are not listed).
+    owners: HashMap<Owner, Holds>,
 }
 
 impl Ledger {
@@ -179,6 +202,8 @@ impl Ledger {
             leased: 0,
             held: 0,
             held_bytes: 0,
+            pinned_bytes: 0,
+            owners: HashMap::new(),
         }
     }
 
@@ -259,10 +284,28 @@ impl Ledger {
         pin: bool,
         evicted: &mut Vec<BlockId>,
     ) -> Result<(), Refused> {
+        self.insert_for(id, bytes, pin.then_some(0), evicted)
+    }
+
+    /// [`Ledger::insert`], pinned for `pin`'s owner when it is `Some`. A block already
+    /// pinned keeps its first owner.
+    pub fn insert_for(
+        &mut self,
+        id: BlockId,
+        bytes: u64,
+        pin: Option<Owner>,
+        evicted: &mut Vec<BlockId>,
+    ) -> Result<(), Refused> {
         if let Some(&slot) = self.slots.get(&id) {
             self.touch(&id);
-            if pin && !self.nodes.get(slot).pinned {
-                self.update_hold(slot, |n| n.pinned = true);
+            if let Some(owner) = pin {
+                if !self.nodes.get(slot).pinned {
+                    self.update_hold(slot, |n| {
+                        n.pinned = true;
+                        n.pin_owner = owner;
+                    });
+                    self.own_pin(owner, id);
+                }
             }
             return Ok(());
         }
@@ -296,18 +339,86 @@ impl Ledger {
             bytes,
             queue,
             freq: 0,
-            pinned: pin,
+            pinned: pin.is_some(),
+            pin_owner: pin.unwrap_or(0),
             leases: 0,
         };
         let slot = self.nodes.alloc(node);
         self.slots.insert(id, slot);
         self.link_front(queue, slot);
-        if pin {
+        if let Some(owner) = pin {
             self.pinned += 1;
+            self.pinned_bytes += bytes;
             self.held += 1;
             self.held_bytes += bytes;
+            self.own_pin(owner, id);
         }
         Ok(())
+    }
+
+    fn own_pin(&mut self, owner: Owner, id: BlockId) {
+        if owner != 0 {
+            self.owners.entry(owner).or_default().pins.insert(id);
+        }
+    }
+
+    /// Forgets an owner with nothing left.
+    fn forget_if_empty(&mut self, owner: Owner) {
+        if self
+            .owners
+            .get(&owner)
+            .is_some_and(|h| h.pins.is_empty() && h.leases.is_empty())
+        {
+            self.owners.remove(&owner);
+        }
+    }
+
+    /// Bytes of the pinned blocks.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned_bytes
+    }
+
+    /// Whether `id` is held and pinned.
+    pub fn is_pinned(&self, id: &BlockId) -> bool {
+        self.slots
+            .get(id)
+            .is_some_and(|&s| self.nodes.get(s).pinned)
+    }
+
+    /// (pins, leases) `owner` holds now.
+    pub fn holds_of(&self, owner: Owner) -> (usize, usize) {
+        self.owners
+            .get(&owner)
+            .map_or((0, 0), |h| (h.pins.len(), h.leases.len()))
+    }
+
+    /// Ends every pin and lease of `owner` (not 0); returns (pins, leases) ended.
+    pub fn release_owner(&mut self, owner: Owner) -> (usize, usize) {
+        if owner == 0 {
+            return (0, 0);
+        }
+        let Some(h) = self.owners.remove(&owner) else {
+            return (0, 0);
+        };
+        let mut pins = 0;
+        for id in &h.pins {
+            if let Some(&slot) = self.slots.get(id) {
+                if self.nodes.get(slot).pinned && self.nodes.get(slot).pin_owner == owner {
+                    self.update_hold(slot, |n| {
+                        n.pinned = false;
+                        n.pin_owner = 0;
+                    });
+                    pins += 1;
+                }
+            }
+        }
+        let mut leases = 0;
+        for l in &h.leases {
+            if self.release(*l).is_some() {
+                leases += 1;
+            }
+        }
+        (pins, leases)
     }
 
     /// Inserts a chain's blocks last first (see the module docs), each `bytes` long. Stops at
@@ -339,9 +450,25 @@ impl Ledger {
     pub fn unpin(&mut self, id: &BlockId) -> bool {
         match self.slots.get(id) {
             Some(&slot) if self.nodes.get(slot).pinned => {
-                self.update_hold(slot, |n| n.pinned = false);
+                let owner = self.nodes.get(slot).pin_owner;
+                self.update_hold(slot, |n| {
+                    n.pinned = false;
+                    n.pin_owner = 0;
+                });
+                if let Some(h) = self.owners.get_mut(&owner) {
+                    h.pins.remove(id);
+                }
+                self.forget_if_empty(owner);
                 true
             }
+            _ => false,
+        }
+    }
+
+    /// Unpins `id` if `owner` pinned it; false otherwise (another's pin stays).
+    pub fn unpin_for(&mut self, id: &BlockId, owner: Owner) -> bool {
+        match self.slots.get(id) {
+            Some(&slot) if self.nodes.get(slot).pin_owner == owner => self.unpin(id),
             _ => false,
         }
     }
@@ -349,6 +476,17 @@ impl Ledger {
     /// Leases the held blocks among `ids` until released or `now_us + ttl_us`; blocks not
     /// held are skipped. A lease of nothing is still a valid handle.
     pub fn lease(&mut self, ids: &[BlockId], now_us: u64, ttl_us: u64) -> LeaseId {
+        self.lease_for(ids, now_us, ttl_us, 0)
+    }
+
+    /// [`Ledger::lease`] held by `owner`, ended by [`Ledger::release_owner`] too.
+    pub fn lease_for(
+        &mut self,
+        ids: &[BlockId],
+        now_us: u64,
+        ttl_us: u64,
+        owner: Owner,
+    ) -> LeaseId {
         let id = self.next_lease;
         self.next_lease += 1;
         let mut blocks = Vec::with_capacity(ids.len());
@@ -360,7 +498,17 @@ impl Ledger {
         }
         let expires_us = now_us.saturating_add(ttl_us);
         self.expiries.insert((expires_us, id), ());
-        self.leases.insert(id, Lease { blocks, expires_us });
+        self.leases.insert(
+            id,
+            Lease {
+                blocks,
+                expires_us,
+                owner,
+            },
+        );
+        if owner != 0 {
+            self.owners.entry(owner).or_default().leases.insert(id);
+        }
         id
     }
 
@@ -369,6 +517,10 @@ impl Ledger {
     pub fn release(&mut self, lease: LeaseId) -> Option<usize> {
         let l = self.leases.remove(&lease)?;
         self.expiries.remove(&(l.expires_us, lease));
+        if let Some(h) = self.owners.get_mut(&l.owner) {
+            h.leases.remove(&lease);
+            self.forget_if_empty(l.owner);
+        }
         for b in &l.blocks {
             if let Some(&slot) = self.slots.get(b) {
                 self.update_hold(slot, |n| n.leases -= 1);
@@ -466,8 +618,14 @@ impl Ledger {
         let n = self.nodes.get(slot);
         let bytes = n.bytes;
         match (pinned, n.pinned) {
-            (false, true) => self.pinned += 1,
-            (true, false) => self.pinned -= 1,
+            (false, true) => {
+                self.pinned += 1;
+                self.pinned_bytes += bytes;
+            }
+            (true, false) => {
+                self.pinned -= 1;
+                self.pinned_bytes -= bytes;
+            }
             _ => {}
         }
         match (leased, n.leases > 0) {
@@ -594,6 +752,32 @@ mod tests {
         let mut none = Ledger::new(0, Eviction::Lru);
         assert!(none.insert(b(1), 1, false, &mut ev).is_err());
         assert!(none.is_empty());
+    }
+
+    /// An owner's pins and leases end together; another's stay, and a pin is the owner's
+    /// to lift.
+    #[test]
+    fn holds_end_with_their_owner() {
+        let mut l = Ledger::new(100, Eviction::Lru);
+        let mut ev = Vec::new();
+        l.insert_for(b(1), 10, Some(7), &mut ev).unwrap();
+        l.insert_for(b(2), 10, Some(8), &mut ev).unwrap();
+        l.insert(b(3), 10, false, &mut ev).unwrap();
+        l.lease_for(&[b(3)], 0, 1_000, 7);
+        l.lease_for(&[b(3)], 0, 1_000, 8);
+        assert_eq!(l.pinned_bytes(), 20);
+        assert_eq!(l.holds_of(7), (1, 1));
+        assert!(!l.unpin_for(&b(2), 7), "8's pin is not 7's to lift");
+        assert_eq!(l.release_owner(7), (1, 1));
+        assert_eq!(l.holds_of(7), (0, 0));
+        assert!(!l.is_pinned(&b(1)) && l.is_pinned(&b(2)));
+        assert_eq!(l.pinned_bytes(), 10);
+        assert_eq!(l.stats().leases, 1);
+        assert!(l.unpin_for(&b(2), 8));
+        assert_eq!(l.holds_of(8), (0, 1));
+        assert_eq!(l.release_owner(8), (0, 1));
+        assert_eq!(l.stats().leased_blocks, 0);
+        assert_eq!(l.pinned_bytes(), 0);
     }
 
     #[test]
