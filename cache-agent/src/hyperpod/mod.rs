@@ -319,8 +319,11 @@ impl HyperPod {
                     PutError::Exists(_) => {
                         counter!(names::AGENT_HYPERPOD_CONFLICTS_TOTAL).increment(1);
                         // Read the body to its end, so that the client hears the 409 on a
-                        // connection it can use again rather than a reset mid-send.
-                        drain(req.into_body(), len).await;
+                        // connection it can use again rather than a reset mid-send; a body
+                        // larger than any object is not read (the connection closes).
+                        if len <= self.lock().capacity_bytes() {
+                            drain(req.into_body(), len).await;
+                        }
                         return json(
                             StatusCode::CONFLICT,
                             &serde_json::json!({ "error": e.to_string() }),
