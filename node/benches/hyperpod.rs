@@ -192,8 +192,18 @@ shm.close()
     Some((v.next()?, v.next()?))
 }
 
+/// The segment's file, removed when the benchmark ends, a failed one too.
+struct Segment(String);
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.0));
+    }
+}
+
 fn main() {
     let name = format!("wp-bench-hyperpod-{}", std::process::id());
+    let _segment = Segment(name.clone());
     let agent = start(
         &[
             "agent",
@@ -309,5 +319,4 @@ fn main() {
         }
     });
     drop(agent);
-    let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
 }
