@@ -413,6 +413,97 @@ async fn a_delta_too_large_for_one_message_reaches_a_router_in_pieces() {
     assert!(deltas >= 4, "{deltas} deltas");
 }
 
+/// Attack 10: one KV-event frame of 1 GiB was read whole before the agent's own bound
+/// refused it (RSS 39 MB to 1.09 GB, and it stayed). An "engine" that announces such a
+/// frame and sends 256 MiB of it now has its connection closed at the frame's header,
+/// counted, and the agent's memory does not grow by what it sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_event_frame_over_the_bound_is_refused_before_it_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = listener.local_addr().unwrap();
+    let kv = format!("http://engine=tcp://{at}");
+    let agent = Proc::start_lines(
+        &[
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-events",
+            &kv,
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+        2,
+        "warn",
+    );
+    let metrics = agent.lines[1]
+        .split("metrics on ")
+        .nth(1)
+        .expect("the metrics line")
+        .trim()
+        .to_string();
+    let rss_kb = |pid: u32| -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .expect("VmRSS")
+    };
+    // A ZMQ PUB as far as the agent can tell: greeting, READY, its subscription read.
+    let (mut engine, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+        .await
+        .expect("the agent connects")
+        .unwrap();
+    let mut greeting = [0u8; 64];
+    greeting[0] = 0xFF;
+    greeting[9] = 0x7F;
+    greeting[10] = 3;
+    greeting[12..16].copy_from_slice(b"NULL");
+    engine.write_all(&greeting).await.unwrap();
+    let mut ready = vec![0x04, 0];
+    ready.extend_from_slice(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB");
+    ready[1] = (ready.len() - 2) as u8;
+    engine.write_all(&ready).await.unwrap();
+    let mut theirs = [0u8; 64];
+    engine.read_exact(&mut theirs).await.unwrap();
+    for _ in 0..2 {
+        // Their READY, then their subscription: short frames.
+        let mut head = [0u8; 2];
+        engine.read_exact(&mut head).await.unwrap();
+        let mut body = vec![0u8; head[1] as usize];
+        engine.read_exact(&mut body).await.unwrap();
+    }
+    let before = rss_kb(agent.pid());
+    // A frame of 1 GiB announced, and 256 MiB of it sent while the agent reads.
+    let mut head = vec![0x02];
+    head.extend_from_slice(&(1u64 << 30).to_be_bytes());
+    engine.write_all(&head).await.unwrap();
+    let chunk = vec![0u8; 1 << 20];
+    let mut sent = 0;
+    for _ in 0..256 {
+        match tokio::time::timeout(Duration::from_secs(5), engine.write_all(&chunk)).await {
+            Ok(Ok(())) => sent += 1,
+            _ => break,
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let grown_mb = rss_kb(agent.pid()).saturating_sub(before) / 1024;
+    assert!(
+        grown_mb < 64,
+        "the agent grew {grown_mb} MB on a refused frame ({sent} MiB sent)"
+    );
+    until(Duration::from_secs(5), "the refusal counted", || async {
+        let text = get_text(&metrics).await;
+        (metric(
+            &text,
+            "warmpath_agent_kv_batches_total{result=\"too_large\"}",
+        ) >= 1.0)
+            .then_some(())
+    })
+    .await;
+}
+
 /// Attack 6: the Raft directory was 0755 and `raft.redb` 0644 (API-key hashes and cache
 /// salts readable by any local user), and so was the agent's directory L2. Now every store
 /// warmpath writes is 0700 directories and 0600 files, and a store an older release left

@@ -1,7 +1,8 @@
 //! The agent's subscription to its engines' KV events (the I/O around `ingest.rs`): one
-//! task per engine, a ZMQ SUB socket connected to the engine's publisher (the `zeromq`
-//! crate reconnects after a publisher restart), each message's sequence number and batch
-//! decoded and applied, and the resulting changes recorded in the residency publisher.
+//! task per engine, a ZMQ SUB connection to the engine's publisher ([`crate::zmtp`], which
+//! bounds every frame before reading it; connected again a second after it fails, as after
+//! a publisher restart), each message's sequence number and batch decoded and applied, and
+//! the resulting changes recorded in the residency publisher.
 //!
 //! A message that is not three frames with an 8-byte sequence, or a batch that does not
 //! decode, is counted and skipped; the next good batch's sequence number then shows the
@@ -22,10 +23,10 @@
 //! block stored before that window and still held stays unknown until stored again, and a
 //! chain whose first blocks fell out of it is counted as orphans. An engine not listening
 //! yet is asked again each second. Without a replay socket there is no resync.
-//! Messages over
-//! [`MAX_MESSAGE_BYTES`] are counted and skipped the same way; the `zeromq` crate has no
-//! receive-size limit of its own, so the publishers must be the host's own engines (the
-//! agent connects to the endpoints it is given; it listens on nothing for events).
+//! A message over
+//! [`MAX_MESSAGE_BYTES`] ends its connection at the frame header that takes it past the
+//! bound, before the frame is read (counted `too_large`); the agent connects to the
+//! endpoints it is given and listens on nothing for events.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,10 +34,10 @@ use std::time::Duration;
 use metrics::counter;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use zeromq::{Socket, SocketRecv};
 
 use crate::ingest::Ingest;
 use crate::kv_events::{decode_batch, Decoded};
+use crate::zmtp::{Zmtp, ZmtpError};
 use warmpath_residency::{Change, Publisher};
 
 /// Largest KV-event message decoded (a batch of a long prompt's stores is a few hundred
@@ -45,6 +46,9 @@ pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 
 /// Changes recorded under one hold of the residency publisher's lock.
 const REPORT_CHUNK: usize = 8192;
+
+/// How long connecting to an engine's socket, with the ZMTP handshake, may take.
+const CONNECT_WAIT: Duration = Duration::from_secs(2);
 
 /// How long a replay may take before the gap is left to `ingest`; in a resync, the
 /// longest wait for the replay's next message.
@@ -82,18 +86,14 @@ pub async fn subscribe(
     };
     let mut replay = replay_at.map(Replay::new);
     let mut resyncs = Some(resyncs);
-    let mut socket = zeromq::SubSocket::new();
-    loop {
-        match socket.connect(&endpoint).await {
-            Ok(()) => break,
-            Err(e) => {
-                tracing::warn!(%endpoint, error = %e, "cannot connect to the engine's KV events; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    }
-    if let Err(e) = socket.subscribe("").await {
-        tracing::warn!(%endpoint, error = %e, "cannot subscribe to KV events");
+    let (tx, mut events) = tokio::sync::mpsc::channel(4);
+    let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
+    let _reader = AbortOnDrop(tokio::spawn(read_events(
+        endpoint.clone(),
+        tx,
+        subscribed_tx,
+    )));
+    if subscribed.await.is_err() {
         return;
     }
     tracing::info!(%endpoint, engine, "subscribed to KV events");
@@ -111,7 +111,10 @@ pub async fn subscribe(
             }
         }
         let msg = tokio::select! {
-            m = socket.recv() => m,
+            m = events.recv() => match m {
+                Some(m) => m,
+                None => return,
+            },
             r = async {
                 match resyncs.as_mut() {
                     Some(rx) => rx.changed().await,
@@ -126,15 +129,7 @@ pub async fn subscribe(
             }
             () = tokio::time::sleep(RESYNC_RETRY), if resync_wanted => continue,
         };
-        let msg = match msg {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::debug!(%endpoint, error = %e, "kv event receive failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let frames = msg.into_vec();
+        let frames = msg;
         let size: usize = frames.iter().map(|f| f.len()).sum();
         let (seq, payload) = match crate::kv_events::parse_message(&frames) {
             Some(m) if size <= MAX_MESSAGE_BYTES => m,
@@ -204,6 +199,69 @@ fn cpu<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Aborts a task when dropped (the subscriber's reader goes with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the engine's KV events (ZMQ SUB, [`Zmtp`]: every frame bounded before it is read)
+/// into `tx`, connecting again a second after a failure, as a ZMQ SUB socket would;
+/// `subscribed` fires on the first subscription. A message over [`MAX_MESSAGE_BYTES`]
+/// ends the connection before its body is read, counted `too_large`.
+async fn read_events(
+    endpoint: String,
+    tx: tokio::sync::mpsc::Sender<Vec<bytes::Bytes>>,
+    subscribed: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut subscribed = Some(subscribed);
+    let mut warned = false;
+    loop {
+        let conn = match Zmtp::connect(&endpoint, "SUB", MAX_MESSAGE_BYTES, CONNECT_WAIT).await {
+            Ok(mut c) => c.subscribe_all().await.map(|()| c),
+            Err(e) => Err(e),
+        };
+        let mut conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                if !warned {
+                    tracing::warn!(%endpoint, error = %e, "cannot subscribe to the engine's KV events; retrying");
+                    warned = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        warned = false;
+        if let Some(s) = subscribed.take() {
+            let _ = s.send(());
+        }
+        loop {
+            match conn.recv().await {
+                Ok(m) => {
+                    if tx.send(m).await.is_err() {
+                        return;
+                    }
+                }
+                Err(ZmtpError::TooLarge(len)) => {
+                    counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "too_large")
+                        .increment(1);
+                    tracing::warn!(%endpoint, len, "kv event frame over the bound; reconnecting");
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(%endpoint, error = %e, "kv event connection ended; reconnecting");
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 /// One engine's view and where its changes go.
 struct View {
     engine: usize,
@@ -258,7 +316,7 @@ impl View {
 /// The engine's replay socket (connected on first use; a failure drops the connection).
 struct Replay {
     at: String,
-    socket: Option<zeromq::DealerSocket>,
+    socket: Option<Zmtp>,
 }
 
 impl Replay {
@@ -271,24 +329,18 @@ impl Replay {
     /// checks where it starts). `None` when the socket did not answer within `total`, or
     /// left [`REPLAY_WAIT`] between two messages.
     async fn fetch(&mut self, from: u64, to: u64, total: Duration) -> Option<Vec<(u64, Decoded)>> {
-        use zeromq::SocketSend;
         if self.socket.is_none() {
-            let mut s = zeromq::DealerSocket::new();
-            match tokio::time::timeout(REPLAY_WAIT, s.connect(&self.at)).await {
-                Ok(Ok(())) => self.socket = Some(s),
-                _ => {
-                    tracing::debug!(replay = %self.at, "cannot connect to the engine's replay socket");
+            // The batch and its sequence, topic and envelope frames.
+            match Zmtp::connect(&self.at, "DEALER", MAX_MESSAGE_BYTES + 4096, REPLAY_WAIT).await {
+                Ok(s) => self.socket = Some(s),
+                Err(e) => {
+                    tracing::debug!(replay = %self.at, error = %e, "cannot connect to the engine's replay socket");
                     return None;
                 }
             }
         }
         let socket = self.socket.as_mut()?;
-        let request = zeromq::ZmqMessage::try_from(vec![
-            bytes::Bytes::new(),
-            bytes::Bytes::copy_from_slice(&from.to_be_bytes()),
-        ])
-        .ok()?;
-        if socket.send(request).await.is_err() {
+        if socket.send(&[b"", &from.to_be_bytes()]).await.is_err() {
             self.socket = None;
             return None;
         }
@@ -296,14 +348,23 @@ impl Replay {
         let mut got: Vec<(u64, Decoded)> = Vec::new();
         loop {
             let wait = deadline.min(Instant::now() + REPLAY_WAIT);
-            let Ok(Ok(msg)) = tokio::time::timeout_at(wait, socket.recv()).await else {
-                // A late answer would be read as the next one's: start afresh next time.
-                self.socket = None;
-                return None;
+            let frames = match tokio::time::timeout_at(wait, socket.recv()).await {
+                Ok(Ok(frames)) => frames,
+                Ok(Err(ZmtpError::TooLarge(_))) => {
+                    counter!(crate::metric_names::AGENT_KV_BATCHES_TOTAL, "result" => "too_large")
+                        .increment(1);
+                    self.socket = None;
+                    return None;
+                }
+                // A late answer would be read as the next one's (and an abandoned read
+                // leaves the stream mid-frame): start afresh next time.
+                _ => {
+                    self.socket = None;
+                    return None;
+                }
             };
             // `[empty, sequence, batch]` (vLLM to 0.25) or `[empty, topic, sequence, batch]`
             // (vLLM 0.26 on).
-            let frames = msg.into_vec();
             let Some((seq, payload)) = crate::kv_events::parse_replay(&frames) else {
                 self.socket = None;
                 return None;

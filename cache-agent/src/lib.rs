@@ -39,6 +39,7 @@ pub mod pool;
 pub mod proto;
 pub mod resp;
 pub mod server;
+pub mod zmtp;
 
 /// A current-thread runtime for the unit tests that drive async code.
 #[cfg(test)]
