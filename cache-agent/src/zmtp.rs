@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 /// Most frames in one message (vLLM sends 3, its replay socket 4).
@@ -35,10 +35,10 @@ pub enum ZmtpError {
     TooLarge(u64),
 }
 
-/// One connection to a ZMQ peer.
+/// One connection to a ZMQ peer (over TCP; any byte stream for the fuzzer).
 #[derive(Debug)]
-pub struct Zmtp {
-    io: BufReader<TcpStream>,
+pub struct Zmtp<S = TcpStream> {
+    io: BufReader<S>,
     max_message: usize,
 }
 
@@ -66,7 +66,7 @@ fn frame(out: &mut Vec<u8>, body: &[u8], more: bool, command: bool) {
     out.extend_from_slice(body);
 }
 
-impl Zmtp {
+impl Zmtp<TcpStream> {
     /// Connects to `endpoint` (`tcp://HOST:PORT`) as a `socket_type` (`SUB`, `DEALER`)
     /// and completes the handshake within `within`; messages are bounded at `max_message`
     /// bytes.
@@ -117,6 +117,16 @@ impl Zmtp {
         tokio::time::timeout(within, handshake)
             .await
             .map_err(|_| ZmtpError::Io(std::io::ErrorKind::TimedOut.into()))?
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Zmtp<S> {
+    /// A connection over `stream` whose handshake is done (the fuzzer's way in).
+    pub fn after_handshake(stream: S, max_message: usize) -> Zmtp<S> {
+        Zmtp {
+            io: BufReader::new(stream),
+            max_message,
+        }
     }
 
     /// Subscribes to every topic (a SUB socket).

@@ -48,6 +48,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("agent_frame", agent_frame),
     ("kv_events", kv_events),
     ("residency_wire", residency_wire),
+    ("zmtp_frames", zmtp_frames),
 ];
 
 /// A client's completions or chat body, as the router parses, salts and forwards it.
@@ -531,6 +532,25 @@ pub fn residency_wire(data: &[u8]) {
     }
 }
 
+/// What an engine's ZMQ socket sends after the handshake, as the agent's ZMTP client reads
+/// it: every message it returns is within the bound in bytes and frames, and it ends
+/// (an error) rather than read past what it was given.
+pub fn zmtp_frames(data: &[u8]) {
+    use warmpath_cache_agent::zmtp::{Zmtp, MAX_PARTS};
+    const BOUND: usize = 4096;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime");
+    rt.block_on(async {
+        let stream = tokio::io::join(data, tokio::io::sink());
+        let mut z = Zmtp::after_handshake(stream, BOUND);
+        while let Ok(m) = z.recv().await {
+            assert!(m.len() <= MAX_PARTS, "{} frames", m.len());
+            assert!(m.iter().map(|f| f.len()).sum::<usize>() <= BOUND);
+        }
+    });
+}
+
 /// Starting inputs for each target, made from real values: what `fuzz/corpus` was seeded
 /// with (`WARMPATH_WRITE_FUZZ_SEEDS=1 cargo test -p warmpath --lib fuzzing` writes them again).
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
@@ -834,6 +854,15 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
                 }],
             })),
         );
+        // vLLM's three frames (topic, sequence, batch), a long frame, then a command.
+        let mut zmtp = vec![1, 5];
+        zmtp.extend_from_slice(b"kv@e0");
+        zmtp.extend_from_slice(&[1, 8, 0, 0, 0, 0, 0, 0, 0, 7]);
+        zmtp.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 1, 0]);
+        zmtp.extend_from_slice(&[0x90; 256]);
+        zmtp.extend_from_slice(&[4, 5]);
+        zmtp.extend_from_slice(b"\x04PING");
+        add("zmtp_frames", "messages", zmtp);
         add(
             "residency_wire",
             "snapshot",
