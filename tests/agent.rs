@@ -14,11 +14,11 @@ use warmpath_cache_agent::resp;
 use crate::router::{client, completion, get_text, long_prompt, post};
 use crate::{scratch_dir, Proc, Redis};
 
-const LAYOUT: u64 = 7;
-const TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const LAYOUT: u64 = 7;
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Starts an agent with `extra` flags on a loopback port; returns it and its address.
-fn agent(extra: &[&str]) -> (Proc, AgentAddr) {
+pub(crate) fn agent(extra: &[&str]) -> (Proc, AgentAddr) {
     let mut args = vec!["agent", "--listen", "127.0.0.1:0"];
     args.extend_from_slice(extra);
     let p = Proc::start(&args);
@@ -33,7 +33,7 @@ async fn connect(addr: &AgentAddr) -> AgentClient {
 }
 
 /// A block's payload: its key, repeated.
-fn payload(key: u64, len: usize) -> Bytes {
+pub(crate) fn payload(key: u64, len: usize) -> Bytes {
     key.to_le_bytes()
         .iter()
         .copied()
@@ -491,7 +491,7 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-async fn read_response(s: &mut tokio::net::TcpStream) -> (u64, Response) {
+pub(crate) async fn read_response(s: &mut tokio::net::TcpStream) -> (u64, Response) {
     let mut len = [0u8; 4];
     s.read_exact(&mut len).await.unwrap();
     let mut body = vec![0u8; u32::from_le_bytes(len) as usize];

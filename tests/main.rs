@@ -5,6 +5,7 @@
 //! the `warmpath` package so that Cargo hands it the binary's path.
 
 mod agent;
+mod agent_attacks;
 mod clients;
 mod cluster;
 mod compose;

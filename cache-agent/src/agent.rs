@@ -17,15 +17,17 @@ use tokio::sync::mpsc;
 
 use crate::block::{decode_object, Block};
 use crate::config::{AgentConfig, L2Config, WritePolicy};
-use crate::ingest::{Ingest, Tenants};
-use crate::l1::{Evicted, L1};
+use crate::hyperpod::request::ObjectName;
+use crate::hyperpod::ObjectEvent;
+use crate::ingest::{Ingest, ObjectTier, Tenants};
+use crate::l1::{Evicted, PutError, L1};
 use crate::l2::{AnyL2, DirL2, L2Backend, L2Error, RedisL2};
 use crate::pool::BufPool;
 use crate::proto::{
     AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
 };
 use warmpath_residency::{Change, L2Window, Publisher, Scope};
-use warmpath_tiers::{BlockId, Refused};
+use warmpath_tiers::{BlockId, Owner, Refused};
 
 /// Counters kept here as well as in metrics, for `Stats` and the tests.
 #[derive(Debug, Default)]
@@ -297,18 +299,25 @@ impl Agent {
     /// Answers one request; `payloads` are the blocks after its header, each in a buffer of
     /// its own with the checksum computed as it arrived (`server::read_body`). The answer's
     /// payloads follow its header on the wire.
-    pub async fn handle(&self, request: Request, payloads: Vec<Block>) -> (Response, Vec<Bytes>) {
+    /// `owner` is the connection's: its pins and leases are its own, counted against its
+    /// quotas, and end with it ([`Agent::connection_closed`]).
+    pub async fn handle(
+        &self,
+        owner: Owner,
+        request: Request,
+        payloads: Vec<Block>,
+    ) -> (Response, Vec<Bytes>) {
         let started = Instant::now();
         let (op, answer) = match request {
-            Request::Put { layout, blocks } => ("put", self.put(layout, &blocks, payloads)),
+            Request::Put { layout, blocks } => ("put", self.put(owner, layout, &blocks, payloads)),
             Request::Lookup {
                 layout,
                 keys,
                 lease_ms,
-            } => ("lookup", self.lookup(layout, &keys, lease_ms).await),
+            } => ("lookup", self.lookup(owner, layout, &keys, lease_ms).await),
             Request::Get { layout, keys } => ("get", self.get(layout, &keys).await),
-            Request::Release { lease } => ("release", self.release(lease)),
-            Request::Unpin { layout, keys } => ("unpin", self.unpin(layout, &keys)),
+            Request::Release { lease } => ("release", self.release(owner, lease)),
+            Request::Unpin { layout, keys } => ("unpin", self.unpin(owner, layout, &keys)),
             Request::Stats => ("stats", (Response::Stats(self.stats()), Vec::new())),
         };
         histogram!(crate::metric_names::AGENT_OP_DURATION_SECONDS, "op" => op)
@@ -318,6 +327,18 @@ impl Agent {
                 .increment(1);
         }
         answer
+    }
+
+    /// Ends the pins and leases of a block API connection that closed (counted).
+    pub fn connection_closed(&self, owner: Owner) {
+        let (pins, leases) = self.lock_l1().release_owner(owner);
+        if pins > 0 {
+            counter!(crate::metric_names::AGENT_PINS_ENDED_TOTAL).increment(pins as u64);
+        }
+        if leases > 0 {
+            counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "closed")
+                .increment(leases as u64);
+        }
     }
 
     fn too_many(&self, n: usize) -> Option<(Response, Vec<Bytes>)> {
@@ -332,7 +353,13 @@ impl Agent {
         })
     }
 
-    fn put(&self, layout: u64, items: &[PutItem], payloads: Vec<Block>) -> (Response, Vec<Bytes>) {
+    fn put(
+        &self,
+        owner: Owner,
+        layout: u64,
+        items: &[PutItem],
+        payloads: Vec<Block>,
+    ) -> (Response, Vec<Bytes>) {
         if let Some(e) = self.too_many(items.len()) {
             return e;
         }
@@ -368,14 +395,35 @@ impl Agent {
         let mut stored_blocks = Vec::new();
         {
             let mut l1 = self.lock_l1();
+            let pin_cap = self.config.pin_cap_bytes();
+            let mut pins_left = self
+                .config
+                .max_pins_per_connection
+                .saturating_sub(l1.holds_of(owner).0);
             // Last block first: within a chain the first block is the last to be evicted.
             for (i, (item, block)) in items.iter().zip(owned).enumerate().rev() {
                 let Some(block) = block else { continue };
                 let id = BlockId::new(layout, item.key);
-                match l1.put(id, block.clone(), item.pin, &mut evicted) {
-                    Ok(()) => stored_blocks.push((id, block)),
-                    Err(Refused::TooLarge { .. }) => refused.push((i as u32, PutRefusal::TooLarge)),
-                    Err(Refused::Full) => refused.push((i as u32, PutRefusal::Full)),
+                if item.pin && pins_left == 0 {
+                    refused.push((i as u32, PutRefusal::PinLimit));
+                    continue;
+                }
+                let pin = item.pin.then_some(owner);
+                match l1.put_for(id, block.clone(), pin, pin_cap, &mut evicted) {
+                    Ok(()) => {
+                        if item.pin {
+                            pins_left -= 1;
+                        }
+                        stored_blocks.push((id, block))
+                    }
+                    Err(PutError::Tier(Refused::TooLarge { .. })) => {
+                        refused.push((i as u32, PutRefusal::TooLarge))
+                    }
+                    Err(PutError::Tier(Refused::Full)) => {
+                        refused.push((i as u32, PutRefusal::Full))
+                    }
+                    Err(PutError::Conflict) => refused.push((i as u32, PutRefusal::Conflict)),
+                    Err(PutError::PinCap) => refused.push((i as u32, PutRefusal::PinLimit)),
                 }
             }
         }
@@ -393,11 +441,8 @@ impl Agent {
         counter!(crate::metric_names::AGENT_EVICTIONS_TOTAL, "tier" => "l1")
             .increment(evicted.len() as u64);
         for (_, why) in &refused {
-            let reason = match why {
-                PutRefusal::TooLarge => "too_large",
-                PutRefusal::Full => "full",
-            };
-            counter!(crate::metric_names::AGENT_PUT_REFUSED_TOTAL, "reason" => reason).increment(1);
+            counter!(crate::metric_names::AGENT_PUT_REFUSED_TOTAL, "reason" => why.name())
+                .increment(1);
         }
         match self.config.l2_write {
             WritePolicy::Through => self.queue_l2(stored_blocks.iter().cloned()),
@@ -429,7 +474,15 @@ impl Agent {
         }
     }
 
-    async fn lookup(&self, layout: u64, keys: &[u64], lease_ms: u32) -> (Response, Vec<Bytes>) {
+    /// A lookup that finds nothing in L1 takes no lease (lease 0), nor does one past the
+    /// connection's lease quota (counted `refused`): its blocks are reported, not held.
+    async fn lookup(
+        &self,
+        owner: Owner,
+        layout: u64,
+        keys: &[u64],
+        lease_ms: u32,
+    ) -> (Response, Vec<Bytes>) {
         if let Some(e) = self.too_many(keys.len()) {
             return e;
         }
@@ -478,9 +531,27 @@ impl Agent {
                 .map(|(id, _)| *id)
                 .collect();
             l1.touch_chain(&leased);
-            l1.lease(&leased, now, ttl_us)
+            if leased.is_empty() {
+                None
+            } else if l1.holds_of(owner).1 >= self.config.max_leases_per_connection {
+                Some(None)
+            } else {
+                Some(Some(l1.lease_for(&leased, now, ttl_us, owner)))
+            }
         };
-        counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "granted").increment(1);
+        let lease = match lease {
+            None => 0,
+            Some(None) => {
+                counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "refused")
+                    .increment(1);
+                0
+            }
+            Some(Some(lease)) => {
+                counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "granted")
+                    .increment(1);
+                lease
+            }
+        };
         for t in &tiers {
             counter!(crate::metric_names::AGENT_LOOKUP_BLOCKS_TOTAL, "tier" => t.name())
                 .increment(1);
@@ -720,8 +791,20 @@ impl Agent {
         r
     }
 
-    fn release(&self, lease: u64) -> (Response, Vec<Bytes>) {
-        match self.lock_l1().release(lease) {
+    /// Lease 0 (none was taken) releases nothing; another connection's lease is unknown
+    /// to this one.
+    fn release(&self, owner: Owner, lease: u64) -> (Response, Vec<Bytes>) {
+        if lease == 0 {
+            return (Response::Released { blocks: 0 }, Vec::new());
+        }
+        let released = {
+            let mut l1 = self.lock_l1();
+            match l1.lease_owner(lease) {
+                Some(o) if o == owner => l1.release(lease),
+                _ => None,
+            }
+        };
+        match released {
             Some(n) => {
                 counter!(crate::metric_names::AGENT_LEASES_TOTAL, "result" => "released")
                     .increment(1);
@@ -734,14 +817,15 @@ impl Agent {
         }
     }
 
-    fn unpin(&self, layout: u64, keys: &[u64]) -> (Response, Vec<Bytes>) {
+    /// Unpins this connection's pins among `keys`; another's stay.
+    fn unpin(&self, owner: Owner, layout: u64, keys: &[u64]) -> (Response, Vec<Bytes>) {
         if let Some(e) = self.too_many(keys.len()) {
             return e;
         }
         let mut l1 = self.lock_l1();
         let n = keys
             .iter()
-            .filter(|&&k| l1.unpin(&BlockId::new(layout, k)))
+            .filter(|&&k| l1.unpin_for(&BlockId::new(layout, k), owner))
             .count();
         (Response::Unpinned { blocks: n as u32 }, Vec::new())
     }
@@ -784,6 +868,26 @@ impl Agent {
             gauge!(crate::metric_names::AGENT_OCCUPANCY_BYTES, "tier" => "l2")
                 .set(d.used_bytes() as f64);
         }
+    }
+
+    /// An object of the HyperPod segment was stored, evicted to L2 or evicted: the pool
+    /// blocks its chunk's KV events keyed are reported (or withdrawn) in L1 or L2, now or
+    /// when the event arrives (`Ingest::object_held`). A name without a chunk hash (not a
+    /// `CacheEngineKey`) is stored and served, not reported.
+    pub fn hyperpod_object(&self, name: &ObjectName, event: ObjectEvent) {
+        let Some(hash) = name.chunk_hash() else {
+            tracing::debug!(%name, "hyperpod object without a chunk hash: not reported");
+            return;
+        };
+        let changes = {
+            let mut ingest = self.ingest.lock().unwrap_or_else(|p| p.into_inner());
+            match event {
+                ObjectEvent::Stored => ingest.object_held(&hash, ObjectTier::L1),
+                ObjectEvent::Spilled => ingest.object_held(&hash, ObjectTier::L2),
+                ObjectEvent::Evicted => ingest.object_gone(&hash, ObjectTier::L1),
+            }
+        };
+        self.report.record(changes);
     }
 }
 
@@ -895,7 +999,19 @@ fn describe_metrics() {
     );
     describe_counter!(
         crate::metric_names::AGENT_PUT_REFUSED_TOTAL,
-        "Blocks of puts not stored, by reason."
+        "Blocks of puts not stored, by reason (conflict: the key is held with other bytes)."
+    );
+    describe_counter!(
+        crate::metric_names::AGENT_PINS_ENDED_TOTAL,
+        "Pins ended because the block API connection that took them closed."
+    );
+    describe_counter!(
+        crate::metric_names::AGENT_HANDSHAKES_DISPLACED_TOTAL,
+        "Connections closed before their handshake to make room for a newer one, by scope (source or all)."
+    );
+    describe_counter!(
+        crate::metric_names::AGENT_FRAMES_REFUSED_TOTAL,
+        "Frames refused from their length, over a connection's in-flight budget."
     );
     describe_counter!(
         crate::metric_names::AGENT_L2_ERRORS_TOTAL,

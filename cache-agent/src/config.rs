@@ -167,8 +167,24 @@ pub struct AgentConfig {
     pub max_keys: usize,
     /// Longest lease a lookup may ask for.
     pub max_lease: Duration,
-    /// Open block API connections at most.
+    /// Open block API connections at most (authenticated ones: a connection counts from
+    /// its accepted handshake).
     pub max_connections: usize,
+    /// Connections still in their handshake at most, overall and per source address; one
+    /// more displaces the oldest (of its source when that is full), so a flood of silent
+    /// connections costs an engine at most a retry, never its turn.
+    pub max_unauthenticated: usize,
+    pub max_unauthenticated_per_source: usize,
+    /// Pins and leases one connection holds at most; more are refused (counted).
+    pub max_pins_per_connection: usize,
+    pub max_leases_per_connection: usize,
+    /// The share of L1 pinned blocks may take at most, in percent.
+    pub max_pinned_percent: u32,
+    /// Bytes of frames being read or handled at most, per connection and overall; a frame
+    /// waits for its bytes before its body is read, and one larger than a connection's
+    /// budget is refused from its length.
+    pub max_connection_inflight_bytes: u64,
+    pub max_inflight_bytes: u64,
     /// The host's engines: (name, KV-event endpoint `tcp://HOST:PORT`, optionally followed
     /// by `,tcp://HOST:PORT` of its replay socket), in order.
     pub kv_events: Vec<(String, String)>,
@@ -201,6 +217,13 @@ impl Default for AgentConfig {
             max_keys: 4096,
             max_lease: Duration::from_secs(30),
             max_connections: 256,
+            max_unauthenticated: 128,
+            max_unauthenticated_per_source: 16,
+            max_pins_per_connection: 65_536,
+            max_leases_per_connection: 1024,
+            max_pinned_percent: 50,
+            max_connection_inflight_bytes: 128 << 20,
+            max_inflight_bytes: 512 << 20,
             kv_events: Vec::new(),
             kv_tenants: Vec::new(),
             kv_block_tokens: 0,
@@ -212,7 +235,29 @@ impl Default for AgentConfig {
 impl AgentConfig {
     /// The largest frame a peer may send: a full batch of the largest blocks, bounded.
     pub fn max_frame_bytes(&self) -> u64 {
-        (self.max_block_bytes.saturating_mul(16)).clamp(1 << 20, u32::MAX as u64)
+        (self.max_block_bytes.saturating_mul(16))
+            .min(self.connection_inflight_bytes())
+            .clamp(1 << 20, u32::MAX as u64)
+    }
+
+    /// A connection's in-flight budget: as configured, but always room for one frame of a
+    /// block of the largest size (and its header).
+    pub fn connection_inflight_bytes(&self) -> u64 {
+        self.max_connection_inflight_bytes
+            .max(self.max_block_bytes.saturating_add(1 << 20))
+            .min(u32::MAX as u64)
+    }
+
+    /// The agent's in-flight budget, never below a connection's.
+    pub fn inflight_bytes(&self) -> u64 {
+        self.max_inflight_bytes
+            .max(self.connection_inflight_bytes())
+            .min(u32::MAX as u64)
+    }
+
+    /// The most bytes of L1 pinned blocks may take.
+    pub fn pin_cap_bytes(&self) -> u64 {
+        (u128::from(self.l1_bytes) * u128::from(self.max_pinned_percent.min(100)) / 100) as u64
     }
 }
 
@@ -230,6 +275,15 @@ pub struct FileConfig {
     pub max_keys: Option<usize>,
     pub max_lease_ms: Option<u64>,
     pub max_connections: Option<usize>,
+    pub max_unauthenticated: Option<usize>,
+    pub max_unauthenticated_per_source: Option<usize>,
+    pub max_pins_per_connection: Option<usize>,
+    pub max_leases_per_connection: Option<usize>,
+    pub max_pinned_percent: Option<u32>,
+    #[serde(default, deserialize_with = "opt_bytes")]
+    pub max_connection_inflight_bytes: Option<u64>,
+    #[serde(default, deserialize_with = "opt_bytes")]
+    pub max_inflight_bytes: Option<u64>,
     /// The pool's block size in tokens, which KV events are re-cut into (0 or absent: each
     /// engine's GPU block size).
     pub kv_block_tokens: Option<u32>,
@@ -351,6 +405,27 @@ impl FileConfig {
         if let Some(v) = self.max_connections {
             c.max_connections = v;
         }
+        if let Some(v) = self.max_unauthenticated {
+            c.max_unauthenticated = v;
+        }
+        if let Some(v) = self.max_unauthenticated_per_source {
+            c.max_unauthenticated_per_source = v;
+        }
+        if let Some(v) = self.max_pins_per_connection {
+            c.max_pins_per_connection = v;
+        }
+        if let Some(v) = self.max_leases_per_connection {
+            c.max_leases_per_connection = v;
+        }
+        if let Some(v) = self.max_pinned_percent {
+            c.max_pinned_percent = v;
+        }
+        if let Some(v) = self.max_connection_inflight_bytes {
+            c.max_connection_inflight_bytes = v;
+        }
+        if let Some(v) = self.max_inflight_bytes {
+            c.max_inflight_bytes = v;
+        }
         if let Some(v) = self.kv_block_tokens {
             c.kv_block_tokens = v;
         }
@@ -428,6 +503,15 @@ impl AgentConfig {
         }
         if self.max_keys == 0 || self.max_connections == 0 || self.l2_deadline.is_zero() {
             return Err("max_keys, max_connections and l2 deadline must be positive".into());
+        }
+        if self.max_unauthenticated == 0 || self.max_unauthenticated_per_source == 0 {
+            return Err("max_unauthenticated and its per-source share must be positive".into());
+        }
+        if self.max_pinned_percent > 100 {
+            return Err(format!(
+                "max_pinned_percent {} is over 100",
+                self.max_pinned_percent
+            ));
         }
         if let Some(h) = &self.hyperpod {
             h.validate(self.token.is_some(), insecure)?;

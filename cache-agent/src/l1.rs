@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use bytes::Bytes;
 
 use crate::block::Block;
-use warmpath_tiers::{BlockId, Eviction, LeaseId, Ledger, LedgerStats, Refused};
+use warmpath_tiers::{BlockId, Eviction, LeaseId, Ledger, LedgerStats, Owner, Refused};
 
 /// The L1 store.
 #[derive(Debug)]
@@ -25,6 +25,17 @@ pub struct L1 {
 
 /// Blocks an insert evicted, with their payloads (for write-on-evict to L2).
 pub type Evicted = Vec<(BlockId, Block)>;
+
+/// Why [`L1::put_for`] did not store a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PutError {
+    /// The tier's own refusal.
+    Tier(Refused),
+    /// The key is held with other bytes: the first bytes stay.
+    Conflict,
+    /// Pinning it would take the pinned blocks past their cap.
+    PinCap,
+}
 
 impl L1 {
     pub fn new(capacity_bytes: u64, policy: Eviction) -> Self {
@@ -55,6 +66,70 @@ impl L1 {
         result?;
         self.blocks.entry(id).or_insert(block);
         Ok(())
+    }
+
+    /// An engine's put: [`L1::put`], except that a key held with other bytes is a
+    /// [`PutError::Conflict`] (the held bytes stay, untouched), and a pin is `owner`'s and
+    /// refused when the pinned bytes would pass `pin_cap`.
+    pub fn put_for(
+        &mut self,
+        id: BlockId,
+        block: Block,
+        pin: Option<Owner>,
+        pin_cap: u64,
+        evicted: &mut Evicted,
+    ) -> Result<(), PutError> {
+        if let Some(held) = self.blocks.get(&id) {
+            if held.checksum != block.checksum || held.payload != block.payload {
+                return Err(PutError::Conflict);
+            }
+        }
+        if pin.is_some()
+            && !self.ledger.is_pinned(&id)
+            && self.ledger.pinned_bytes() + block.payload.len() as u64 > pin_cap
+        {
+            return Err(PutError::PinCap);
+        }
+        let mut ids = Vec::new();
+        let result = self
+            .ledger
+            .insert_for(id, block.payload.len() as u64, pin, &mut ids);
+        for old in ids {
+            if let Some(b) = self.blocks.remove(&old) {
+                evicted.push((old, b));
+            }
+        }
+        result.map_err(PutError::Tier)?;
+        self.blocks.entry(id).or_insert(block);
+        Ok(())
+    }
+
+    /// (pins, leases) `owner` holds.
+    pub fn holds_of(&self, owner: Owner) -> (usize, usize) {
+        self.ledger.holds_of(owner)
+    }
+
+    /// Ends `owner`'s pins and leases; (pins, leases) ended.
+    pub fn release_owner(&mut self, owner: Owner) -> (usize, usize) {
+        self.ledger.release_owner(owner)
+    }
+
+    pub fn lease_for(
+        &mut self,
+        ids: &[BlockId],
+        now_us: u64,
+        ttl_us: u64,
+        owner: Owner,
+    ) -> LeaseId {
+        self.ledger.lease_for(ids, now_us, ttl_us, owner)
+    }
+
+    pub fn lease_owner(&self, lease: LeaseId) -> Option<Owner> {
+        self.ledger.lease_owner(lease)
+    }
+
+    pub fn unpin_for(&mut self, id: &BlockId, owner: Owner) -> bool {
+        self.ledger.unpin_for(id, owner)
     }
 
     /// The block under `id`, touched; None when not held.

@@ -1,4 +1,4 @@
-//! The engine-facing block API on the wire, version 1: a handshake, then length-prefixed
+//! The engine-facing block API on the wire, version 2: a handshake, then length-prefixed
 //! binary frames with request ids, pipelined (a client may send many requests before reading
 //! an answer; answers carry the request's id and may come back in any order).
 //!
@@ -12,6 +12,11 @@
 //! The server answers with the version it speaks. Status 0 is accepted; 1 an unsupported
 //! version and 2 a missing or wrong token are followed by the server closing the connection,
 //! and the message says what is wrong. The token is compared before any frame is read.
+//!
+//! Versions: 2 added [`PutRefusal::Conflict`] and [`PutRefusal::PinLimit`]. An agent
+//! speaks 1 and 2 ([`MIN_VERSION`]..=[`VERSION`]) and tells a version-1 client either
+//! refusal as [`PutRefusal::Full`] (not stored, which is all a version-1 client can act on),
+//! so engines of the older release keep working against a newer agent.
 //!
 //! # Frames
 //!
@@ -34,7 +39,9 @@ use serde::{Deserialize, Serialize};
 use warmpath_tiers::LedgerStats;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+/// The oldest version an agent still serves.
+pub const MIN_VERSION: u16 = 1;
 pub const MAGIC: &[u8; 4] = b"WPKV";
 /// The longest token a handshake carries.
 pub const MAX_TOKEN_BYTES: usize = 1024;
@@ -98,6 +105,41 @@ pub enum PutRefusal {
     TooLarge,
     /// L1 is full of pinned or leased blocks.
     Full,
+    /// The key is held with other bytes; the first bytes stay (version 2).
+    Conflict,
+    /// A pin past this connection's quota or past the pinned share of L1 (version 2).
+    PinLimit,
+}
+
+impl PutRefusal {
+    /// The label of `warmpath_agent_put_refused_total`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PutRefusal::TooLarge => "too_large",
+            PutRefusal::Full => "full",
+            PutRefusal::Conflict => "conflict",
+            PutRefusal::PinLimit => "pin_limit",
+        }
+    }
+}
+
+impl Response {
+    /// This answer as a client of `version` reads it (see the module docs).
+    pub fn for_version(self, version: u16) -> Response {
+        match self {
+            Response::Put { stored, refused } if version < 2 => Response::Put {
+                stored,
+                refused: refused
+                    .into_iter()
+                    .map(|(i, r)| match r {
+                        PutRefusal::Conflict | PutRefusal::PinLimit => (i, PutRefusal::Full),
+                        r => (i, r),
+                    })
+                    .collect(),
+            },
+            r => r,
+        }
+    }
 }
 
 /// A block of a get's answer; its payload follows in order.

@@ -6,24 +6,36 @@
 //! per connection, and a writer that sends the answers. A frame over the size limit or a
 //! body that stops arriving ends the connection after an error answer; a header that does
 //! not decode is answered with an error and the connection goes on (the length prefix keeps
-//! the stream in step). Connections beyond the limit are refused at accept.
+//! the stream in step).
+//!
+//! Under attack (issue 26): a connection has [`HANDSHAKE_TIMEOUT`] to authenticate, and
+//! connections still in their handshake are capped per source address and overall
+//! ([`Pending`]): one over a cap displaces the oldest (of its source, or of all), so that a
+//! flood of silent connections never keeps an engine from its turn. Only an authenticated
+//! connection takes one of the `max_connections` places. Frames are bounded by the
+//! connection's in-flight budget before their body is read, and a frame's bytes are taken
+//! from the connection's budget and the agent's before its body is read and given back
+//! when its answer is ready. A connection's pins and leases end when it closes.
 
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::IpAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics::counter;
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::agent::Agent;
 use crate::block::Block;
 use crate::pool::BufPool;
 use crate::proto::{self, ErrorKind, Outgoing, ProtoError, Request, Response};
 
-/// Time a new connection has to present its handshake.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time a new connection has to present its handshake (a local engine needs microseconds).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time a frame's body has to arrive once its length did.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Requests of one connection handled at once.
@@ -41,7 +53,14 @@ pub async fn serve(
     unix: Option<tokio::net::UnixListener>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let limit = Arc::new(Semaphore::new(agent.config().max_connections));
+    let limit = Arc::new(Shared {
+        authenticated: Arc::new(Semaphore::new(agent.config().max_connections)),
+        inflight: Arc::new(Semaphore::new(agent.config().inflight_bytes() as usize)),
+        pending: Pending::new(
+            agent.config().max_unauthenticated,
+            agent.config().max_unauthenticated_per_source,
+        ),
+    });
     // Under file-descriptor exhaustion accept fails every pause: warn at most every 10 s.
     let warned = std::sync::Mutex::new(None::<std::time::Instant>);
     let accept_failed = |e: std::io::Error| {
@@ -58,9 +77,9 @@ pub async fn serve(
         };
         loop {
             match l.accept().await {
-                Ok((s, _)) => {
+                Ok((s, peer)) => {
                     let _ = s.set_nodelay(true);
-                    spawn_conn(&agent, &limit, s);
+                    spawn_conn(&agent, &limit, Some(peer.ip()), s);
                 }
                 Err(e) => {
                     accept_failed(e);
@@ -75,7 +94,7 @@ pub async fn serve(
         };
         loop {
             match l.accept().await {
-                Ok((s, _)) => spawn_conn(&agent, &limit, s),
+                Ok((s, _)) => spawn_conn(&agent, &limit, None, s),
                 Err(e) => {
                     accept_failed(e);
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -102,42 +121,140 @@ pub fn bind_unix(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     Ok(l)
 }
 
-fn spawn_conn<S>(agent: &Arc<Agent>, limit: &Arc<Semaphore>, stream: S)
+/// What every connection of one listener shares: the places of authenticated connections,
+/// the agent's in-flight byte budget, and the connections still in their handshake.
+struct Shared {
+    authenticated: Arc<Semaphore>,
+    inflight: Arc<Semaphore>,
+    pending: Pending,
+}
+
+/// Connections in their handshake, oldest first, overall and per source address (None:
+/// the Unix socket). Each holds the sender that closes it when a newer one displaces it.
+struct Pending {
+    max_all: usize,
+    max_per_source: usize,
+    inner: Mutex<PendingInner>,
+}
+
+#[derive(Default)]
+struct PendingInner {
+    next: u64,
+    all: BTreeMap<u64, (Option<IpAddr>, oneshot::Sender<()>)>,
+    by_source: HashMap<Option<IpAddr>, VecDeque<u64>>,
+}
+
+impl Pending {
+    fn new(max_all: usize, max_per_source: usize) -> Self {
+        Pending {
+            max_all: max_all.max(1),
+            max_per_source: max_per_source.max(1),
+            inner: Mutex::new(PendingInner::default()),
+        }
+    }
+
+    /// Admits a connection from `source`, displacing the oldest of its source, or of all,
+    /// when a cap is reached; its number and the receiver that says it was displaced.
+    fn admit(&self, source: Option<IpAddr>) -> (u64, oneshot::Receiver<()>) {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let oldest_of_source = p
+            .by_source
+            .get(&source)
+            .filter(|q| q.len() >= self.max_per_source)
+            .and_then(|q| q.front().copied());
+        if let Some(old) = oldest_of_source {
+            p.displace(old);
+            counter!(crate::metric_names::AGENT_HANDSHAKES_DISPLACED_TOTAL, "scope" => "source")
+                .increment(1);
+        }
+        if p.all.len() >= self.max_all {
+            if let Some(old) = p.all.keys().next().copied() {
+                p.displace(old);
+                counter!(crate::metric_names::AGENT_HANDSHAKES_DISPLACED_TOTAL, "scope" => "all")
+                    .increment(1);
+            }
+        }
+        p.next += 1;
+        let n = p.next;
+        let (tx, rx) = oneshot::channel();
+        p.all.insert(n, (source, tx));
+        p.by_source.entry(source).or_default().push_back(n);
+        (n, rx)
+    }
+
+    /// Connection `n` finished its handshake, or ended.
+    fn done(&self, n: u64) {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        p.remove(n);
+    }
+}
+
+impl PendingInner {
+    fn remove(&mut self, n: u64) -> Option<oneshot::Sender<()>> {
+        let (source, tx) = self.all.remove(&n)?;
+        if let Some(q) = self.by_source.get_mut(&source) {
+            q.retain(|&m| m != n);
+            if q.is_empty() {
+                self.by_source.remove(&source);
+            }
+        }
+        Some(tx)
+    }
+
+    fn displace(&mut self, n: u64) {
+        if let Some(tx) = self.remove(n) {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Owners of pins and leases: one per connection, never reused (0 is nobody's).
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+
+fn spawn_conn<S>(agent: &Arc<Agent>, shared: &Arc<Shared>, source: Option<IpAddr>, stream: S)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let Ok(permit) = limit.clone().try_acquire_owned() else {
-        counter!(crate::metric_names::AGENT_CONNECTIONS_REFUSED_TOTAL).increment(1);
-        // Dropping the stream closes it: the engine sees a refused connection and recomputes.
-        return;
-    };
-    let agent = agent.clone();
+    let (agent, shared) = (agent.clone(), shared.clone());
     tokio::spawn(async move {
-        if let Err(e) = connection(agent, stream).await {
+        let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = connection(&agent, &shared, source, owner, stream).await {
             counter!(crate::metric_names::AGENT_PROTOCOL_ERRORS_TOTAL).increment(1);
             tracing::debug!(error = %e, "block api connection ended");
         }
-        drop(permit);
+        agent.connection_closed(owner);
     });
 }
 
-async fn connection<S>(agent: Arc<Agent>, stream: S) -> Result<(), ProtoError>
+async fn connection<S>(
+    agent: &Arc<Agent>,
+    shared: &Arc<Shared>,
+    source: Option<IpAddr>,
+    owner: u64,
+    stream: S,
+) -> Result<(), ProtoError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (mut rd, mut wr) = tokio::io::split(stream);
     let io = |e: std::io::Error| ProtoError::Malformed(e.to_string());
     // Handshake: nothing else is read before the token is checked.
-    let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
-        let mut prefix = [0u8; 8];
-        rd.read_exact(&mut prefix).await.map_err(io)?;
-        let (version, token_len) = proto::decode_hello_prefix(&prefix)?;
-        let mut token = vec![0u8; token_len];
-        rd.read_exact(&mut token).await.map_err(io)?;
-        Ok::<_, ProtoError>((version, token))
-    })
-    .await
-    .map_err(|_| ProtoError::Malformed("no handshake in time".into()))?;
+    let (pending, displaced) = shared.pending.admit(source);
+    let hello = tokio::select! {
+        hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+            let mut prefix = [0u8; 8];
+            rd.read_exact(&mut prefix).await.map_err(io)?;
+            let (version, token_len) = proto::decode_hello_prefix(&prefix)?;
+            let mut token = vec![0u8; token_len];
+            rd.read_exact(&mut token).await.map_err(io)?;
+            Ok::<_, ProtoError>((version, token))
+        }) => hello,
+        _ = displaced => {
+            return Err(ProtoError::Malformed("displaced before its handshake".into()));
+        }
+    };
+    shared.pending.done(pending);
+    let hello = hello.map_err(|_| ProtoError::Malformed("no handshake in time".into()))?;
     let (version, token) = match hello {
         Ok(h) => h,
         Err(e) => {
@@ -147,7 +264,7 @@ where
             return Err(e);
         }
     };
-    if version != proto::VERSION {
+    if !(proto::MIN_VERSION..=proto::VERSION).contains(&version) {
         let e = ProtoError::Version(version);
         let _ = wr
             .write_all(&proto::encode_welcome(proto::HELLO_VERSION, &e.to_string()))
@@ -166,6 +283,11 @@ where
             return Err(ProtoError::Malformed("wrong token".into()));
         }
     }
+    let Ok(_place) = shared.authenticated.clone().try_acquire_owned() else {
+        counter!(crate::metric_names::AGENT_CONNECTIONS_REFUSED_TOTAL).increment(1);
+        // Closing it: the engine sees a refused connection and recomputes.
+        return Err(ProtoError::Malformed("over max_connections".into()));
+    };
     wr.write_all(&proto::encode_welcome(proto::HELLO_OK, ""))
         .await
         .map_err(io)?;
@@ -182,6 +304,9 @@ where
         }
     });
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    let budget = Arc::new(Semaphore::new(
+        agent.config().connection_inflight_bytes() as usize
+    ));
     let limit = agent.config().max_frame_bytes();
     let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER_BYTES, rd);
     let put_lens = |r: &Request| match r {
@@ -198,13 +323,22 @@ where
         let len = match proto::frame_len(len, limit) {
             Ok(l) => l,
             Err(e) => {
+                counter!(crate::metric_names::AGENT_FRAMES_REFUSED_TOTAL).increment(1);
                 let _ = tx.send(error_frame(0, ErrorKind::Malformed, &e)).await;
                 break Err(e);
             }
         };
-        let read = read_body::<_, Request>(&mut rd, len, agent.pool(), put_lens);
-        let frame = match tokio::time::timeout(BODY_TIMEOUT, read).await {
-            Ok(Ok(frame)) => frame,
+        // The frame's bytes from this connection's budget and the agent's, before its body
+        // is read: a frame that would pass them waits, within the body's deadline.
+        let bytes = len as u32;
+        let read = async {
+            let mine = budget.clone().acquire_many_owned(bytes).await;
+            let all = shared.inflight.clone().acquire_many_owned(bytes).await;
+            let frame = read_body::<_, Request>(&mut rd, len, agent.pool(), put_lens).await;
+            Ok::<_, std::io::Error>((frame?, (mine.ok(), all.ok())))
+        };
+        let (frame, held) = match tokio::time::timeout(BODY_TIMEOUT, read).await {
+            Ok(Ok(got)) => got,
             Ok(Err(e)) => break Err(io(e)),
             Err(_) => {
                 break Err(ProtoError::Malformed(
@@ -232,13 +366,18 @@ where
         };
         let (agent, tx) = (agent.clone(), tx.clone());
         tokio::spawn(async move {
-            let (response, payloads) = agent.handle(header, payloads).await;
+            let (response, payloads) = agent.handle(owner, header, payloads).await;
+            drop(held);
+            let response = response.for_version(version);
             let _ = tx.send(proto::encode_frame(id, &response, payloads)).await;
             drop(slot);
         });
     };
     drop(tx);
     let _ = writer.await;
+    // Every request of the connection answered (or dropped) before its holds are ended by
+    // the caller: none takes a pin after its owner closed.
+    let _ = slots.acquire_many(IN_FLIGHT as u32).await;
     result
 }
 

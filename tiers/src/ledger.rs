@@ -35,7 +35,7 @@
 //! apart from an eviction's walk over held blocks and [`Ledger::expire`]'s over the leases
 //! that expired.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use crate::list::{List, Slab};
 use serde::{Deserialize, Serialize};
@@ -101,8 +101,9 @@ pub type Owner = u64;
 /// An owner's pins and leases.
 #[derive(Clone, Debug, Default)]
 struct Holds {
-    pins: HashSet<BlockId>,
-    leases: HashSet<LeaseId>,
+    /// Ordered sets: [`Ledger::release_owner`] walks them, and hash order must not leak.
+    pins: BTreeSet<BlockId>,
+    leases: BTreeSet<LeaseId>,
 }
 
 /// The queues: LRU keeps everything in MAIN; S3-FIFO uses both.
@@ -383,6 +384,11 @@ impl Ledger {
         self.slots
             .get(id)
             .is_some_and(|&s| self.nodes.get(s).pinned)
+    }
+
+    /// Which owner holds lease `lease`; None for an unknown one.
+    pub fn lease_owner(&self, lease: LeaseId) -> Option<Owner> {
+        self.leases.get(&lease).map(|l| l.owner)
     }
 
     /// (pins, leases) `owner` holds now.

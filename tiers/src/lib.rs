@@ -17,5 +17,5 @@ mod ledger;
 pub mod list;
 mod lru;
 
-pub use ledger::{BlockId, Eviction, LeaseId, Ledger, LedgerStats, Refused};
+pub use ledger::{BlockId, Eviction, LeaseId, Ledger, LedgerStats, Owner, Refused};
 pub use lru::BlockLru;
