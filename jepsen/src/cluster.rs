@@ -113,8 +113,9 @@ impl Cluster {
             let redis_ip = c.net.ip(redis_host);
             let mut gen = std::process::Command::new(bin);
             gen.args([
-                "certs", "--out", &certs, "--name", "agent", "--name", "router",
+                "certs", "--out", &certs, "--agent", "agent", "--router", "router",
             ]);
+            // Routers follow each agent by its address: the agent's certificate names it.
             for e in 0..engines {
                 gen.args(["--san", &c.net.ip(e)]);
             }
