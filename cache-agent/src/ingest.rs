@@ -62,6 +62,16 @@
 //! chunk covers their pool blocks in L1. vLLM 0.33's placeholders (block size 0) name no
 //! size and stay skipped.
 //!
+//! **Objects of the host's store.** LMCache stores its chunks in the agent's HyperPod
+//! segment (`hyperpod/`) under names that carry the chunk hash its KV events carry, so an
+//! object is mapped through the tokens of the event block of that hash: while the
+//! segment holds it, the pool blocks that block covers are held in L1 (in L2 once it was
+//! evicted there), counted with the events' own coverage, so that LMCache dropping its
+//! CPU copy does not withdraw what the segment still holds ([`Ingest::object_held`],
+//! [`Ingest::object_gone`]). An object stored before its event arrives waits, unmapped
+//! (counted `objects_unmapped`), and is reported when the event's block is keyed. At most
+//! [`MAX_OBJECTS`] objects are followed (more are counted `objects_capped`).
+//!
 //! **Gaps.** A batch whose sequence number is not the previous one plus one means events
 //! were lost. The subscriber first asks the engine's replay socket for the missing
 //! batches (`kv_subscribe.rs`) and applies them in order; when it cannot (no replay
@@ -105,6 +115,38 @@ impl TableRefused {
             TableRefused::TooLarge => "too_large",
         }
     }
+}
+
+/// Objects of the host's store followed at most (mapped or waiting for their event); each
+/// costs about 100 bytes plus 8 per pool block it covers.
+pub const MAX_OBJECTS: usize = 1 << 20;
+
+/// Where the host's store holds an object ([`Ingest::object_held`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectTier {
+    /// In the HyperPod segment: the host's L1.
+    L1,
+    /// Evicted from the segment to the agent's L2.
+    L2,
+}
+
+impl ObjectTier {
+    fn scope(self) -> Scope {
+        match self {
+            ObjectTier::L1 => Scope::L1,
+            ObjectTier::L2 => Scope::L2,
+        }
+    }
+}
+
+/// An object of the host's store, by chunk hash.
+#[derive(Debug, Default)]
+struct Object {
+    l1: bool,
+    l2: bool,
+    /// The key before its first pool block and the pool blocks it covers, once its event
+    /// block is keyed (None: waiting for the event).
+    mapped: Option<(Option<BlockKey>, Box<[BlockKey]>)>,
 }
 
 /// Removed event blocks kept per engine for their chain ends (their children may follow).
@@ -156,6 +198,8 @@ pub struct IngestStats {
     /// Blocks not reported because the engine's view was full ([`MAX_BLOCKS`]), or their
     /// chain would have needed a tenant key past [`MAX_SLOTS`].
     pub capped: u64,
+    /// Objects of the host's store not followed because [`MAX_OBJECTS`] were.
+    pub objects_capped: u64,
 }
 
 /// One event block an engine announced.
@@ -257,6 +301,8 @@ pub struct Ingest {
     covered: HashMap<(Scope, u64), u32>,
     /// The pool's block size, when set; else each engine's GPU block size.
     block_tokens: Option<u32>,
+    /// Objects the host's store holds, by the chunk hash their names carry.
+    objects: HashMap<EngineHash, Object>,
     pub stats: IngestStats,
 }
 
@@ -272,6 +318,7 @@ impl Ingest {
             engines: (0..engines).map(|_| EngineView::default()).collect(),
             covered: HashMap::new(),
             block_tokens: None,
+            objects: HashMap::new(),
             stats: IngestStats::default(),
         }
     }
@@ -429,6 +476,99 @@ impl Ingest {
         self.block_tokens
             .or(self.engines[engine].gpu_block_tokens)
             .map(|b| b as usize)
+    }
+
+    /// The host's store now holds the object of chunk hash `hash` in `tier` (stored or
+    /// loaded back: L1; evicted to L2: L2, and no longer L1). Its pool blocks are
+    /// reported there when an engine's event block of that hash is keyed, now or later.
+    pub fn object_held(&mut self, hash: &EngineHash, tier: ObjectTier) -> Vec<Change> {
+        let mut out = Vec::new();
+        if !self.objects.contains_key(hash) {
+            if self.objects.len() >= MAX_OBJECTS {
+                self.stats.objects_capped += 1;
+                return out;
+            }
+            let mapped = self
+                .engines
+                .iter()
+                .find_map(|v| v.blocks.get(hash))
+                .map(|n| (n.before, n.covers.clone()));
+            self.objects.insert(
+                hash.clone(),
+                Object {
+                    mapped,
+                    ..Object::default()
+                },
+            );
+        }
+        let Some(o) = self.objects.get_mut(hash) else {
+            return out;
+        };
+        let (add, drop) = match tier {
+            ObjectTier::L1 => (!std::mem::replace(&mut o.l1, true), false),
+            ObjectTier::L2 => (
+                !std::mem::replace(&mut o.l2, true),
+                std::mem::replace(&mut o.l1, false),
+            ),
+        };
+        if let Some((before, covers)) = &o.mapped {
+            if drop {
+                uncover(&mut self.covered, Scope::L1, covers, &mut out);
+            }
+            if add {
+                cover_keys(&mut self.covered, tier.scope(), *before, covers, &mut out);
+            }
+        }
+        out
+    }
+
+    /// The host's store no longer holds the object of chunk hash `hash` in `tier`.
+    pub fn object_gone(&mut self, hash: &EngineHash, tier: ObjectTier) -> Vec<Change> {
+        let mut out = Vec::new();
+        let Some(o) = self.objects.get_mut(hash) else {
+            return out;
+        };
+        let held = match tier {
+            ObjectTier::L1 => std::mem::replace(&mut o.l1, false),
+            ObjectTier::L2 => std::mem::replace(&mut o.l2, false),
+        };
+        if let (true, Some((_, covers))) = (held, &o.mapped) {
+            uncover(&mut self.covered, tier.scope(), covers, &mut out);
+        }
+        if !o.l1 && !o.l2 {
+            self.objects.remove(hash);
+        }
+        out
+    }
+
+    /// Objects of the host's store followed, and of those the ones whose event block is
+    /// not known yet (not reported).
+    pub fn objects(&self) -> (usize, usize) {
+        let unmapped = self.objects.values().filter(|o| o.mapped.is_none()).count();
+        (self.objects.len(), unmapped)
+    }
+
+    /// An event block just keyed: an object of its hash that waited is reported now.
+    fn map_object(
+        &mut self,
+        hash: &EngineHash,
+        before: Option<BlockKey>,
+        covers: &[BlockKey],
+        out: &mut Vec<Change>,
+    ) {
+        // Called per new event block: one lookup when no object waits.
+        let Some(o) = self.objects.get_mut(hash) else {
+            return;
+        };
+        if o.mapped.is_some() {
+            return;
+        }
+        o.mapped = Some((before, covers.into()));
+        for (held, scope) in [(o.l1, Scope::L1), (o.l2, Scope::L2)] {
+            if held {
+                cover_keys(&mut self.covered, scope, before, covers, out);
+            }
+        }
     }
 
     /// The sequence number of the last batch applied for `engine`.
@@ -634,6 +774,7 @@ impl Ingest {
                         };
                         node.announce(scope);
                         cover(&mut self.covered, scope, &node, &mut out);
+                        self.map_object(hash, node.before, &node.covers, &mut out);
                         self.engines[engine].blocks.insert(hash.clone(), node);
                         prev = Some((slot, key, tail));
                     }
@@ -694,8 +835,20 @@ fn cover(
     node: &Node,
     out: &mut Vec<Change>,
 ) {
-    let mut parent = node.before;
-    for k in node.covers.iter() {
+    cover_keys(covered, scope, node.before, &node.covers, out);
+}
+
+/// Counts `covers` (after the key `before`) as covered once more in `scope`, reporting
+/// those no other held block covered.
+fn cover_keys(
+    covered: &mut HashMap<(Scope, u64), u32>,
+    scope: Scope,
+    before: Option<BlockKey>,
+    covers: &[BlockKey],
+    out: &mut Vec<Change>,
+) {
+    let mut parent = before;
+    for k in covers {
         let n = covered.entry((scope, k.0)).or_insert(0);
         *n += 1;
         if *n == 1 {
@@ -949,6 +1102,57 @@ mod tests {
             .filter(|c| c.present && c.scope == scope)
             .map(|c| c.key)
             .collect()
+    }
+
+    #[test]
+    fn objects_of_the_hosts_store_are_mapped_through_their_chunks_events() {
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        ing.set_block_tokens(Some(4));
+        let salted = |e: KvEvent| {
+            with(e, |e| {
+                if let KvEvent::Stored { extra_keys, .. } = e {
+                    *extra_keys = vec![vec!["s".into()]];
+                }
+            })
+        };
+        let keys: Vec<u64> = token_block_keys(
+            &TenantKey::derive("t", "s"),
+            &(0..16).collect::<Vec<_>>(),
+            4,
+        )
+        .iter()
+        .map(|k| k.0)
+        .collect();
+        // Chunk 100 (8 tokens) announced, then its object stored: nothing new to report
+        // (LMCache's CPU copy holds the keys already), but the object holds them too.
+        let c = ing.apply(0, 0, &batch(vec![salted(chunk(100, None, 0..8))]));
+        assert_eq!(present(&c, Scope::L1), keys[..2]);
+        assert!(ing.object_held(&h(100), ObjectTier::L1).is_empty());
+        // Object 101 stored before its event: it waits, then is reported with the event.
+        assert!(ing.object_held(&h(101), ObjectTier::L1).is_empty());
+        assert_eq!(ing.objects(), (2, 1));
+        let c = ing.apply(0, 1, &batch(vec![chunk(101, Some(100), 8..16)]));
+        assert_eq!(present(&c, Scope::L1), keys[2..4]);
+        assert_eq!(ing.objects(), (2, 0));
+        // LMCache drops its CPU copies: the segment still holds them, nothing withdrawn.
+        let gone = KvEvent::Removed {
+            block_hashes: vec![h(100), h(101)],
+            medium: Some("cpu".into()),
+        };
+        assert!(ing.apply(0, 2, &batch(vec![gone])).is_empty());
+        // Evicted to L2: withdrawn from L1, reported in L2; then gone from L2 as well.
+        let c = ing.object_held(&h(100), ObjectTier::L2);
+        assert_eq!(present(&c, Scope::L2), keys[..2]);
+        assert_eq!(c.iter().filter(|c| !c.present).count(), 2);
+        let c = ing.object_gone(&h(100), ObjectTier::L2);
+        assert_eq!((c.len(), c.iter().any(|c| c.present)), (2, false));
+        let c = ing.object_gone(&h(101), ObjectTier::L1);
+        assert_eq!(c.len(), 2);
+        assert_eq!(ing.objects(), (0, 0));
+        // An object whose event never comes is counted, and goes without a trace.
+        assert!(ing.object_held(&h(7), ObjectTier::L1).is_empty());
+        assert!(ing.object_gone(&h(7), ObjectTier::L1).is_empty());
+        assert_eq!(ing.objects(), (0, 0));
     }
 
     #[test]

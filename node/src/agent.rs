@@ -324,6 +324,11 @@ pub async fn serve(
         let hp = HyperPod::start(h, config.l1_eviction, token, agent.l2()).with_context(|| {
             format!("cannot set up the HyperPod segment /dev/shm/{}", h.shm_name)
         })?;
+        // Objects stored through it are reported as the agent's L1 (L2 once evicted there).
+        let follower = agent.clone();
+        hp.follow(std::sync::Arc::new(move |name, event| {
+            follower.hyperpod_object(name, event)
+        }));
         println!(
             "warmpath agent hyperpod API on {addr} (segment /dev/shm/{}, {} bytes, generation {})",
             h.shm_name,

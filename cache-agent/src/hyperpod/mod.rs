@@ -69,6 +69,35 @@ const L2_QUEUE: usize = 256;
 /// The derive-key context of L2 ids of HyperPod objects.
 const L2_CONTEXT: &str = "warmpath 2026-12 hyperpod object v1";
 
+/// What happened to an object of the segment, for the residency routers are told
+/// ([`HyperPod::follow`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectEvent {
+    /// Committed to the segment (a put, or loaded back from L2).
+    Stored,
+    /// Evicted from the segment and queued for L2.
+    Spilled,
+    /// Evicted from the segment, not kept anywhere.
+    Evicted,
+}
+
+/// Told of each object event, after the store's lock is released.
+pub type ObjectSink = Arc<dyn Fn(&ObjectName, ObjectEvent) + Send + Sync>;
+
+/// The sink, once set.
+#[derive(Default)]
+struct Follower(std::sync::OnceLock<ObjectSink>);
+
+impl std::fmt::Debug for Follower {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "Follower(set)"
+        } else {
+            "Follower(none)"
+        })
+    }
+}
+
 /// The HyperPod daemon of one agent.
 #[derive(Debug)]
 pub struct HyperPod {
@@ -83,6 +112,8 @@ pub struct HyperPod {
     l2: Option<Arc<AnyL2>>,
     l2_writes: Option<mpsc::Sender<(BlockId, Block)>>,
     max_connections: usize,
+    /// Who is told of objects stored and evicted (the agent, which reports them to routers).
+    follower: Follower,
 }
 
 /// A failure the client is told about: status and message.
@@ -127,6 +158,7 @@ impl HyperPod {
             l2,
             l2_writes,
             max_connections: config.max_connections,
+            follower: Follower::default(),
         });
         for result in ["stored", "too_large", "full", "truncated", "bad_header"] {
             counter!(names::AGENT_HYPERPOD_PUTS_TOTAL, "result" => result).increment(0);
@@ -172,6 +204,18 @@ impl HyperPod {
     /// What the store holds now.
     pub fn stats(&self) -> store::StoreStats {
         self.lock_current().stats()
+    }
+
+    /// Tells `sink` of every object stored and evicted from now on (the agent's residency;
+    /// set once, later calls are ignored).
+    pub fn follow(&self, sink: ObjectSink) {
+        let _ = self.follower.0.set(sink);
+    }
+
+    fn tell(&self, name: &ObjectName, event: ObjectEvent) {
+        if let Some(sink) = self.follower.0.get() {
+            sink(name, event);
+        }
     }
 
     fn now_us(&self) -> u64 {
@@ -346,6 +390,7 @@ impl HyperPod {
         match self.write_body(req.into_body(), p).await {
             Ok(()) => {
                 guard.commit();
+                self.tell(&name, ObjectEvent::Stored);
                 put_result("stored").increment(1);
                 counter!(names::AGENT_HYPERPOD_BYTES_TOTAL, "direction" => "in").increment(len);
                 json(StatusCode::OK, &serde_json::json!({ "stored": len }))
@@ -368,20 +413,30 @@ impl HyperPod {
         let placed = {
             let mut s = self.lock_current();
             let mut spill = |n: &ObjectName, offset: u64, len: u64| {
-                if self.l2_writes.is_some() {
-                    if let Some(obj) = self.read_for_l2(n, offset, len) {
-                        spilled.push(obj);
-                    }
-                }
+                let obj = match self.l2_writes {
+                    Some(_) => self.read_for_l2(n, offset, len),
+                    None => None,
+                };
+                spilled.push((n.clone(), obj));
             };
             s.begin_put(name, len, &mut spill)
         };
-        if let Some(tx) = &self.l2_writes {
-            for obj in spilled {
-                if tx.try_send(obj).is_err() {
-                    counter!(names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
+        for (n, obj) in spilled {
+            let kept = match (&self.l2_writes, obj) {
+                (Some(tx), Some(obj)) => {
+                    let sent = tx.try_send(obj).is_ok();
+                    if !sent {
+                        counter!(names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
+                    }
+                    sent
                 }
-            }
+                _ => false,
+            };
+            let event = match kept {
+                true => ObjectEvent::Spilled,
+                false => ObjectEvent::Evicted,
+            };
+            self.tell(&n, event);
         }
         placed
     }
@@ -547,6 +602,7 @@ impl HyperPod {
             return false;
         }
         guard.commit();
+        self.tell(name, ObjectEvent::Stored);
         counter!(names::AGENT_HYPERPOD_BYTES_TOTAL, "direction" => "l2_in")
             .increment(body.len() as u64);
         true

@@ -15,6 +15,8 @@
 
 use std::fmt;
 
+use crate::kv_events::EngineHash;
+
 /// The longest key accepted, decoded (LMCache's keys are a model name and a few numbers).
 pub const MAX_KEY_BYTES: usize = 1024;
 /// The longest bucket name accepted.
@@ -31,6 +33,58 @@ impl fmt::Display for ObjectName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.bucket, self.key)
     }
+}
+
+impl ObjectName {
+    /// The LMCache chunk hash this object's key names, as KV events carry it: a key is
+    /// `CacheEngineKey.to_string()`, `model@world_size@worker_id@chunk_hash_hex@dtype`
+    /// (a layer key adds `@layer_id`, tags add `@k%v` fields). An int hash is printed
+    /// `{:x}` (maybe negative) and arrives in events as a msgpack integer, a bytes hash as
+    /// its hex: both read here as [`EngineHash`] reads them in events. None when the key
+    /// is not of that shape.
+    pub fn chunk_hash(&self) -> Option<EngineHash> {
+        let fields: Vec<&str> = self.key.split('@').filter(|f| !f.contains('%')).collect();
+        let n = fields.len();
+        if n < 5 {
+            return None;
+        }
+        // A layer key ends in a layer number after the dtype.
+        let at = if fields[n - 1].bytes().all(|b| b.is_ascii_digit()) {
+            n - 3
+        } else {
+            n - 2
+        };
+        hash_from_hex(fields.get(at)?)
+    }
+}
+
+/// `chunk_hash_hex` back to the bytes events carry: an int that fits 64 bits as its
+/// big-endian bytes (unsigned or, negative, two's complement), a longer even-length hex
+/// as its bytes.
+fn hash_from_hex(hex: &str) -> Option<EngineHash> {
+    if let Some(neg) = hex.strip_prefix('-') {
+        let v = u64::from_str_radix(neg, 16).ok()?;
+        let v = i64::try_from(v)
+            .ok()
+            .or((v == 1 << 63).then_some(i64::MIN))?;
+        return Some(EngineHash((v.wrapping_neg()).to_be_bytes().to_vec()));
+    }
+    if hex.is_empty() || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    if hex.len() <= 16 {
+        return Some(EngineHash(
+            u64::from_str_radix(hex, 16).ok()?.to_be_bytes().to_vec(),
+        ));
+    }
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok())
+        .collect::<Option<Vec<u8>>>()
+        .map(EngineHash)
 }
 
 /// The operations of the API.
@@ -270,6 +324,27 @@ impl LeaseIds {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_name_the_chunk_hash_events_carry() {
+        let hash = |key: &str| n("b", key).chunk_hash();
+        let be = |v: u64| Some(EngineHash(v.to_be_bytes().to_vec()));
+        assert_eq!(hash("org/model@1@0@1f@bfloat16"), be(0x1f));
+        assert_eq!(hash("m@2@1@ffffffffffffffff@half@tag%x"), be(u64::MAX));
+        assert_eq!(
+            hash("m@1@0@-5@bfloat16"),
+            Some(EngineHash((-5i64).to_be_bytes().to_vec()))
+        );
+        // A layer key, and a bytes hash longer than 64 bits.
+        assert_eq!(hash("m@1@0@2a@bfloat16@3"), be(0x2a));
+        assert_eq!(
+            hash("m@1@0@000102030405060708090a0b0c0d0e0f10@half"),
+            Some(EngineHash((0u8..=16).collect()))
+        );
+        for bad in ["plain", "m@1@0@zz@half", "m@1@0@@half", "m@1@0@abc"] {
+            assert_eq!(hash(bad), None, "{bad}");
+        }
+    }
 
     fn n(bucket: &str, key: &str) -> ObjectName {
         ObjectName {
