@@ -166,7 +166,7 @@ fn metric(url: &str, line_start: &str) -> f64 {
 
 /// The venv with lmcache 0.5.6 (`WARMPATH_LMCACHE_VENV`, or `target/lmcache-venv`), made
 /// by tests/tools/setup-lmcache-venv.sh when missing; None when WARMPATH_SKIP_LMCACHE=1.
-fn lmcache_venv() -> Option<PathBuf> {
+pub fn lmcache_venv() -> Option<PathBuf> {
     if std::env::var_os("WARMPATH_SKIP_LMCACHE").is_some_and(|v| v == "1") {
         return None;
     }

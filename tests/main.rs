@@ -14,6 +14,7 @@ mod helm;
 mod house;
 mod hyperpod;
 mod kv_events;
+mod lmcache_e2e;
 mod raft;
 mod readme;
 mod report;

@@ -1,0 +1,298 @@
+//! Issue 25's end-to-end run, with real processes and the clients' own code: LMCache's
+//! `SageMakerHyperPodConnector` (lmcache 0.5.6, on CPU) stores a prompt's chunks through
+//! a real `warmpath agent` (HyperPod API, KV events), vLLM 0.33's `ZmqEventPublisher`
+//! publishes what a vLLM + LMCache engine publishes for them (a GPU block, LMCache's CPU
+//! `BlockStored` chunks), and the engine then drops its own copies, so that only the
+//! agent's segment holds the prompt. A real `warmpath router` following the agent routes a
+//! request for the prompt to the holder's instance on observed L1 residency (of two
+//! engine-sims in the pool), and LMCache's connector gets the chunks back byte for byte.
+//! The script is tests/clients/lmcache_e2e.py.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use warmpath_cache_agent::client::{AgentAddr, AgentClient};
+
+use crate::router::{client, post};
+use crate::{scratch_dir, Proc};
+
+/// The engine's side: LMCache's connector and vLLM's publisher, driven step by step.
+struct Engine {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    /// The prompt and LMCache's chunk keys, as the script printed them.
+    plan: Value,
+}
+
+impl Engine {
+    fn start(venv: &Path, hyperpod: &str, shm: &str, events_port: u16, replay: &str) -> Engine {
+        let kv_events = crate::test_venv().join("reference/vllm-0.33.0/kv_events.py");
+        assert!(kv_events.exists(), "{} is missing", kv_events.display());
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/lmcache_e2e.py");
+        let salt = warmpath_index::keys::default_cache_salt("default");
+        let mut child = Command::new(venv.join("bin/python"))
+            .args(["-W", "ignore"])
+            .arg(script)
+            .args([hyperpod, shm])
+            .arg(kv_events)
+            .arg(format!("tcp://*:{events_port}"))
+            .args([replay, salt.as_str()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python runs");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut e = Engine {
+            child,
+            stdin,
+            stdout,
+            plan: Value::Null,
+        };
+        let line = e.line_starting("{");
+        e.plan = serde_json::from_str(&line).unwrap_or_else(|err| panic!("{err}: {line:?}"));
+        e
+    }
+
+    /// The next line that starts with `prefix` (LMCache logs to stdout too: the rest are
+    /// printed).
+    fn line_starting(&mut self, prefix: &str) -> String {
+        loop {
+            let mut line = String::new();
+            let n = self
+                .stdout
+                .read_line(&mut line)
+                .expect("the script's output");
+            assert!(
+                n > 0,
+                "the script ended before {prefix:?} (its traceback is above)"
+            );
+            if line.starts_with(prefix) {
+                return line.trim().to_string();
+            }
+            print!("script: {line}");
+        }
+    }
+
+    fn step(&mut self, step: &str) {
+        writeln!(self.stdin, "{step}").unwrap();
+        let line = self.line_starting("ok ");
+        assert_eq!(line, format!("ok {step}"));
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A segment name no other test or run uses (removed when dropped).
+struct Shm(String);
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(Path::new("/dev/shm").join(&self.0));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_stores_through_the_agent_and_a_request_is_routed_to_the_holder() {
+    let Some(venv) = crate::hyperpod::lmcache_venv() else {
+        println!("WARMPATH_SKIP_LMCACHE=1: the LMCache end-to-end run was not run");
+        return;
+    };
+    let dir = scratch_dir("lmcache-e2e");
+    let certs = dir.join("certs");
+    let certs_s = certs.to_str().unwrap();
+    let out = crate::warmpath(&[
+        "certs",
+        "--out",
+        certs_s,
+        "--agent",
+        "agent",
+        "--router",
+        "router",
+        "--loopback",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Two engines in the pool; the agent is the holder's host's (its KV events are e0's).
+    let (e0, e1) = (crate::engine_sim("50", &[]), crate::engine_sim("50", &[]));
+    let shm = Shm(format!("wp-it-e2e-{}", std::process::id()));
+    let events_port = crate::free_addr().port();
+    let replay = format!("tcp://{}", crate::free_addr());
+    let quic = warmpath_testkit::free_udp_addr().to_string();
+    let kv_events = format!("{}=tcp://127.0.0.1:{events_port},{replay}", e0.url);
+    let agent = Proc::start_lines(
+        &[
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--hyperpod-listen",
+            "127.0.0.1:0",
+            "--hyperpod-shm-name",
+            &shm.0,
+            "--hyperpod-shm-bytes",
+            "64MiB",
+            "--kv-events",
+            &kv_events,
+            "--kv-tenant",
+            "default",
+            "--kv-block-tokens",
+            "16",
+            "--residency-listen",
+            &quic,
+            "--tls-dir",
+            certs_s,
+            "--tls-name",
+            "agent",
+        ],
+        3,
+        "warn",
+    );
+    let hyperpod = agent
+        .lines
+        .iter()
+        .find_map(|l| l.split("hyperpod API on ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or_else(|| panic!("no hyperpod line in {:?}", agent.lines))
+        .to_string();
+    let mut engine = Engine::start(&venv, &hyperpod, &shm.0, events_port, &replay);
+    let prompt: Vec<u32> = engine.plan["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let chunks = engine.plan["chunks"].as_array().unwrap().len() as u64;
+    println!("LMCache's chunks: {}", engine.plan["chunks"]);
+    // LMCache stores whole 256-token chunks by default: 600 tokens are 2 chunks, 32 pool
+    // blocks of 16 tokens.
+    assert_eq!(chunks, 2);
+    let blocks = chunks * 256 / 16;
+
+    let config = dir.join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\", \"{}\"]\n\
+             agents = [\"agent@{quic}\"]\nblock_tokens = 16\n",
+            e0.url, e1.url
+        ),
+    )
+    .unwrap();
+    let router = Proc::start(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        config.to_str().unwrap(),
+        "--tls-dir",
+        certs_s,
+        "--tls-name",
+        "router",
+        "--allow-explain",
+    ]);
+
+    let c = AgentClient::connect(
+        &AgentAddr::Tcp(agent.url.clone()),
+        "",
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("the agent");
+    let c = &c;
+    let held = move || async move { c.stats().await.unwrap().residency_blocks };
+    // A subscriber misses what was published before it joined.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while held().await != 1 {
+        assert!(Instant::now() < deadline, "the agent never subscribed");
+        engine.step("probe");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    engine.step("unprobe");
+    crate::until(
+        Duration::from_secs(10),
+        "the probe's removal",
+        move || async move { (held().await == 0).then_some(()) },
+    )
+    .await;
+
+    // LMCache stores the chunks through the agent before any event names them: the agent
+    // cannot key them yet, and reports nothing.
+    engine.step("store");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(held().await, 0, "objects reported before their events");
+    // The step's events: the GPU block (the tenant's salt), then LMCache's chunks: 1 GPU
+    // block and the chunks' pool blocks in L1.
+    engine.step("events");
+    crate::until(
+        Duration::from_secs(10),
+        &format!("the agent to hold 1 + {blocks} blocks"),
+        move || async move { (held().await == 1 + blocks).then_some(()) },
+    )
+    .await;
+    // The engine drops its own copies (GPU, LMCache's CPU tier): the agent's segment
+    // still holds the chunks, so their blocks stay reported in L1.
+    engine.step("drop_local");
+    crate::until(
+        Duration::from_secs(10),
+        &format!("the agent to hold the segment's {blocks} blocks"),
+        move || async move { (held().await == blocks).then_some(()) },
+    )
+    .await;
+
+    // A request for the prompt (from another engine's client) goes to the holder.
+    let http = client();
+    let body = json!({"model": "sim-llama", "prompt": prompt, "max_tokens": 1}).to_string();
+    let explain = crate::until(
+        Duration::from_secs(15),
+        "the router to match the prompt in the holder's L1",
+        || async {
+            let r = post(
+                &http,
+                &router.url,
+                "/v1/completions",
+                body.clone(),
+                &[("x-warmpath-explain", "1")],
+            )
+            .await;
+            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+            let e: Value =
+                serde_json::from_slice(r.headers["x-warmpath-explain"].as_bytes()).unwrap();
+            (e["matched"]["l1_observed"].as_u64() == Some(blocks)).then_some(e)
+        },
+    )
+    .await;
+    println!("routed: {explain}");
+    assert_eq!(explain["matched"]["gpu_observed"], 0, "{explain}");
+    assert_eq!(
+        explain["instance"]
+            .as_str()
+            .map(|u| u.trim_end_matches('/')),
+        Some(e0.url.trim_end_matches('/')),
+        "not routed to the holder: {explain}"
+    );
+
+    // The holder's LMCache loads the chunks from the agent: byte for byte.
+    writeln!(engine.stdin, "get").unwrap();
+    let got = engine.line_starting("got ");
+    println!("{got}");
+    assert!(got.ends_with("byte-equal"), "{got}");
+    assert_eq!(engine.line_starting("ok "), "ok get");
+    let s = c.stats().await.unwrap();
+    assert_eq!(
+        (s.kv_gaps, s.kv_malformed, s.kv_unresolved),
+        (0, 0, 0),
+        "{s:?}"
+    );
+}
