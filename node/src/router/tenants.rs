@@ -37,6 +37,9 @@ pub(super) struct TenantCounters {
     /// Requests its rate limit refused; only a limited tenant has one. Registered with
     /// the table, so it is exported (at 0) before the first refusal.
     pub(super) rate_limited: Option<metrics::Counter>,
+    /// Its requests answered 200, registered at the first: the request path counts every
+    /// answer, and the macro would allocate the labels and look the series up each time.
+    answered_ok: std::sync::OnceLock<metrics::Counter>,
 }
 
 impl TenantCounters {
@@ -48,6 +51,19 @@ impl TenantCounters {
             rate_limited: t.rate_limit_rps.map(|_| {
                 metrics::counter!(crate::metric_names::ROUTER_RATE_LIMITED_TOTAL, "tenant" => t.id.clone())
             }),
+            answered_ok: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Counts an answer of `status` to tenant `id` in `warmpath_router_requests_total`.
+    pub(super) fn answered(&self, id: &str, status: axum::http::StatusCode) {
+        let counter = |status: String| metrics::counter!(crate::metric_names::ROUTER_REQUESTS_TOTAL, "tenant" => id.to_string(), "status" => status);
+        if status == axum::http::StatusCode::OK {
+            self.answered_ok
+                .get_or_init(|| counter("200".into()))
+                .increment(1);
+        } else {
+            counter(status.as_u16().to_string()).increment(1);
         }
     }
 }
