@@ -152,6 +152,13 @@ fn the_chart_lints_and_every_rendering_passes_the_kubernetes_schemas() {
                    "agent": {"l2Volume": {"hostPath": {"path": "/mnt/nvme/warmpath",
                                                        "type": "DirectoryOrCreate"}}}}),
         ),
+        (
+            "hyperpod",
+            json!({"agent": {"kvBlockTokens": 16,
+                             "kvEvents": ["http://$(NODE_IP):8000=tcp://$(NODE_IP):5557"],
+                             "hyperpod": {"enabled": true, "shmBytes": "32GiB",
+                                          "lmcache": {"chunkSize": 256}}}}),
+        ),
     ];
     for (name, values) in variants {
         let manifests = render(&values).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -223,6 +230,55 @@ fn the_chart_lints_and_every_rendering_passes_the_kubernetes_schemas() {
                 );
                 assert_eq!(count("ConfigMap"), 1, "the dashboard is off");
                 assert!(router_config(&docs).contains("strategy = \"round-robin\""));
+            }
+            "hyperpod" => {
+                // The agent as LMCache's HyperPod daemon: its API on the node's loopback
+                // (hostNetwork: LMCache's connector sends no token), its segment in the
+                // node's /dev/shm, and the settings an engine's LMCache needs.
+                let args = daemonset_args(&docs);
+                crate::deploy::assert_real_flags("the agent DaemonSet", "agent", &args.join(" "));
+                for flag in [
+                    "--hyperpod-listen=127.0.0.1:9200",
+                    "--hyperpod-shm-name=warmpath-kv",
+                    "--hyperpod-shm-bytes=32GiB",
+                    "--hyperpod-shm-mode=0660",
+                    "--kv-block-tokens=16",
+                ] {
+                    assert!(args.contains(&flag.to_string()), "{flag}: {args:?}");
+                }
+                let pod =
+                    &find(&docs, "DaemonSet", "wp-warmpath-agent")["spec"]["template"]["spec"];
+                assert_eq!(pod["hostNetwork"], true, "{pod}");
+                assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
+                let shm = pod["volumes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|v| v["name"] == "shm")
+                    .expect("the shm volume");
+                assert_eq!(shm["hostPath"]["path"], "/dev/shm");
+                let mounts = &pod["containers"][0]["volumeMounts"];
+                assert!(
+                    mounts
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|m| m["name"] == "shm" && m["mountPath"] == "/dev/shm"),
+                    "{mounts}"
+                );
+                let env = &find(&docs, "ConfigMap", "wp-warmpath-agent-lmcache")["data"];
+                assert_eq!(
+                    env["LMCACHE_REMOTE_URL"],
+                    "sagemaker-hyperpod://127.0.0.1:9200"
+                );
+                assert_eq!(env["LMCACHE_CHUNK_SIZE"], "256");
+                assert_eq!(env["LMCACHE_ENABLE_KV_EVENTS"], "true");
+                let extra: Value =
+                    serde_json::from_str(env["LMCACHE_EXTRA_CONFIG"].as_str().unwrap()).unwrap();
+                assert_eq!(
+                    extra["sagemaker_hyperpod_shared_memory_name"],
+                    "warmpath-kv"
+                );
             }
             "dir-l2" => {
                 let args = daemonset_args(&docs);
