@@ -67,8 +67,46 @@ fn the_compose_file_is_valid_and_passes_real_flags() {
             }
         }
     }
-    // init, 3 engines, 2 agents, 3 routers.
-    assert_eq!(commands, 9, "{services:?}");
+    // init, 3 engines, 2 agents, 3 routers, and the LMCache host's agent.
+    assert_eq!(commands, 10, "{services:?}");
+    // The vLLM + LMCache engine (profile lmcache) reaches its agent's HyperPod API on the
+    // loopback of the network namespace it shares, and its segment in the IPC namespace
+    // it shares, as docs/lmcache.md says; the agent's own flags are checked above.
+    let agent = &services["agent-lmcache"];
+    let vllm = &services["vllm-lmcache"];
+    for s in [agent, vllm] {
+        assert_eq!(s["profiles"], serde_json::json!(["lmcache"]), "{s}");
+    }
+    assert_eq!(agent["ipc"], "shareable");
+    assert_eq!(vllm["network_mode"], "service:agent-lmcache");
+    assert_eq!(vllm["ipc"], "service:agent-lmcache");
+    let words: Vec<&str> = agent["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let flag = |name: &str| {
+        let at = words.iter().position(|w| *w == name).expect(name);
+        words[at + 1]
+    };
+    assert_eq!(flag("--hyperpod-listen"), "127.0.0.1:9200");
+    let env = &vllm["environment"];
+    assert_eq!(
+        env["LMCACHE_REMOTE_URL"],
+        "sagemaker-hyperpod://127.0.0.1:9200"
+    );
+    assert_eq!(env["LMCACHE_CHUNK_SIZE"], "256");
+    assert_eq!(env["LMCACHE_ENABLE_KV_EVENTS"], "true");
+    let extra: Value = serde_json::from_str(env["LMCACHE_EXTRA_CONFIG"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        extra["sagemaker_hyperpod_shared_memory_name"],
+        flag("--hyperpod-shm-name")
+    );
+    assert!(
+        flag("--kv-events").ends_with("=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"),
+        "the agent follows the engine's KV events on their shared loopback"
+    );
     let dir = scratch_dir("compose-promtool");
     let prometheus = std::fs::read_to_string(deploy_dir().join("compose/prometheus.yml"))
         .expect("prometheus.yml");
