@@ -324,3 +324,75 @@ async fn a_second_writer_of_a_key_gets_a_conflict_and_the_first_bytes_stay() {
         }
     );
 }
+
+/// Attack 5, across hosts: agents that share an L2 and a cluster key (`l2.key_file`) seal
+/// what they write; an object written by a host without the key is a counted miss for them,
+/// and what they sealed is served to each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_l2_object_from_a_host_without_the_cluster_key_is_a_counted_miss() {
+    let dir = scratch_dir("agent-attack-l2-seal");
+    let l2 = format!("dir:{}", dir.join("l2").display());
+    std::fs::write(dir.join("cluster.key"), "a cluster secret of some length\n").unwrap();
+    let toml = dir.join("keyed.toml");
+    std::fs::write(
+        &toml,
+        format!(
+            "version = 1\n[l2]\nkey_file = {:?}\n",
+            dir.join("cluster.key").display().to_string()
+        ),
+    )
+    .unwrap();
+    let keyed = |_: ()| {
+        agent(&[
+            "--config",
+            toml.to_str().unwrap(),
+            "--l1-bytes",
+            "8MiB",
+            "--l2",
+            &l2,
+            "--l2-write",
+            "through",
+        ])
+    };
+    let (_a, a_addr) = keyed(());
+    let (_c, c_addr) = keyed(());
+    let (_b, b_addr) = agent(&["--l1-bytes", "8MiB", "--l2", &l2, "--l2-write", "through"]);
+    let (a, b, c) = (
+        connect(&a_addr, "").await,
+        connect(&b_addr, "").await,
+        connect(&c_addr, "").await,
+    );
+    // The keyless host writes block 1; a keyed agent will not serve it.
+    assert_eq!(
+        b.put(LAYOUT, vec![(1, payload(1, 4096), false)])
+            .await
+            .unwrap()
+            .stored,
+        1
+    );
+    eventually("the keyless write reaches L2", || async {
+        std::fs::read_dir(dir.join("l2"))
+            .map(|d| d.count() > 0)
+            .unwrap_or(false)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got = a.get(LAYOUT, vec![1]).await.unwrap();
+    assert!(got[0].is_none(), "an unsealed object is not served");
+    assert!(a.stats().await.unwrap().l2_damaged >= 1);
+    // A keyed agent's block is served to another keyed agent from L2.
+    assert_eq!(
+        a.put(LAYOUT, vec![(2, payload(2, 4096), false)])
+            .await
+            .unwrap()
+            .stored,
+        1
+    );
+    eventually("a sealed block is served across hosts", || async {
+        let got = c.get(LAYOUT, vec![2]).await.unwrap();
+        got[0]
+            .as_ref()
+            .is_some_and(|f| f.payload == payload(2, 4096))
+    })
+    .await;
+}

@@ -15,7 +15,7 @@ use futures_util::future::join_all;
 use metrics::{counter, gauge, histogram};
 use tokio::sync::mpsc;
 
-use crate::block::{decode_object, Block};
+use crate::block::{decode_with, encode_sealed, Block};
 use crate::config::{AgentConfig, L2Config, WritePolicy};
 use crate::hyperpod::request::ObjectName;
 use crate::hyperpod::ObjectEvent;
@@ -164,7 +164,14 @@ impl Agent {
         });
         let l2_writes = l2.as_ref().map(|l2| {
             let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
-            tokio::spawn(write_l2(l2.clone(), rx, counters.clone(), report.clone()));
+            let seal = config.l2_key.clone().map(|k| (k, writer_id(&config)));
+            tokio::spawn(write_l2(
+                l2.clone(),
+                rx,
+                counters.clone(),
+                report.clone(),
+                seal,
+            ));
             tx
         });
         let tenants = if config.kv_tenants.is_empty() {
@@ -749,8 +756,8 @@ impl Agent {
             return None;
         };
         let len = raw.len() as u64;
-        match decode_object(&id, raw) {
-            Ok(block) => {
+        match decode_with(&id, raw, self.config.l2_key.as_ref()) {
+            Ok((block, _writer)) => {
                 counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l2", "direction" => "in")
                     .increment(len);
                 // Written by another host, perhaps: this agent has now seen it there.
@@ -764,6 +771,7 @@ impl Agent {
                     crate::block::Damage::Foreign(_) => "foreign",
                     crate::block::Damage::Truncated { .. } => "truncated",
                     crate::block::Damage::Checksum => "checksum",
+                    crate::block::Damage::Unsealed => "unsealed",
                 };
                 counter!(crate::metric_names::AGENT_L2_DAMAGED_TOTAL, "kind" => kind).increment(1);
                 tracing::warn!(layout = id.layout, key = id.key.0, %damage, "l2 block damaged; dropped");
@@ -920,11 +928,21 @@ fn error_label(kind: ErrorKind) -> &'static str {
 
 /// Writes queued blocks to L2, a few at a time; failures are counted, never retried (the
 /// block may still be in L1, and a later eviction writes it again).
+/// This agent's identity in the L2 objects it seals: its host name and block API address,
+/// hashed (who wrote a block, for an operator chasing a bad one; the MAC says it was a
+/// holder of the cluster key).
+fn writer_id(config: &AgentConfig) -> u64 {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let h = blake3::hash(format!("{}\0{}", host.trim(), config.listen).as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().unwrap_or([0; 8]))
+}
+
 async fn write_l2(
     l2: Arc<AnyL2>,
     mut rx: mpsc::Receiver<(BlockId, Block)>,
     counters: Arc<Counters>,
     report: Arc<Report>,
+    seal: Option<(crate::block::SealKey, u64)>,
 ) {
     const CONCURRENT: usize = 8;
     let mut in_flight = tokio::task::JoinSet::new();
@@ -943,10 +961,15 @@ async fn write_l2(
             continue;
         }
         let (l2, counters, report) = (l2.clone(), counters.clone(), report.clone());
+        let seal = seal.clone();
         in_flight.spawn(async move {
             let started = Instant::now();
             let len = block.payload.len() as u64;
-            match l2.put_block(id, &block).await {
+            let put = match &seal {
+                Some((key, writer)) => l2.put(id, encode_sealed(&id, &block, key, *writer)).await,
+                None => l2.put_block(id, &block).await,
+            };
+            match put {
                 Ok(evicted) => {
                     report.l2_stored(id, &evicted);
                     counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l2", "direction" => "out")

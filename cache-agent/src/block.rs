@@ -11,9 +11,19 @@
 //! object (a foreign block, say a key collision on a shared store or a renamed file), a
 //! short or long object (a truncated write, a full disk) and a payload whose checksum
 //! differs (bit rot, a torn write) are each a [`Damage`], which the agent counts as a miss
-//! and never serves. The checksum is xxh3-64: integrity at memory speed, not authentication
-//! (whoever may write the store may write a valid block; the block API and the stores are
-//! authenticated on their own).
+//! and never serves. The checksum is xxh3-64: integrity at memory speed, not authentication.
+//!
+//! With a cluster key (`l2.key_file`, shared by the agents of a cluster), objects are
+//! sealed: a 76-byte header that adds the writer's identity and a MAC, a BLAKE3 keyed hash
+//! under the key of the header before it and the payload:
+//!
+//! ```text
+//! "WPB2" | layout | key | payload length | xxh3-64 | writer u64 LE | MAC (32 bytes) | payload
+//! ```
+//!
+//! An agent with a key serves sealed objects whose MAC checks and nothing else: an object
+//! written by a host without the key (a `WPB1` object, or a `WPB2` under another key) is a
+//! [`Damage::Unsealed`], a counted miss. Decision 0106.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -58,6 +68,95 @@ pub enum Damage {
     Truncated { got: u64, want: u64 },
     #[error("payload checksum mismatch")]
     Checksum,
+    /// Not sealed under this agent's cluster key (or sealed where this agent has none).
+    #[error("object not sealed under the cluster key")]
+    Unsealed,
+}
+
+/// The cluster key L2 objects are sealed under (decision 0106).
+#[derive(Clone, PartialEq, Eq)]
+pub struct SealKey(pub [u8; 32]);
+
+impl std::fmt::Debug for SealKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SealKey(..)")
+    }
+}
+
+impl SealKey {
+    /// The key derived from a key file's contents (surrounding whitespace ignored).
+    pub fn from_secret(secret: &[u8]) -> SealKey {
+        let trimmed = secret.trim_ascii();
+        SealKey(blake3::derive_key("warmpath 2026-12 l2 seal v1", trimmed))
+    }
+}
+
+const SEALED_MAGIC: &[u8; 4] = b"WPB2";
+/// Bytes before the payload in a sealed object.
+pub const SEALED_HEADER_BYTES: usize = HEADER_BYTES + 8 + 32;
+
+fn mac(key: &SealKey, head: &[u8], payload: &[u8]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(&key.0);
+    h.update(head);
+    h.update(payload);
+    *h.finalize().as_bytes()
+}
+
+/// The sealed object for `id` holding `block`, written by `writer`.
+pub fn encode_sealed(id: &BlockId, block: &Block, key: &SealKey, writer: u64) -> Bytes {
+    let mut out = BytesMut::with_capacity(SEALED_HEADER_BYTES + block.payload.len());
+    out.put_slice(SEALED_MAGIC);
+    out.put_slice(&object_header(id, block)[4..]);
+    out.put_u64_le(writer);
+    let m = mac(key, &out, &block.payload);
+    out.put_slice(&m);
+    out.put_slice(&block.payload);
+    out.freeze()
+}
+
+/// The block in an L2 object read back for `id`, checked, and sealed under `key` when this
+/// agent has one; with it, the writer's identity.
+pub fn decode_with(
+    id: &BlockId,
+    object: Bytes,
+    key: Option<&SealKey>,
+) -> Result<(Block, Option<u64>), Damage> {
+    let sealed = object.len() >= 4 && &object[..4] == SEALED_MAGIC;
+    let Some(key) = key else {
+        return if sealed {
+            Err(Damage::Unsealed)
+        } else {
+            decode_object(id, object).map(|b| (b, None))
+        };
+    };
+    if !sealed {
+        return match decode_object(id, object) {
+            Ok(_) => Err(Damage::Unsealed),
+            Err(e) => Err(e),
+        };
+    }
+    if object.len() < SEALED_HEADER_BYTES {
+        return Err(Damage::NotABlock);
+    }
+    let head = &object[..HEADER_BYTES + 8];
+    let payload = &object[SEALED_HEADER_BYTES..];
+    let want: [u8; 32] = object[HEADER_BYTES + 8..SEALED_HEADER_BYTES]
+        .try_into()
+        .map_err(|_| Damage::NotABlock)?;
+    // blake3's Hash equality is constant-time.
+    if blake3::Hash::from(mac(key, head, payload)) != blake3::Hash::from(want) {
+        return Err(Damage::Unsealed);
+    }
+    let writer = u64::from_le_bytes(
+        object[HEADER_BYTES..HEADER_BYTES + 8]
+            .try_into()
+            .unwrap_or([0; 8]),
+    );
+    // The rest as an unsealed object: the same header fields, the payload after the MAC.
+    let mut plain = BytesMut::with_capacity(HEADER_BYTES);
+    plain.put_slice(MAGIC);
+    plain.put_slice(&object[4..HEADER_BYTES]);
+    check_fields(id, &plain, object.slice(SEALED_HEADER_BYTES..)).map(|b| (b, Some(writer)))
 }
 
 /// The header of the L2 object for `id` holding `block` (the payload follows it).
@@ -85,19 +184,24 @@ pub fn decode_object(id: &BlockId, object: Bytes) -> Result<Block, Damage> {
     if object.len() < HEADER_BYTES || &object[..4] != MAGIC {
         return Err(Damage::NotABlock);
     }
-    let u64_at = |at: usize| u64::from_le_bytes(object[at..at + 8].try_into().unwrap_or([0; 8]));
+    check_fields(id, &object[..HEADER_BYTES], object.slice(HEADER_BYTES..))
+}
+
+/// Checks a 36-byte header (magic checked) against `id` and `payload`.
+fn check_fields(id: &BlockId, header: &[u8], payload: Bytes) -> Result<Block, Damage> {
+    let u64_at = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().unwrap_or([0; 8]));
     let found = BlockId::new(u64_at(4), u64_at(12));
     if found != *id {
         return Err(Damage::Foreign(found));
     }
     let want = u64_at(20);
     let sum = u64_at(28);
-    let got = (object.len() - HEADER_BYTES) as u64;
+    let got = payload.len() as u64;
     if got != want {
         return Err(Damage::Truncated { got, want });
     }
     let block = Block {
-        payload: object.slice(HEADER_BYTES..),
+        payload,
         checksum: sum,
     };
     if !block.verify() {
@@ -132,6 +236,37 @@ mod tests {
         let mut longer = obj.to_vec();
         longer.push(0);
         check(longer.into(), Damage::Truncated { got: 22, want: 21 });
+        // Sealed: served under the key, a counted miss without it or under another, and
+        // an unsealed object is a miss where there is a key.
+        let key = SealKey::from_secret(b"cluster secret\n");
+        let sealed = encode_sealed(&id, &block, &key, 42);
+        assert_eq!(
+            decode_with(&id, sealed.clone(), Some(&key)),
+            Ok((block.clone(), Some(42)))
+        );
+        assert_eq!(
+            decode_with(&id, sealed.clone(), None),
+            Err(Damage::Unsealed)
+        );
+        let other_key = SealKey::from_secret(b"another");
+        assert_eq!(
+            decode_with(&id, sealed.clone(), Some(&other_key)),
+            Err(Damage::Unsealed)
+        );
+        assert_eq!(
+            decode_with(&id, obj.clone(), Some(&key)),
+            Err(Damage::Unsealed)
+        );
+        let mut forged = sealed.to_vec();
+        *forged.last_mut().unwrap() ^= 1;
+        assert_eq!(
+            decode_with(&id, forged.into(), Some(&key)),
+            Err(Damage::Unsealed)
+        );
+        assert_eq!(
+            decode_with(&id, sealed.slice(..50), Some(&key)),
+            Err(Damage::NotABlock)
+        );
         // An empty payload is a block too.
         let empty = Block::new(Bytes::new());
         assert_eq!(

@@ -157,6 +157,9 @@ pub struct AgentConfig {
     pub l2_write: WritePolicy,
     /// Deadline of each L2 operation.
     pub l2_deadline: Duration,
+    /// The cluster key L2 objects are sealed under (`l2.key_file`): objects not sealed
+    /// under it are counted misses (decision 0106).
+    pub l2_key: Option<crate::block::SealKey>,
     /// Blocks queued for background L2 writes at most; more are dropped, counted.
     pub l2_write_queue: usize,
     /// L2 blocks reported to routers at most: the latest this agent wrote or read (see
@@ -211,6 +214,7 @@ impl Default for AgentConfig {
             l2: L2Config::None,
             l2_write: WritePolicy::OnEvict,
             l2_deadline: Duration::from_millis(250),
+            l2_key: None,
             l2_write_queue: 4096,
             residency_l2_blocks: 1_000_000,
             max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
@@ -368,6 +372,9 @@ pub struct L2Section {
     pub write_queue: Option<usize>,
     /// L2 blocks reported to routers at most.
     pub report_blocks: Option<usize>,
+    /// A file with the cluster's secret, the same on every agent: L2 objects are sealed
+    /// under a key derived from it, and only those are served.
+    pub key_file: Option<PathBuf>,
 }
 
 impl FileConfig {
@@ -459,6 +466,17 @@ impl FileConfig {
         }
         if let Some(v) = l2.report_blocks {
             c.residency_l2_blocks = v;
+        }
+        if let Some(path) = l2.key_file {
+            let secret =
+                std::fs::read(&path).map_err(|e| format!("l2.key_file {}: {e}", path.display()))?;
+            if secret.trim_ascii().len() < 16 {
+                return Err(format!(
+                    "l2.key_file {}: at least 16 bytes of secret",
+                    path.display()
+                ));
+            }
+            c.l2_key = Some(crate::block::SealKey::from_secret(&secret));
         }
         c.hyperpod = self
             .hyperpod

@@ -455,8 +455,14 @@ pub fn agent_frame(data: &[u8]) {
         }
     }
     let id = BlockId::new(1, 2);
-    if let Ok(block) = decode_object(&id, body) {
+    if let Ok(block) = decode_object(&id, body.clone()) {
         assert!(block.verify(), "a decoded L2 object matches its checksum");
+    }
+    // A sealed L2 object (decision 0106): whatever the bytes, only one sealed under the key
+    // decodes, and what decodes matches its checksum.
+    let key = warmpath_cache_agent::block::SealKey::from_secret(b"fuzzing cluster key");
+    if let Ok((block, writer)) = warmpath_cache_agent::block::decode_with(&id, body, Some(&key)) {
+        assert!(block.verify() && writer.is_some());
     }
     // A residency message as a router reads it, fed to a subscriber: whatever it says, the
     // subscriber's view stays what its outcomes applied.
@@ -693,6 +699,13 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         );
         let object = encode_object(&BlockId::new(1, 2), &Block::new(Bytes::from_static(b"kv")));
         add("agent_frame", "l2-object", object.to_vec());
+        let sealed = warmpath_cache_agent::block::encode_sealed(
+            &BlockId::new(1, 2),
+            &Block::new(Bytes::from_static(b"kv")),
+            &warmpath_cache_agent::block::SealKey::from_secret(b"fuzzing cluster key"),
+            7,
+        );
+        add("agent_frame", "l2-object-sealed", sealed.to_vec());
         use warmpath_residency::{encode, Change, Msg, Scope, Wire};
         let snapshot = Msg::Snapshot {
             epoch: 1,
