@@ -452,7 +452,7 @@ impl RedisL2 {
             RedisOp::Set { key, object } => {
                 let len = object[0].len() + object[1].len();
                 let head = resp::command_head(&[b"SET", key.as_bytes()], len);
-                crate::server::write_all_vectored(conn, &[&head, object[0], object[1], resp::CRLF])
+                crate::io::write_all_vectored(conn, &[&head, object[0], object[1], resp::CRLF])
                     .await?;
                 match resp::read_reply(conn, 0).await? {
                     Reply::Simple(_) => Ok(Answer::Done),

@@ -16,6 +16,7 @@
 //! - [`resp`]: Redis's wire protocol, as much as the Redis backend speaks (commands
 //!   written from borrowed slices, a reader that trusts no reply).
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
+//! - [`io`]: vectored socket writes, shared by the server and the Redis backend.
 //! - [`agent`]: the service that answers requests from both tiers (I/O shell).
 //! - [`kv_subscribe`]: the ZMQ subscriptions to the engines' KV events (I/O).
 //! - What the agent reports to routers goes through `warmpath-residency` (the session,
@@ -30,6 +31,7 @@ pub mod client;
 pub mod config;
 pub mod hyperpod;
 pub mod ingest;
+pub mod io;
 pub mod kv_events;
 pub mod kv_subscribe;
 pub mod l1;

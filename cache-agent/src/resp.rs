@@ -6,7 +6,7 @@
 //! again for the socket, so every block written to Redis was copied three times in user
 //! space (issue 24). Here a `SET`'s last argument is never joined: [`command_head`] writes
 //! the bytes before it, and the caller sends the head, the block's header and its payload
-//! as they are, in one vectored write ([`crate::server::write_all_vectored`]). A `GET`'s
+//! as they are, in one vectored write ([`crate::io::write_all_vectored`]). A `GET`'s
 //! bulk string is read straight into a buffer of its own, one copy out of the kernel.
 //!
 //! The reader trusts nothing it reads: a line is at most [`MAX_LINE`] bytes, a bulk string
