@@ -69,7 +69,9 @@
 //! evicted there), counted with the events' own coverage, so that LMCache dropping its
 //! CPU copy does not withdraw what the segment still holds ([`Ingest::object_held`],
 //! [`Ingest::object_gone`]). An object stored before its event arrives waits, unmapped
-//! (counted `objects_unmapped`), and is reported when the event's block is keyed. At most
+//! (counted, [`Ingest::objects`]), and is reported when the event's block is keyed; when
+//! the engine's view is dropped (a gap, a clear, a new tenant table), its objects wait
+//! again for the rebuilt view, so that no key of the old view stays reported. At most
 //! [`MAX_OBJECTS`] objects are followed (more are counted `objects_capped`).
 //!
 //! **Gaps.** A batch whose sequence number is not the previous one plus one means events
@@ -144,9 +146,9 @@ impl ObjectTier {
 struct Object {
     l1: bool,
     l2: bool,
-    /// The key before its first pool block and the pool blocks it covers, once its event
-    /// block is keyed (None: waiting for the event).
-    mapped: Option<(Option<BlockKey>, Box<[BlockKey]>)>,
+    /// The engine whose event block keyed it, the key before its first pool block and the
+    /// pool blocks it covers (None: waiting for the event).
+    mapped: Option<(usize, Option<BlockKey>, Box<[BlockKey]>)>,
 }
 
 /// Removed event blocks kept per engine for their chain ends (their children may follow).
@@ -491,8 +493,9 @@ impl Ingest {
             let mapped = self
                 .engines
                 .iter()
-                .find_map(|v| v.blocks.get(hash))
-                .map(|n| (n.before, n.covers.clone()));
+                .enumerate()
+                .find_map(|(e, v)| v.blocks.get(hash).map(|n| (e, n)))
+                .map(|(e, n)| (e, n.before, n.covers.clone()));
             self.objects.insert(
                 hash.clone(),
                 Object {
@@ -511,7 +514,7 @@ impl Ingest {
                 std::mem::replace(&mut o.l1, false),
             ),
         };
-        if let Some((before, covers)) = &o.mapped {
+        if let Some((_, before, covers)) = &o.mapped {
             if drop {
                 uncover(&mut self.covered, Scope::L1, covers, &mut out);
             }
@@ -532,7 +535,7 @@ impl Ingest {
             ObjectTier::L1 => std::mem::replace(&mut o.l1, false),
             ObjectTier::L2 => std::mem::replace(&mut o.l2, false),
         };
-        if let (true, Some((_, covers))) = (held, &o.mapped) {
+        if let (true, Some((_, _, covers))) = (held, &o.mapped) {
             uncover(&mut self.covered, tier.scope(), covers, &mut out);
         }
         if !o.l1 && !o.l2 {
@@ -551,6 +554,7 @@ impl Ingest {
     /// An event block just keyed: an object of its hash that waited is reported now.
     fn map_object(
         &mut self,
+        engine: usize,
         hash: &EngineHash,
         before: Option<BlockKey>,
         covers: &[BlockKey],
@@ -563,7 +567,7 @@ impl Ingest {
         if o.mapped.is_some() {
             return;
         }
-        o.mapped = Some((before, covers.into()));
+        o.mapped = Some((engine, before, covers.into()));
         for (held, scope) in [(o.l1, Scope::L1), (o.l2, Scope::L2)] {
             if held {
                 cover_keys(&mut self.covered, scope, before, covers, out);
@@ -596,6 +600,19 @@ impl Ingest {
         let mut out = Vec::new();
         for covers in &offloaded {
             uncover(&mut self.covered, Scope::L1, covers, &mut out);
+        }
+        // Objects keyed by this view wait again: its rebuild (a replay, a new tenant table)
+        // keys them anew, and keys of the old view are not reported on.
+        for o in self.objects.values_mut() {
+            if o.mapped.as_ref().is_some_and(|(e, _, _)| *e == engine) {
+                if let Some((_, _, covers)) = o.mapped.take() {
+                    for (held, scope) in [(o.l1, Scope::L1), (o.l2, Scope::L2)] {
+                        if held {
+                            uncover(&mut self.covered, scope, &covers, &mut out);
+                        }
+                    }
+                }
+            }
         }
         for n in &nodes {
             for scope in [Scope::Gpu(engine as u16), Scope::L1] {
@@ -774,7 +791,7 @@ impl Ingest {
                         };
                         node.announce(scope);
                         cover(&mut self.covered, scope, &node, &mut out);
-                        self.map_object(hash, node.before, &node.covers, &mut out);
+                        self.map_object(engine, hash, node.before, &node.covers, &mut out);
                         self.engines[engine].blocks.insert(hash.clone(), node);
                         prev = Some((slot, key, tail));
                     }
@@ -1153,6 +1170,16 @@ mod tests {
         assert!(ing.object_held(&h(7), ObjectTier::L1).is_empty());
         assert!(ing.object_gone(&h(7), ObjectTier::L1).is_empty());
         assert_eq!(ing.objects(), (0, 0));
+        // A dropped view (a gap, a new tenant table) withdraws the keys it gave an object,
+        // which waits for the rebuilt view.
+        let c = ing.apply(0, 3, &batch(vec![salted(chunk(300, None, 0..8))]));
+        assert_eq!(present(&c, Scope::L1), keys[..2]);
+        assert!(ing.object_held(&h(300), ObjectTier::L1).is_empty());
+        let c = ing.reset(0);
+        assert_eq!((c.len(), ing.objects()), (2, (1, 1)));
+        let c = ing.apply(0, 0, &batch(vec![salted(chunk(300, None, 0..8))]));
+        assert_eq!(present(&c, Scope::L1), keys[..2]);
+        assert_eq!(ing.objects(), (1, 0));
     }
 
     #[test]
