@@ -243,9 +243,17 @@ impl L2Backend for DirL2 {
                     .create(parent)
                     .await?;
             }
-            tokio::fs::write(&tmp, &object).await?;
-            use std::os::unix::fs::PermissionsExt;
-            tokio::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).await?;
+            // Created 0600, never readable by others, not even before a chmod.
+            let mut file = tokio::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .await?;
+            tokio::io::AsyncWriteExt::write_all(&mut file, &object).await?;
+            // tokio's File finishes a write in the background: wait for it before renaming.
+            tokio::io::AsyncWriteExt::flush(&mut file).await?;
+            drop(file);
             tokio::fs::rename(&tmp, &path).await
         }
         .await;
