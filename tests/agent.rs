@@ -1116,23 +1116,11 @@ impl Residency {
 
     fn launch(test: &str, replay: bool, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
         let dir = scratch_dir(test);
-        let certs = dir.join("certs");
-        let certs_s = certs.to_str().unwrap().to_string();
-        let out = crate::warmpath(&[
-            "certs",
-            "--out",
-            &certs_s,
-            "--agent",
-            "agent",
-            "--router",
-            "router",
-            "--loopback",
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let certs = crate::make_certs(
+            &dir,
+            &["--agent", "agent", "--router", "router", "--loopback"],
         );
+        let certs_s = certs.to_str().unwrap().to_string();
         let kv = format!("tcp://{}", crate::free_addr());
         let replay_at = format!("tcp://{}", crate::free_addr());
         let mut engine_args = vec!["--kv-events", kv.as_str()];
@@ -1587,22 +1575,7 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
         ),
     )
     .unwrap();
-    let config_s = config.to_str().unwrap();
-    let certs = r.certs.to_str().unwrap();
-    let router = || {
-        Proc::start(&[
-            "router",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            config_s,
-            "--tls-dir",
-            certs,
-            "--tls-name",
-            "router",
-            "--allow-explain",
-        ])
-    };
+    let router = || crate::router_from_config(&config, &r.certs);
     let (a, b) = (router(), router());
     let c = connect(addr).await;
     let http = client();

@@ -208,12 +208,8 @@ async fn matched(http: &HttpClient, router: &str, model: &str, tokens: &[u32]) -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block() {
     let dir = scratch_dir("kv-events-vllm");
-    let certs = dir.join("certs");
+    let certs = crate::make_certs(&dir, &["--agent", "agent", "--router", "router"]);
     let certs_s = certs.to_str().unwrap();
-    let out = crate::warmpath(&[
-        "certs", "--out", certs_s, "--agent", "agent", "--router", "router",
-    ]);
-    assert!(out.status.success());
     // The instance the events are about (engine-sim answers the router's requests).
     let engine = crate::engine_sim("50", &[]);
     let salt = warmpath_index::keys::default_cache_salt("default");
@@ -250,18 +246,7 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         ),
     )
     .unwrap();
-    let router = Proc::start(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--config",
-        config.to_str().unwrap(),
-        "--tls-dir",
-        certs_s,
-        "--tls-name",
-        "router",
-        "--allow-explain",
-    ]);
+    let router = crate::router_from_config(&config, &certs);
     let c = AgentClient::connect(
         &AgentAddr::Tcp(agent.url.clone()),
         "",

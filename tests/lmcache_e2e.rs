@@ -108,23 +108,11 @@ async fn lmcache_stores_through_the_agent_and_a_request_is_routed_to_the_holder(
         return;
     };
     let dir = scratch_dir("lmcache-e2e");
-    let certs = dir.join("certs");
-    let certs_s = certs.to_str().unwrap();
-    let out = crate::warmpath(&[
-        "certs",
-        "--out",
-        certs_s,
-        "--agent",
-        "agent",
-        "--router",
-        "router",
-        "--loopback",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let certs = crate::make_certs(
+        &dir,
+        &["--agent", "agent", "--router", "router", "--loopback"],
     );
+    let certs_s = certs.to_str().unwrap();
     // Two engines in the pool; the agent is the holder's host's (its KV events are e0's).
     let (e0, e1) = (crate::engine_sim("50", &[]), crate::engine_sim("50", &[]));
     let shm = Shm(format!("wp-it-e2e-{}", std::process::id()));
@@ -190,18 +178,7 @@ async fn lmcache_stores_through_the_agent_and_a_request_is_routed_to_the_holder(
         ),
     )
     .unwrap();
-    let router = Proc::start(&[
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--config",
-        config.to_str().unwrap(),
-        "--tls-dir",
-        certs_s,
-        "--tls-name",
-        "router",
-        "--allow-explain",
-    ]);
+    let router = crate::router_from_config(&config, &certs);
 
     let c = AgentClient::connect(
         &AgentAddr::Tcp(agent.url.clone()),

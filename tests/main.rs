@@ -126,3 +126,34 @@ pub fn shared_trace(name: &str) -> PathBuf {
         .join("../../shared/traces")
         .join(name)
 }
+
+/// `warmpath certs --out DIR/certs` with `args` (roles and names); the directory.
+pub fn make_certs(dir: &std::path::Path, args: &[&str]) -> PathBuf {
+    let out_dir = dir.join("certs");
+    let mut all = vec!["certs", "--out", out_dir.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let out = warmpath(&all);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out_dir
+}
+
+/// A router on a loopback port from the config file `config`, with the `router`
+/// certificate of `certs` and explanations allowed.
+pub fn router_from_config(config: &std::path::Path, certs: &std::path::Path) -> Proc {
+    Proc::start(&[
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        config.to_str().unwrap(),
+        "--tls-dir",
+        certs.to_str().unwrap(),
+        "--tls-name",
+        "router",
+        "--allow-explain",
+    ])
+}

@@ -17,21 +17,7 @@ use warmpath_residency::{decode, encode, Outcome, Reply, Wire};
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
 use crate::router::{get_text, metric};
-use crate::{scratch_dir, until, Proc};
-
-/// `warmpath certs --out DIR/certs` with `args`; the directory.
-fn make_certs(dir: &Path, args: &[&str]) -> PathBuf {
-    let out_dir = dir.join("certs");
-    let mut all = vec!["certs", "--out", out_dir.to_str().unwrap()];
-    all.extend_from_slice(args);
-    let out = crate::warmpath(&all);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out_dir
-}
+use crate::{make_certs, scratch_dir, until, Proc};
 
 /// An agent serving residency with certificate `name` of `certs`: the process, its QUIC
 /// address and its metrics URL.
