@@ -455,20 +455,7 @@ impl Ingest {
             return false;
         }
         let covers: Box<[BlockKey]> = parts.iter().rev().flat_map(|c| c.iter().copied()).collect();
-        let mut parent: Option<BlockKey> = None;
-        for k in covers.iter() {
-            let n = self.covered.entry((scope, k.0)).or_insert(0);
-            *n += 1;
-            if *n == 1 {
-                out.push(Change {
-                    scope,
-                    key: k.0,
-                    parent: parent.map(|p| p.0),
-                    present: true,
-                });
-            }
-            parent = Some(*k);
-        }
+        cover_keys(&mut self.covered, scope, None, &covers, out);
         view.offloaded.insert(hash.clone(), covers);
         true
     }
