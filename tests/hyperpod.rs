@@ -50,20 +50,41 @@ fn agent_on(listen: &str, shm: &Shm, bytes: &str, extra: &[&str]) -> (Proc, Stri
         bytes,
     ];
     args.extend_from_slice(extra);
-    let lines = if extra.contains(&"--metrics-listen") {
-        3
-    } else {
-        2
-    };
+    let lines = 2
+        + usize::from(extra.contains(&"--metrics-listen"))
+        + usize::from(extra.contains(&"--lm-listen"));
     let p = Proc::start_lines(&args, lines, "warn");
-    let line = p.lines[lines - 1].clone();
-    let addr = line
-        .split("hyperpod API on ")
-        .nth(1)
-        .and_then(|r| r.split(' ').next())
-        .unwrap_or_else(|| panic!("no hyperpod line in {:?}", p.lines))
-        .to_string();
+    let addr = printed_addr(&p, "hyperpod API on ");
     (p, addr)
+}
+
+/// The address after `after` in the lines `p` printed.
+fn printed_addr(p: &Proc, after: &str) -> String {
+    p.lines
+        .iter()
+        .find_map(|l| l.split(after).nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no {after:?} line in {:?}", p.lines))
+        .to_string()
+}
+
+/// An agent with the HyperPod API and `lm://` on loopback: (agent, HyperPod API address,
+/// lm:// address, metrics URL).
+fn agent_with_lm(shm: &Shm, bytes: &str, extra: &[&str]) -> (Proc, String, String, String) {
+    let mut args = vec![
+        "--lm-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let (p, hp) = agent(shm, bytes, &args);
+    let lm = printed_addr(&p, "lm:// on ");
+    let metrics = format!(
+        "http://{}",
+        printed_addr(&p, "metrics on http://").trim_end_matches("/metrics")
+    );
+    (p, hp, lm, metrics)
 }
 
 /// One HTTP/1.1 exchange on a fresh connection: (status, body).
@@ -495,4 +516,295 @@ fn hyperpod_api_off_loopback_takes_the_agents_token_before_any_body() {
     );
     assert_eq!(status, 200, "{body}");
     assert_eq!(lease(&addr, "a", 1.0).0, 401, "leases need it too");
+}
+
+/// An lm:// header as LMCache's `ClientMetaMessage` packs it (command, length, fmt, dtype,
+/// location, shape[4], the key padded to 150 bytes).
+fn lm_header(command: i32, length: i32, key: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(186);
+    for v in [command, length, 1, 3, 0, 2, 2, 16, 32] {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut k = key.as_bytes().to_vec();
+    k.resize(150, b' ');
+    b.extend_from_slice(&k);
+    b
+}
+
+/// One lm:// command on `s` that has a reply: (code, length).
+fn lm_ask(s: &mut TcpStream, command: i32, key: &str) -> (i32, i32) {
+    s.write_all(&lm_header(command, 0, key)).unwrap();
+    let mut r = [0u8; 36];
+    s.read_exact(&mut r).unwrap();
+    let code = i32::from_le_bytes(r[..4].try_into().unwrap());
+    let len = i32::from_le_bytes(r[4..8].try_into().unwrap());
+    (code, len)
+}
+
+fn lm_connect(addr: &str) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// Whether the agent closed `s` (a read sees the end, or a reset).
+fn closed_by_agent(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+#[test]
+fn lmcaches_own_lm_connector_stores_and_loads_through_the_agent() {
+    let Some(venv) = lmcache_venv() else {
+        println!("WARMPATH_SKIP_LMCACHE=1: LMCache's lm:// connector was not run");
+        return;
+    };
+    let shm = Shm::new("lm");
+    let (_agent, hp, lm, metrics) = agent_with_lm(&shm, "64MiB", &[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/lmcache_lm.py");
+    let out = Command::new(venv.join("bin/python"))
+        .args(["-W", "ignore"])
+        .arg(script)
+        .args([&lm, &hp, &shm.0])
+        .output()
+        .expect("the venv's python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    print!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}\n{stderr}");
+    // What the agent counted: five objects stored through lm:// (one more through the
+    // HyperPod API), the second writer of key 1 a conflict, its bytes dropped.
+    let lm_metric = |command: &str, result: &str| {
+        metric(
+            &metrics,
+            &format!(
+                "warmpath_agent_lm_requests_total{{command=\"{command}\",result=\"{result}\"}}"
+            ),
+        )
+    };
+    assert_eq!(lm_metric("put", "stored"), 5.0);
+    assert_eq!(lm_metric("put", "conflict"), 1.0);
+    assert_eq!(lm_metric("list", "refused"), 1.0);
+    assert_eq!(lm_metric("health", "ok"), 1.0);
+    assert_eq!(
+        metric(&metrics, "warmpath_agent_hyperpod_conflicts_total"),
+        1.0
+    );
+    // The gauges are refreshed every 100 ms.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(metric(&metrics, "warmpath_agent_hyperpod_objects"), 6.0);
+    assert_eq!(
+        metric(&metrics, "warmpath_agent_hyperpod_leases "),
+        0.0,
+        "every get's lease ended"
+    );
+}
+
+#[test]
+fn lm_closes_on_what_it_cannot_serve_and_shows_nothing_half_written() {
+    // Room for one two-page object (a header page, then two data pages).
+    let shm = Shm::new("lm-bad");
+    let (_agent, _hp, lm, metrics) = agent_with_lm(&shm, "12288", &[]);
+    // An unknown command: closed.
+    let mut s = lm_connect(&lm);
+    s.write_all(&lm_header(9, 0, "k")).unwrap();
+    assert!(
+        closed_by_agent(&mut s),
+        "an unknown command closes the connection"
+    );
+    // A put larger than the segment: closed before its body is read; nothing stored.
+    let mut s = lm_connect(&lm);
+    s.write_all(&lm_header(1, 1 << 20, "big")).unwrap();
+    assert!(
+        closed_by_agent(&mut s),
+        "a put larger than the segment closes it"
+    );
+    // A put whose body stops early (the client goes away): nothing visible.
+    let mut s = lm_connect(&lm);
+    s.write_all(&lm_header(1, 4000, "short")).unwrap();
+    s.write_all(&[7u8; 1000]).unwrap();
+    drop(s);
+    let mut s = lm_connect(&lm);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        lm_ask(&mut s, 3, "short"),
+        (400, 0),
+        "a put cut short is not visible"
+    );
+    assert_eq!(lm_ask(&mut s, 2, "short"), (400, 0), "nor can it be read");
+    assert_eq!(lm_ask(&mut s, 3, "big"), (400, 0));
+    // A whole put on the same connection afterwards is stored and read back.
+    s.write_all(&lm_header(1, 4000, "whole")).unwrap();
+    s.write_all(&[9u8; 4000]).unwrap();
+    assert_eq!(lm_ask(&mut s, 2, "whole"), (200, 4000));
+    let mut body = vec![0u8; 4000];
+    s.read_exact(&mut body).unwrap();
+    assert_eq!(body, vec![9u8; 4000]);
+    // A key that is not text: closed.
+    let mut bad = lm_header(2, 0, "k");
+    bad[40] = 0xff;
+    s.write_all(&bad).unwrap();
+    assert!(
+        closed_by_agent(&mut s),
+        "a key that is not UTF-8 closes the connection"
+    );
+    assert!(
+        metric(
+            &metrics,
+            "warmpath_agent_lm_requests_total{command=\"put\",result=\"closed\"}"
+        ) >= 2.0
+    );
+    // lm:// carries no credentials: off loopback it is refused at start.
+    let out = Command::new(crate::warmpath_bin())
+        .args([
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--hyperpod-listen",
+            "127.0.0.1:0",
+            "--hyperpod-shm-name",
+            "wp-it-never-created",
+            "--lm-listen",
+            "0.0.0.0:0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("loopback only"), "{err}");
+}
+
+/// Issue 26's first attack against both fronts of the HyperPod store: 500 connections to
+/// each that never send a byte (twice the cap on unproven ones) do not keep a client out, and a silent HTTP
+/// connection is closed at its first-request deadline.
+#[test]
+fn silent_connection_floods_keep_no_client_of_either_front_out() {
+    let shm = Shm::new("lm-flood");
+    let (_agent, hp, lm, metrics) = agent_with_lm(&shm, "8MiB", &[]);
+    let mut silent = Vec::new();
+    for _ in 0..500 {
+        silent.push(TcpStream::connect(&lm).unwrap());
+        silent.push(TcpStream::connect(&hp).unwrap());
+    }
+    // A client of each front that speaks at once is served.
+    let mut s = lm_connect(&lm);
+    s.write_all(&lm_header(1, 100, "after-flood")).unwrap();
+    s.write_all(&[5u8; 100]).unwrap();
+    assert_eq!(lm_ask(&mut s, 3, "after-flood"), (200, 0));
+    assert_eq!(lm_ask(&mut s, 5, "x"), (200, 0), "health");
+    let (status, body) = put(&hp, "after-flood-hp", &object(&[6u8; 100]));
+    assert_eq!(status, 200, "{body}");
+    for api in ["lm", "hyperpod"] {
+        let displaced = metric(
+            &metrics,
+            &format!("warmpath_agent_handshakes_displaced_total{{api=\"{api}\",scope=\"source\"}}"),
+        );
+        assert!(displaced >= 200.0, "{api}: {displaced} displaced");
+    }
+    drop(silent);
+    // A silent HTTP connection ends at the first-request deadline (5 s).
+    let mut quiet = TcpStream::connect(&hp).unwrap();
+    quiet
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    assert!(closed_by_agent(&mut quiet));
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(4) && waited < Duration::from_secs(15),
+        "closed after {waited:?}"
+    );
+}
+
+/// With the cluster key, objects the HyperPod store evicts to L2 are sealed: an agent of
+/// the cluster loads them back, an agent without the key (or a host that wrote unsealed
+/// objects) gets a counted miss.
+#[test]
+fn hyperpod_objects_in_l2_are_sealed_under_the_cluster_key() {
+    let dir = scratch_dir("hyperpod-seal");
+    let l2 = format!("dir:{}", dir.join("l2").display());
+    std::fs::write(dir.join("cluster.key"), "a cluster secret of some length\n").unwrap();
+    let toml = dir.join("keyed.toml");
+    std::fs::write(
+        &toml,
+        format!(
+            "version = 1\n[l2]\nkey_file = {:?}\n",
+            dir.join("cluster.key").display().to_string()
+        ),
+    )
+    .unwrap();
+    // Room for one object: each put evicts the other to L2.
+    let shm = Shm::new("seal-a");
+    let (keyed, addr) = agent(
+        &shm,
+        "12288",
+        &["--config", toml.to_str().unwrap(), "--l2", &l2],
+    );
+    let a = object(&[3u8; 5000]);
+    assert_eq!(put(&addr, "a", &a).0, 200);
+    assert_eq!(put(&addr, "b", &object(&[4u8; 5000])).0, 200);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let grant = loop {
+        let (status, grant) = lease(&addr, "a", 5.0);
+        if status == 200 {
+            break grant;
+        }
+        assert!(std::time::Instant::now() < deadline, "a never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        leased_bytes(&shm, &grant),
+        a,
+        "sealed and loaded back by its cluster"
+    );
+    release(&addr, grant["id"].as_str().unwrap());
+    // a and b are both in L2 now (b left the segment for a), each sealed (WPB2).
+    fn blocks(dir: &Path, found: &mut Vec<Vec<u8>>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let path = e.unwrap().path();
+            if path.is_dir() {
+                blocks(&path, found);
+            } else if path.extension().is_some_and(|x| x == "blk") {
+                found.push(std::fs::read(path).unwrap());
+            }
+        }
+    }
+    let l2_objects = || {
+        let mut found = Vec::new();
+        blocks(&dir.join("l2"), &mut found);
+        found
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while l2_objects().len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "b never reached L2");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for bytes in l2_objects() {
+        assert_eq!(&bytes[..4], b"WPB2", "an L2 object not sealed");
+    }
+    drop(keyed);
+    // An agent without the key on the same L2 serves none of them: a miss, counted.
+    let shm_b = Shm::new("seal-b");
+    let (keyless, addr_b) = agent(
+        &shm_b,
+        "12288",
+        &["--l2", &l2, "--metrics-listen", "127.0.0.1:0"],
+    );
+    let metrics = format!(
+        "http://{}",
+        printed_addr(&keyless, "metrics on http://").trim_end_matches("/metrics")
+    );
+    assert_eq!(
+        lease(&addr_b, "b", 5.0).0,
+        404,
+        "a sealed object without the key"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "warmpath_agent_l2_damaged_total{kind=\"hyperpod\"}"
+        ),
+        1.0
+    );
 }

@@ -290,6 +290,16 @@ impl Agent {
         self.l2.clone()
     }
 
+    /// The cluster key L2 objects are sealed under and this agent's writer id, when
+    /// `[l2] key_file` is configured (decision 0106): the HyperPod store seals its L2
+    /// objects with it as the block API does.
+    pub fn l2_seal(&self) -> Option<(crate::block::SealKey, u64)> {
+        self.config
+            .l2_key
+            .clone()
+            .map(|k| (k, writer_id(&self.config)))
+    }
+
     /// The buffers the block API reads payloads into.
     pub fn pool(&self) -> &BufPool {
         &self.pool
@@ -1030,7 +1040,7 @@ fn describe_metrics() {
     );
     describe_counter!(
         crate::metric_names::AGENT_HANDSHAKES_DISPLACED_TOTAL,
-        "Connections closed before their handshake to make room for a newer one, by scope (source or all)."
+        "Connections closed before they proved themselves (the block API's handshake, a first HTTP request, a first lm:// header) to make room for a newer one, by api (block, hyperpod, lm) and scope (source or all)."
     );
     describe_counter!(
         crate::metric_names::AGENT_FRAMES_REFUSED_TOTAL,

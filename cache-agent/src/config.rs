@@ -92,8 +92,15 @@ pub struct HyperPodConfig {
     pub max_leases_per_client: usize,
     /// Puts being written at once at most.
     pub max_pending_puts: usize,
-    /// Open connections at most.
+    /// Open connections at most (per listener: the HTTP API and `lm://` each).
     pub max_connections: usize,
+    /// Connections that have not yet sent their first request (header) at most, per
+    /// listener; one more displaces the oldest (`crate::handshakes`).
+    pub max_unproven: usize,
+    /// LMCache's `lm://` server protocol on this TCP address, a second front to the same
+    /// store (`crate::hyperpod::lm`). The protocol carries no credentials: loopback only,
+    /// unless `--insecure-no-token`.
+    pub lm_listen: Option<String>,
 }
 
 pub const DEFAULT_HYPERPOD_SHM_NAME: &str = "shared_memory";
@@ -111,6 +118,8 @@ impl Default for HyperPodConfig {
             max_leases_per_client: 16_384,
             max_pending_puts: 256,
             max_connections: 1024,
+            max_unproven: 256,
+            lm_listen: None,
         }
     }
 }
@@ -313,6 +322,9 @@ pub struct HyperPodSection {
     pub max_leases_per_client: Option<usize>,
     pub max_pending_puts: Option<usize>,
     pub max_connections: Option<usize>,
+    pub max_unproven: Option<usize>,
+    /// LMCache's `lm://` protocol on this address (loopback).
+    pub lm_listen: Option<String>,
 }
 
 impl HyperPodSection {
@@ -345,6 +357,10 @@ impl HyperPodSection {
         if let Some(v) = self.max_connections {
             h.max_connections = v;
         }
+        if let Some(v) = self.max_unproven {
+            h.max_unproven = v;
+        }
+        h.lm_listen = self.lm_listen;
         Ok(h)
     }
 }
@@ -568,6 +584,7 @@ impl HyperPodConfig {
             || self.max_leases_per_client == 0
             || self.max_pending_puts == 0
             || self.max_connections == 0
+            || self.max_unproven == 0
         {
             return Err("hyperpod lease, put and connection bounds must be positive".into());
         }
@@ -578,6 +595,17 @@ impl HyperPodConfig {
                  --insecure-no-token runs it open",
                 self.listen
             ));
+        }
+        if let Some(lm) = &self.lm_listen {
+            let addr: std::net::SocketAddr =
+                lm.parse().map_err(|e| format!("--lm-listen {lm:?}: {e}"))?;
+            if !addr.ip().is_loopback() && !insecure {
+                return Err(format!(
+                    "lm:// on {addr} (not loopback): its protocol carries no credentials, so \
+                     anyone who reaches it could store KV objects an engine then loads; it \
+                     runs on loopback only, unless --insecure-no-token"
+                ));
+            }
         }
         Ok(())
     }
@@ -728,6 +756,9 @@ mod tests {
             ("[hyperpod]\nlisten = \"0.0.0.0:9200\"", "needs a token"),
             ("[hyperpod]\nmax_leases = 0", "must be positive"),
             ("[hyperpod]\nshm = \"x\"", "unknown field"),
+            ("[hyperpod]\nmax_unproven = 0", "must be positive"),
+            ("[hyperpod]\nlm_listen = \"0.0.0.0:65432\"", "loopback only"),
+            ("[hyperpod]\nlm_listen = \"lm://x\"", "--lm-listen"),
         ] {
             let err = FileConfig::parse(&format!("version = 1\n{bad}"))
                 .and_then(FileConfig::into_config)

@@ -21,7 +21,8 @@
 //! - [`kv_subscribe`]: the ZMQ subscriptions to the engines' KV events (I/O).
 //! - What the agent reports to routers goes through `warmpath-residency` (the session,
 //!   its QUIC and TLS shell), which the routers and the simulator use too.
-//! - [`server`] and [`client`]: the listeners, and the engines' pipelined client.
+//! - [`server`] and [`client`]: the listeners, and the engines' pipelined client;
+//!   `handshakes`: the cap on connections not yet proven, shared by every listener.
 //! - [`hyperpod`]: the HyperPod daemon API for LMCache's connector (HTTP control plane,
 //!   objects in a shared-memory segment the agent owns; its bookkeeping is pure).
 
@@ -29,6 +30,7 @@ pub mod agent;
 pub mod block;
 pub mod client;
 pub mod config;
+pub(crate) mod handshakes;
 pub mod hyperpod;
 pub mod ingest;
 pub mod io;

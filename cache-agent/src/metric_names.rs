@@ -43,6 +43,7 @@ pub const AGENT_OCCUPANCY_BYTES: &str = "warmpath_agent_occupancy_bytes";
 pub const AGENT_OP_DURATION_SECONDS: &str = "warmpath_agent_op_duration_seconds";
 pub const AGENT_PINNED_BLOCKS: &str = "warmpath_agent_pinned_blocks";
 pub const AGENT_PINS_ENDED_TOTAL: &str = "warmpath_agent_pins_ended_total";
+pub const AGENT_LM_REQUESTS_TOTAL: &str = "warmpath_agent_lm_requests_total";
 pub const AGENT_HANDSHAKES_DISPLACED_TOTAL: &str = "warmpath_agent_handshakes_displaced_total";
 pub const AGENT_FRAMES_REFUSED_TOTAL: &str = "warmpath_agent_frames_refused_total";
 pub const AGENT_PREFETCH_BLOCKS_TOTAL: &str = "warmpath_agent_prefetch_blocks_total";
@@ -93,6 +94,7 @@ pub const ALL: &[&str] = &[
     AGENT_OP_DURATION_SECONDS,
     AGENT_PINNED_BLOCKS,
     AGENT_PINS_ENDED_TOTAL,
+    AGENT_LM_REQUESTS_TOTAL,
     AGENT_HANDSHAKES_DISPLACED_TOTAL,
     AGENT_FRAMES_REFUSED_TOTAL,
     AGENT_PREFETCH_BLOCKS_TOTAL,

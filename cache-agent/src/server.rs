@@ -10,27 +10,27 @@
 //!
 //! Under attack (issue 26): a connection has [`HANDSHAKE_TIMEOUT`] to authenticate, and
 //! connections still in their handshake are capped per source address and overall
-//! ([`Pending`]): one over a cap displaces the oldest (of its source, or of all), so that a
+//! ([`crate::handshakes`]): one over a cap displaces the oldest (of its source, or of all), so that a
 //! flood of silent connections never keeps an engine from its turn. Only an authenticated
 //! connection takes one of the `max_connections` places. Frames are bounded by the
 //! connection's in-flight budget before their body is read, and a frame's bytes are taken
 //! from the connection's budget and the agent's before its body is read and given back
 //! when its answer is ready. A connection's pins and leases end when it closes.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::counter;
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 
 use crate::agent::Agent;
 use crate::block::Block;
+use crate::handshakes::Unproven;
 use crate::pool::BufPool;
 use crate::proto::{self, ErrorKind, Outgoing, ProtoError, Request, Response};
 
@@ -56,7 +56,8 @@ pub async fn serve(
     let limit = Arc::new(Shared {
         authenticated: Arc::new(Semaphore::new(agent.config().max_connections)),
         inflight: Arc::new(Semaphore::new(agent.config().inflight_bytes() as usize)),
-        pending: Pending::new(
+        pending: Unproven::new(
+            "block",
             agent.config().max_unauthenticated,
             agent.config().max_unauthenticated_per_source,
         ),
@@ -126,86 +127,7 @@ pub fn bind_unix(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
 struct Shared {
     authenticated: Arc<Semaphore>,
     inflight: Arc<Semaphore>,
-    pending: Pending,
-}
-
-/// Connections in their handshake, oldest first, overall and per source address (None:
-/// the Unix socket). Each holds the sender that closes it when a newer one displaces it.
-struct Pending {
-    max_all: usize,
-    max_per_source: usize,
-    inner: Mutex<PendingInner>,
-}
-
-#[derive(Default)]
-struct PendingInner {
-    next: u64,
-    all: BTreeMap<u64, (Option<IpAddr>, oneshot::Sender<()>)>,
-    by_source: HashMap<Option<IpAddr>, VecDeque<u64>>,
-}
-
-impl Pending {
-    fn new(max_all: usize, max_per_source: usize) -> Self {
-        Pending {
-            max_all: max_all.max(1),
-            max_per_source: max_per_source.max(1),
-            inner: Mutex::new(PendingInner::default()),
-        }
-    }
-
-    /// Admits a connection from `source`, displacing the oldest of its source, or of all,
-    /// when a cap is reached; its number and the receiver that says it was displaced.
-    fn admit(&self, source: Option<IpAddr>) -> (u64, oneshot::Receiver<()>) {
-        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let oldest_of_source = p
-            .by_source
-            .get(&source)
-            .filter(|q| q.len() >= self.max_per_source)
-            .and_then(|q| q.front().copied());
-        if let Some(old) = oldest_of_source {
-            p.displace(old);
-            counter!(crate::metric_names::AGENT_HANDSHAKES_DISPLACED_TOTAL, "scope" => "source")
-                .increment(1);
-        }
-        if p.all.len() >= self.max_all {
-            if let Some(old) = p.all.keys().next().copied() {
-                p.displace(old);
-                counter!(crate::metric_names::AGENT_HANDSHAKES_DISPLACED_TOTAL, "scope" => "all")
-                    .increment(1);
-            }
-        }
-        p.next += 1;
-        let n = p.next;
-        let (tx, rx) = oneshot::channel();
-        p.all.insert(n, (source, tx));
-        p.by_source.entry(source).or_default().push_back(n);
-        (n, rx)
-    }
-
-    /// Connection `n` finished its handshake, or ended.
-    fn done(&self, n: u64) {
-        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        p.remove(n);
-    }
-}
-
-impl PendingInner {
-    fn remove(&mut self, n: u64) -> Option<oneshot::Sender<()>> {
-        let (source, tx) = self.all.remove(&n)?;
-        if let Some(q) = self.by_source.get_mut(&source) {
-            q.retain(|&m| m != n);
-            if q.is_empty() {
-                self.by_source.remove(&source);
-            }
-        }
-        Some(tx)
-    }
-
-    fn displace(&mut self, n: u64) {
-        if let Some(tx) = self.remove(n) {
-            let _ = tx.send(());
-        }
-    }
+    pending: Unproven,
 }
 
 /// Owners of pins and leases: one per connection, never reused (0 is nobody's).

@@ -106,6 +106,11 @@ pub struct AgentArgs {
     /// user needs both.
     #[arg(long)]
     pub hyperpod_shm_mode: Option<String>,
+    /// Serve LMCache's `lm://` server protocol (`remote_url: lm://HOST:PORT`) on this
+    /// loopback TCP address too, a second front to the HyperPod API's store and segment
+    /// (objects stored through either are read through both). Needs --hyperpod-listen.
+    #[arg(long)]
+    pub lm_listen: Option<String>,
 }
 
 impl AgentArgs {
@@ -179,10 +184,11 @@ impl AgentArgs {
         }
         let hyperpod_flags = self.hyperpod_shm_name.is_some()
             || self.hyperpod_shm_bytes.is_some()
-            || self.hyperpod_shm_mode.is_some();
+            || self.hyperpod_shm_mode.is_some()
+            || self.lm_listen.is_some();
         if self.hyperpod_listen.is_some() || hyperpod_flags {
             if c.hyperpod.is_none() && self.hyperpod_listen.is_none() {
-                bail!("--hyperpod-shm-* set the HyperPod API's segment: turn the API on with --hyperpod-listen (or [hyperpod] in the config file)");
+                bail!("--hyperpod-shm-* and --lm-listen set the HyperPod store's segment and fronts: turn the API on with --hyperpod-listen (or [hyperpod] in the config file)");
             }
             let h = c.hyperpod.get_or_insert_with(HyperPodConfig::default);
             if let Some(v) = &self.hyperpod_listen {
@@ -196,6 +202,9 @@ impl AgentArgs {
             }
             if let Some(v) = &self.hyperpod_shm_mode {
                 h.shm_mode = parse_mode(v).map_err(anyhow::Error::msg)?;
+            }
+            if let Some(v) = &self.lm_listen {
+                h.lm_listen = Some(v.clone());
             }
         }
         c.validate(self.insecure_no_token)
@@ -321,9 +330,10 @@ pub async fn serve(
             }
             config.token.clone()
         };
-        let hp = HyperPod::start(h, config.l1_eviction, token, agent.l2()).with_context(|| {
-            format!("cannot set up the HyperPod segment /dev/shm/{}", h.shm_name)
-        })?;
+        let hp = HyperPod::start(h, config.l1_eviction, token, agent.l2(), agent.l2_seal())
+            .with_context(|| {
+                format!("cannot set up the HyperPod segment /dev/shm/{}", h.shm_name)
+            })?;
         // Objects stored through it are reported as the agent's L1 (L2 once evicted there).
         let follower = agent.clone();
         hp.follow(std::sync::Arc::new(move |name, event| {
@@ -335,6 +345,20 @@ pub async fn serve(
             h.shm_bytes,
             hp.generation()
         );
+        if let Some(at) = &h.lm_listen {
+            let lm = tokio::net::TcpListener::bind(at)
+                .await
+                .with_context(|| format!("cannot listen on {at} (lm://)"))?;
+            if !lm.local_addr()?.ip().is_loopback() {
+                tracing::warn!(addr = %lm.local_addr()?, "lm:// runs off loopback (--insecure-no-token): its protocol carries no credentials, anyone who reaches it can store objects engines then load");
+            }
+            println!(
+                "warmpath agent lm:// on {} (remote_url: lm://{})",
+                lm.local_addr()?,
+                lm.local_addr()?
+            );
+            tokio::spawn(hp.clone().serve_lm(lm, std::future::pending()));
+        }
         tokio::spawn(hp.serve(l, std::future::pending()));
     }
     use std::io::Write;

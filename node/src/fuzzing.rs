@@ -49,6 +49,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("kv_events", kv_events),
     ("residency_wire", residency_wire),
     ("zmtp_frames", zmtp_frames),
+    ("lm_header", lm_header),
 ];
 
 /// A client's completions or chat body, as the router parses, salts and forwards it.
@@ -557,6 +558,21 @@ pub fn zmtp_frames(data: &[u8]) {
     });
 }
 
+/// An `lm://` client header (LMCache's `ClientMetaMessage`), as the agent's HyperPod store
+/// reads it: what decodes has a known command, a length that fits, and a non-empty key of
+/// text without control characters that encodes back to the same header.
+pub fn lm_header(data: &[u8]) {
+    use warmpath_cache_agent::hyperpod::lm::{decode_header, encode_header, HEADER_BYTES};
+    let mut b = [b' '; HEADER_BYTES];
+    let n = data.len().min(HEADER_BYTES);
+    b[..n].copy_from_slice(&data[..n]);
+    if let Ok(h) = decode_header(&b) {
+        assert!(!h.key.is_empty() && !h.key.chars().any(char::is_control));
+        assert!(i32::try_from(h.length).is_ok());
+        assert_eq!(decode_header(&encode_header(&h)), Ok(h));
+    }
+}
+
 /// Starting inputs for each target, made from real values: what `fuzz/corpus` was seeded
 /// with (`WARMPATH_WRITE_FUZZ_SEEDS=1 cargo test -p warmpath --lib fuzzing` writes them again).
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
@@ -876,6 +892,7 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         zmtp.extend_from_slice(&[4, 5]);
         zmtp.extend_from_slice(b"\x04PING");
         add("zmtp_frames", "messages", zmtp);
+
         add(
             "residency_wire",
             "snapshot",
@@ -887,6 +904,26 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
                 last: true,
             })),
         );
+    }
+    {
+        use warmpath_cache_agent::hyperpod::lm::{encode_header, Command, Header, Meta};
+        let h = Header {
+            command: Command::Put,
+            length: 1 << 20,
+            meta: Meta {
+                fmt: 1,
+                dtype: 3,
+                shape: [2, 2, 256, 1024],
+            },
+            key: "meta-llama/Llama-3-8B@1@0@-5a1f@bfloat16".into(),
+        };
+        add("lm_header", "put", encode_header(&h).to_vec());
+        let get = Header {
+            command: Command::Get,
+            length: 0,
+            ..h
+        };
+        add("lm_header", "get", encode_header(&get).to_vec());
     }
     out
 }

@@ -22,13 +22,25 @@
 //! (in the background; dropped, counted, when the queue is full), and a lease on an object
 //! found only there loads it back into the segment first. An L2 object is the agent's
 //! self-checking block (`block.rs`) whose payload starts with the object's name, so a hash
-//! collision or another agent's object reads as a miss, never as wrong bytes.
+//! collision or another agent's object reads as a miss, never as wrong bytes; with the
+//! cluster key (`[l2] key_file`) it is sealed, and an object not sealed under that key is a
+//! counted miss (decision 0106), as the block API's are.
 //!
 //! Security: off loopback the API needs the agent's token as `Authorization: Bearer`,
 //! checked before a body is read (LMCache's connector sends none: such an address serves
 //! only clients that add it); on loopback it is open, as the block API is without a token.
-//! The segment's file mode limits who maps it.
+//! The segment's file mode limits who maps it. A new connection is unproven until its
+//! first request arrives ([`FIRST_REQUEST_TIMEOUT`]); unproven connections are capped and
+//! the oldest displaced (`crate::handshakes`), so silent connections cannot keep clients
+//! out. Leases end at their ttl (clamped to `max_lease`) and are capped overall and per
+//! client address; puts being written are capped; a body is bounded by its
+//! `Content-Length`, checked against the segment before it is read. A second put of a
+//! stored key is refused (409) and counted, whatever its bytes: the first writer's bytes
+//! stay, and an engine never loads bytes that changed under it.
+//!
+//! [`lm`] serves LMCache's `lm://` protocol as a second front to the same store.
 
+pub mod lm;
 pub mod request;
 pub mod segment;
 pub mod store;
@@ -45,8 +57,9 @@ use hyper::{Request, Response, StatusCode};
 use metrics::{counter, gauge, histogram};
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::block::{decode_object, Block};
+use crate::block::{decode_with, encode_sealed, Block, SealKey};
 use crate::config::HyperPodConfig;
+use crate::handshakes::Unproven;
 use crate::l2::{AnyL2, L2Backend};
 use crate::metric_names as names;
 use request::{BadLeaseId, BadRequest, LeaseIds, ObjectName, Op};
@@ -62,6 +75,10 @@ pub const DEFAULT_TTL_S: f64 = 10.0;
 pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest wait for a request's headers (and between requests on a kept-alive connection).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for a new connection's first request: until then it is unproven
+/// (`crate::handshakes`), and a flood of silent connections displaces only its own kind.
+/// LMCache's aiohttp client sends its request as soon as it has connected.
+pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often expired leases are collected and the gauges refreshed.
 const TICK: Duration = Duration::from_millis(100);
 /// Objects queued for L2 at most; more are dropped, counted.
@@ -111,7 +128,13 @@ pub struct HyperPod {
     /// The agent's L2, and the queue of objects evicted to it.
     l2: Option<Arc<AnyL2>>,
     l2_writes: Option<mpsc::Sender<(BlockId, Block)>>,
+    /// The cluster key and this agent's writer id: L2 objects are sealed under it and only
+    /// sealed ones are served back (decision 0106), as the block API's are.
+    seal: Option<(SealKey, u64)>,
     max_connections: usize,
+    /// Connections not yet proven (no request yet) at most, per listener (loopback clients
+    /// are one source, so one number caps both).
+    max_unproven: usize,
     /// Who is told of objects stored and evicted (the agent, which reports them to routers).
     follower: Follower,
 }
@@ -122,12 +145,14 @@ type Answer = Response<Full<Bytes>>;
 impl HyperPod {
     /// Sets up the segment (creating or taking it over with a new generation) and starts
     /// the lease timer and, with `l2`, its writer (call inside a tokio runtime). `token`:
-    /// what requests must present (`Authorization: Bearer`), None for none.
+    /// what requests must present (`Authorization: Bearer`), None for none. `seal`: the
+    /// cluster key and writer id L2 objects are sealed with (`Agent::l2_seal`).
     pub fn start(
         config: &HyperPodConfig,
         eviction: Eviction,
         token: Option<String>,
         l2: Option<Arc<AnyL2>>,
+        seal: Option<(SealKey, u64)>,
     ) -> Result<Arc<HyperPod>, SegmentError> {
         describe_metrics();
         let segment = Segment::create(&config.shm_name, config.shm_bytes, config.shm_mode)?;
@@ -146,7 +171,7 @@ impl HyperPod {
         let ids = LeaseIds::new(segment.generation(), random_key());
         let l2_writes = l2.as_ref().map(|l2| {
             let (tx, rx) = mpsc::channel(L2_QUEUE);
-            tokio::spawn(write_l2(l2.clone(), rx));
+            tokio::spawn(write_l2(l2.clone(), rx, seal.clone()));
             tx
         });
         let hp = Arc::new(HyperPod {
@@ -157,7 +182,9 @@ impl HyperPod {
             token,
             l2,
             l2_writes,
+            seal,
             max_connections: config.max_connections,
+            max_unproven: config.max_unproven,
             follower: Follower::default(),
         });
         for result in ["stored", "too_large", "full", "truncated", "bad_header"] {
@@ -244,6 +271,11 @@ impl HyperPod {
         shutdown: impl std::future::Future<Output = ()>,
     ) {
         let permits = Arc::new(Semaphore::new(self.max_connections));
+        let unproven = Arc::new(Unproven::new(
+            "hyperpod",
+            self.max_unproven,
+            self.max_unproven,
+        ));
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(HEADER_READ_TIMEOUT)
@@ -269,13 +301,43 @@ impl HyperPod {
             let _ = tcp.set_nodelay(true);
             let hp = self.clone();
             let client = peer.ip();
+            // Unproven until its first request arrives: displaced by newer silent ones
+            // when the cap is reached, closed at FIRST_REQUEST_TIMEOUT.
+            let (n, mut displaced) = unproven.admit(Some(client));
+            let proven = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (u, p) = (unproven.clone(), proven.clone());
             let service = hyper::service::service_fn(move |req| {
+                if !p.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    u.done(n);
+                }
                 let hp = hp.clone();
                 async move { Ok::<_, Infallible>(hp.handle(req, client).await) }
             });
             let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            let unproven = unproven.clone();
             tokio::spawn(async move {
-                let _ = conn.await;
+                tokio::pin!(conn);
+                let first = tokio::time::sleep(FIRST_REQUEST_TIMEOUT);
+                tokio::pin!(first);
+                let mut watching = true;
+                loop {
+                    tokio::select! {
+                        _ = &mut conn => break,
+                        d = &mut displaced, if watching => match d {
+                            Ok(()) => break, // displaced: the connection is dropped
+                            Err(_) => watching = false, // proven: never displaced
+                        },
+                        _ = &mut first, if watching => {
+                            if !proven.load(std::sync::atomic::Ordering::Relaxed) {
+                                counter!(names::AGENT_HYPERPOD_REQUEST_ERRORS_TOTAL, "op" => "connect", "status" => "timeout")
+                                    .increment(1);
+                                break;
+                            }
+                            watching = false;
+                        }
+                    }
+                }
+                unproven.done(n);
                 drop(permit);
             });
         }
@@ -531,15 +593,7 @@ impl HyperPod {
         client: IpAddr,
     ) -> Answer {
         let ttl_us = (ttl_s.unwrap_or(DEFAULT_TTL_S) * 1e6).min(u64::MAX as f64) as u64;
-        let mut granted = self
-            .lock_current()
-            .lease(&name, client, ttl_us, self.now_us());
-        if matches!(granted, Err(LeaseError::Miss(_))) && self.load_from_l2(&name).await {
-            granted = self
-                .lock_current()
-                .lease(&name, client, ttl_us, self.now_us());
-        }
-        match granted {
+        match self.grant(&name, client, ttl_us).await {
             Ok(g) => {
                 counter!(names::AGENT_HYPERPOD_LEASES_TOTAL, "result" => "granted").increment(1);
                 counter!(names::AGENT_HYPERPOD_BYTES_TOTAL, "direction" => "out").increment(g.len);
@@ -566,6 +620,24 @@ impl HyperPod {
         }
     }
 
+    /// A lease on `name` for `client`, loading it from L2 first on a miss in the segment.
+    async fn grant(
+        &self,
+        name: &ObjectName,
+        client: IpAddr,
+        ttl_us: u64,
+    ) -> Result<store::Grant, LeaseError> {
+        let granted = self
+            .lock_current()
+            .lease(name, client, ttl_us, self.now_us());
+        if matches!(granted, Err(LeaseError::Miss(_))) && self.load_from_l2(name).await {
+            return self
+                .lock_current()
+                .lease(name, client, ttl_us, self.now_us());
+        }
+        granted
+    }
+
     /// Loads `name` from L2 into the segment; true when it is there now.
     async fn load_from_l2(&self, name: &ObjectName) -> bool {
         let Some(l2) = &self.l2 else { return false };
@@ -579,7 +651,8 @@ impl HyperPod {
                 return false;
             }
         };
-        let Ok(block) = decode_object(&id, raw) else {
+        let Ok((block, _writer)) = decode_with(&id, raw, self.seal.as_ref().map(|(k, _)| k)) else {
+            // Damaged, another agent's, or not sealed under this cluster's key: a miss.
             counter!(names::AGENT_L2_DAMAGED_TOTAL, "kind" => "hyperpod").increment(1);
             let _ = l2.remove(id).await;
             return false;
@@ -745,10 +818,18 @@ fn random_key() -> [u8; 32] {
 }
 
 /// Writes evicted objects to L2, one at a time; failures are counted, never retried.
-async fn write_l2(l2: Arc<AnyL2>, mut rx: mpsc::Receiver<(BlockId, Block)>) {
+async fn write_l2(
+    l2: Arc<AnyL2>,
+    mut rx: mpsc::Receiver<(BlockId, Block)>,
+    seal: Option<(SealKey, u64)>,
+) {
     while let Some((id, block)) = rx.recv().await {
         let len = block.payload.len() as u64;
-        match l2.put_block(id, &block).await {
+        let put = match &seal {
+            Some((key, writer)) => l2.put(id, encode_sealed(&id, &block, key, *writer)).await,
+            None => l2.put_block(id, &block).await,
+        };
+        match put {
             Ok(_) => {
                 counter!(names::AGENT_HYPERPOD_BYTES_TOTAL, "direction" => "l2_out").increment(len)
             }
@@ -810,6 +891,10 @@ fn describe_metrics() {
         "Bytes of the HyperPod segment's data area."
     );
     describe_gauge!(names::AGENT_HYPERPOD_LEASES, "Open HyperPod leases.");
+    describe_counter!(
+        names::AGENT_LM_REQUESTS_TOTAL,
+        "lm:// requests by command and result (stored, conflict, full, busy, hit, miss, refused, ok; closed: the connection was closed for it)."
+    );
     describe_histogram!(
         names::AGENT_HYPERPOD_OP_DURATION_SECONDS,
         Unit::Seconds,
