@@ -10,6 +10,7 @@ mod clients;
 mod cluster;
 mod compose;
 mod deploy;
+mod engine_sim_hyperpod;
 mod helm;
 mod house;
 mod hyperpod;

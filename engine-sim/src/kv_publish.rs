@@ -176,6 +176,33 @@ impl KvPublisher {
         });
     }
 
+    /// LMCache stored a chunk in its CPU tier (engine-sim in HyperPod mode,
+    /// `hyperpod.rs`): a `BlockStored` with medium `"cpu"` as LMCache publishes it, the
+    /// chunk hash an int (the one its key prints), its parent the previous chunk's hash,
+    /// `block_size` the chunk's length, no extra keys. A negative hash goes out as the
+    /// unsigned int of the same 8 bytes (`encode_batch` writes 8-byte hashes unsigned),
+    /// which the agent reads as it reads the key's `-hex`.
+    pub fn stored_chunk(&mut self, hash: i64, parent: Option<i64>, tokens: &[u32]) {
+        self.pending.push(KvEvent::Stored {
+            block_hashes: vec![int_hash(hash)],
+            parent: parent.map(int_hash),
+            token_ids: tokens.to_vec(),
+            block_size: tokens.len() as u32,
+            lora_id: None,
+            medium: Some(CPU.into()),
+            lora_name: None,
+            extra_keys: Vec::new(),
+        });
+    }
+
+    /// LMCache's CPU copy of a chunk is gone.
+    pub fn removed_chunk(&mut self, hash: i64) {
+        self.pending.push(KvEvent::Removed {
+            block_hashes: vec![int_hash(hash)],
+            medium: Some(CPU.into()),
+        });
+    }
+
     /// Sends what was recorded since the last flush as one batch at `ts` (seconds).
     pub fn flush(&mut self, ts: f64) {
         if self.pending.is_empty() {
@@ -228,4 +255,14 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Kept) {
 
 fn hash(key: BlockKey) -> EngineHash {
     EngineHash(key.0.to_be_bytes().to_vec())
+}
+
+/// LMCache's medium for its CPU tier.
+const CPU: &str = "cpu";
+
+/// An LMCache chunk hash (a Python int, maybe negative) as the events carry it: its 8
+/// big-endian bytes, which is what the agent makes of the int in an event and of the hex
+/// in an object's key (`ObjectName::chunk_hash`).
+fn int_hash(h: i64) -> EngineHash {
+    EngineHash(h.to_be_bytes().to_vec())
 }

@@ -5,10 +5,13 @@
 //!
 //! - [`server`]: `warmpath engine-sim`, the HTTP server and the engine loop.
 //! - [`offload`]: its link to the host's cache-agent (the agent's block API).
+//! - [`hyperpod`]: the same link over the agent's HyperPod daemon API, spoken as LMCache's
+//!   connector speaks it (chunks, leases, the shared-memory segment).
 //! - [`kv_publish`]: its KV events, published as vLLM publishes them (ZMQ, msgpack), with
 //!   vLLM's replay socket.
 //! - [`metric_names`]: the metrics it exports beside vLLM's.
 
+pub mod hyperpod;
 pub mod kv_publish;
 pub mod metric_names;
 pub mod offload;

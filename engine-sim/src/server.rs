@@ -62,7 +62,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use warmpath_index::cost::{ModelProfile, Tier};
-use warmpath_index::keys::{token_block_keys, TenantKey};
+use warmpath_index::keys::{token_block_keys, BlockKey, TenantKey};
 use warmpath_index::openai::{
     ChatRequest, CompletionRequest, ErrorBody, PromptInput, RequestError,
 };
@@ -72,8 +72,9 @@ use warmpath_openai::{PromptTokensDetails, Usage};
 use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest, EngineStats, Lookup};
 use warmpath_sim::tiers::TierSet;
 
+use crate::hyperpod::{ChunkPlan, ChunkPut, HyperPodSettings, HyperPodSide, Prompt};
 use crate::kv_publish::KvPublisher;
-use crate::offload::{AgentSettings, AgentSide};
+use crate::offload::{AgentCounters, AgentSettings, AgentSide};
 
 /// Tenant id under which the engine derives its block keys (with the request's
 /// `cache_salt`). Engines hash their own way; this one hashes warmpath's way.
@@ -115,6 +116,10 @@ pub struct EngineSimConfig {
     /// the following blocks (`offload.rs`). Set `engine.l1_blocks` and `l2_blocks` to 0
     /// with it: the agent is the L1 and L2.
     pub agent: Option<AgentSettings>,
+    /// The host's cache-agent over its HyperPod daemon API, spoken as LMCache speaks it
+    /// (`hyperpod.rs`): computed chunks stored, a GPU miss leases the following chunks.
+    /// Not with `agent`.
+    pub hyperpod: Option<HyperPodSettings>,
     /// Where to publish KV events (`tcp://HOST:PORT`, vLLM's format; `kv_publish.rs`).
     pub kv_events: Option<String>,
     /// Where to serve the replay of recent KV-event batches (vLLM's replay socket).
@@ -138,6 +143,7 @@ impl Default for EngineSimConfig {
             max_prompt_tokens: 131_072,
             l2_blocks: 0,
             agent: None,
+            hyperpod: None,
             kv_events: None,
             kv_replay: None,
             tokenizer: text::Tokenizer::builtin(),
@@ -165,9 +171,20 @@ pub async fn serve(
     let mut engine = Engine::new(config.engine.clone(), config.profile.clone());
     let block_tokens = engine.config().block_tokens as usize;
     let (commands, inbox) = mpsc::unbounded_channel();
+    if config.agent.is_some() && config.hyperpod.is_some() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "one agent link: the block API or the HyperPod API, not both",
+        ));
+    }
     let agent = config.agent.clone().map(AgentSide::start);
+    let (put_done, puts_done) = mpsc::unbounded_channel();
+    let hyperpod = config
+        .hyperpod
+        .clone()
+        .map(|s| HyperPodSide::start(s, put_done));
     // With an agent, admission asks it for the blocks past the GPU's prefix.
-    engine.set_outside_lookups(agent.is_some());
+    engine.set_outside_lookups(agent.is_some() || hyperpod.is_some());
     let (fetched, fetches) = mpsc::unbounded_channel();
     let kv = match &config.kv_events {
         Some(endpoint) => {
@@ -180,9 +197,11 @@ pub async fn serve(
         }
         None => None,
     };
-    let kv_events = kv.is_some();
+    let wants_tokens = kv.is_some() || hyperpod.is_some();
     let engine_loop = EngineLoop {
         agent: agent.clone(),
+        plan: hyperpod.as_ref().map(|_| ChunkPlan::default()),
+        hyperpod: hyperpod.clone(),
         kv,
         engine,
         l2: TierSet::lru(config.l2_blocks),
@@ -201,7 +220,7 @@ pub async fn serve(
         generation_tokens: 0,
     };
     // The loop ends when the last command sender is dropped, i.e. after the server stops.
-    tokio::spawn(engine_loop.run(inbox, fetches));
+    tokio::spawn(engine_loop.run(inbox, fetches, puts_done));
     let shared = Arc::new(Shared {
         model: config.model.clone(),
         block_tokens,
@@ -211,7 +230,8 @@ pub async fn serve(
         commands,
         next_id: AtomicU64::new(1),
         agent,
-        kv_events,
+        hyperpod,
+        wants_tokens,
         tokenizer: config.tokenizer.clone(),
     });
     let app = Router::new()
@@ -252,8 +272,10 @@ struct Shared {
     next_id: AtomicU64,
     /// The host's cache-agent, when there is one.
     agent: Option<Arc<AgentSide>>,
-    /// Whether KV events are published (submissions then carry their tokens).
-    kv_events: bool,
+    /// The host's cache-agent over its HyperPod API, when that is the link.
+    hyperpod: Option<Arc<HyperPodSide>>,
+    /// Whether submissions carry their tokens (for KV events, or LMCache's chunks).
+    wants_tokens: bool,
     tokenizer: text::Tokenizer,
 }
 
@@ -265,7 +287,8 @@ enum Command {
     Submit {
         req: EngineRequest,
         updates: mpsc::UnboundedSender<Update>,
-        /// The prompt's tokens and cache salt, when KV events are published.
+        /// The prompt's tokens and cache salt, when KV events are published or the link
+        /// is the HyperPod API.
         blocks: Option<(Vec<u32>, Option<String>)>,
     },
     /// The client went away: drop the request (no-op when it has finished).
@@ -280,6 +303,8 @@ struct Fetched {
     ticket: u64,
     /// Tiers of the leading blocks that arrived whole.
     tiers: Vec<Tier>,
+    /// Over the HyperPod API: the hashes of the chunks loaded.
+    loaded: Vec<i64>,
 }
 
 /// What the engine loop tells one request's handler.
@@ -366,6 +391,10 @@ struct EngineLoop {
     engine: Engine,
     /// Where GPU evictions are offloaded, when there is an agent.
     agent: Option<Arc<AgentSide>>,
+    /// Where computed chunks are stored, when the agent is reached over its HyperPod API.
+    hyperpod: Option<Arc<HyperPodSide>>,
+    /// The chunks of live requests, with `hyperpod`.
+    plan: Option<ChunkPlan>,
     /// Where GPU stores and evictions are published, when asked.
     kv: Option<KvPublisher>,
     /// This server's L2 store.
@@ -396,6 +425,7 @@ impl EngineLoop {
         mut self,
         mut inbox: mpsc::UnboundedReceiver<Command>,
         mut fetches: mpsc::UnboundedReceiver<Fetched>,
+        mut puts_done: mpsc::UnboundedReceiver<i64>,
     ) {
         loop {
             let now = self.now();
@@ -414,12 +444,25 @@ impl EngineLoop {
                 Some(fetched) = fetches.recv() => {
                     let now = self.now();
                     self.advance(now);
-                    let Fetched { ticket, tiers } = fetched;
+                    let Fetched { ticket, tiers, loaded } = fetched;
+                    if let Some(plan) = &mut self.plan {
+                        plan.fetched(&loaded);
+                    }
                     self.engine
                         .answer_lookup(now, ticket, &tiers, &mut self.events);
                     self.route_events();
                     // Start a step at once if the engine was idle, waiting for this answer.
                     self.advance(now);
+                }
+                // Never closed while the put task runs; without HyperPod, never sent.
+                Some(hash) = puts_done.recv() => {
+                    self.put_done(hash);
+                    while let Ok(hash) = puts_done.try_recv() {
+                        self.put_done(hash);
+                    }
+                    if let Some(kv) = &mut self.kv {
+                        kv.flush(self.last_us as f64 / 1e6);
+                    }
                 }
             }
         }
@@ -462,15 +505,59 @@ impl EngineLoop {
     /// longer than the fetch deadline.
     fn start_fetches(&mut self) {
         self.engine.take_lookups(&mut self.lookups);
-        for Lookup { ticket, keys, .. } in self.lookups.drain(..) {
+        for Lookup { ticket, id, keys } in self.lookups.drain(..) {
             let (agent, fetched) = (self.agent.clone(), self.fetched.clone());
+            let hyperpod = match (&self.hyperpod, &self.plan) {
+                (Some(h), Some(plan)) => Some((h.clone(), plan.lookup(id, &keys))),
+                _ => None,
+            };
             tokio::spawn(async move {
-                let tiers = match agent {
-                    Some(agent) => agent.fetch(&keys).await,
-                    None => Vec::new(),
+                let (tiers, loaded) = match (agent, hyperpod) {
+                    (Some(agent), _) => (agent.fetch(&keys).await, Vec::new()),
+                    (_, Some((h, Some((prompt, from))))) => {
+                        h.fetch(&prompt, from, keys.len()).await
+                    }
+                    _ => (Vec::new(), Vec::new()),
                 };
-                let _ = fetched.send(Fetched { ticket, tiers });
+                let _ = fetched.send(Fetched {
+                    ticket,
+                    tiers,
+                    loaded,
+                });
             });
+        }
+    }
+
+    /// A chunk's put ended: LMCache's staging copy is gone (its CPU `BlockRemoved`); the
+    /// agent's object, if stored, keeps its blocks reported (record 0108).
+    fn put_done(&mut self, hash: i64) {
+        if let Some(plan) = &mut self.plan {
+            plan.put_done(hash);
+        }
+        if let Some(kv) = &mut self.kv {
+            kv.removed_chunk(hash);
+        }
+    }
+
+    /// Block `key` became resident on the GPU: with HyperPod, the chunk it completes is
+    /// stored (its CPU `BlockStored` published once the put is queued).
+    fn chunk_stored(&mut self, key: BlockKey) {
+        let (Some(plan), Some(hyperpod)) = (&mut self.plan, &self.hyperpod) else {
+            return;
+        };
+        let Some((prompt, c)) = plan.stored(key) else {
+            return;
+        };
+        let chunk = &prompt.chunks[c];
+        let put = ChunkPut {
+            hash: chunk.hash,
+            blocks: chunk.blocks.len(),
+        };
+        if hyperpod.offload(put) {
+            plan.storing(chunk.hash);
+            if let Some(kv) = &mut self.kv {
+                kv.stored_chunk(chunk.hash, chunk.parent, &chunk.tokens);
+            }
         }
     }
 
@@ -481,13 +568,16 @@ impl EngineLoop {
                 updates,
                 blocks,
             } => {
-                if let (Some(kv), Some((tokens, salt))) = (&mut self.kv, blocks) {
-                    let limit = 4 * self.engine.config().gpu_blocks as usize;
-                    let engine = &self.engine;
-                    kv.note_request(&req.keys, &tokens, salt.as_deref(), limit, |k| {
-                        engine.holds(k)
-                    });
-                }
+                let tokens = blocks.map(|(tokens, salt)| {
+                    if let Some(kv) = &mut self.kv {
+                        let limit = 4 * self.engine.config().gpu_blocks as usize;
+                        let engine = &self.engine;
+                        kv.note_request(&req.keys, &tokens, salt.as_deref(), limit, |k| {
+                            engine.holds(k)
+                        });
+                    }
+                    tokens
+                });
                 if !self
                     .engine
                     .can_ever_fit(req.prompt_tokens, req.output_tokens)
@@ -497,6 +587,18 @@ impl EngineLoop {
                 }
                 if updates.send(Update::Accepted).is_err() {
                     return; // The client is already gone.
+                }
+                if let (Some(plan), Some(h), Some(tokens)) =
+                    (&mut self.plan, &self.hyperpod, tokens)
+                {
+                    let s = h.settings();
+                    let prompt = Prompt::new(
+                        req.keys.clone(),
+                        &tokens,
+                        s.block_tokens as usize,
+                        s.chunk_blocks(),
+                    );
+                    plan.submitted(req.id, Arc::new(prompt));
                 }
                 self.routes.insert(
                     req.id,
@@ -528,6 +630,9 @@ impl EngineLoop {
     }
 
     fn cancel(&mut self, now: u64, id: u64) {
+        if let Some(plan) = &mut self.plan {
+            plan.finished(id);
+        }
         if self.routes.remove(&id).is_some() && self.engine.cancel(now, id) {
             tracing::debug!(request_id = id, "request cancelled");
         }
@@ -578,10 +683,16 @@ impl EngineLoop {
                 }
                 EngineEvent::Finished { id, .. } => {
                     self.routes.remove(&id);
+                    if let Some(plan) = &mut self.plan {
+                        plan.finished(id);
+                    }
                     continue;
                 }
                 EngineEvent::Rejected { id, .. } => {
                     // Not expected: submissions are checked with `can_ever_fit` first.
+                    if let Some(plan) = &mut self.plan {
+                        plan.finished(id);
+                    }
                     if let Some(route) = self.routes.remove(&id) {
                         let msg = "the engine rejected the request: it can never fit".into();
                         let _ = route.updates.send(Update::Rejected(msg));
@@ -605,6 +716,7 @@ impl EngineLoop {
                     if let Some(kv) = &mut self.kv {
                         kv.stored(key);
                     }
+                    self.chunk_stored(key);
                     continue;
                 }
                 // Block residency is not published by the live server (yet).
@@ -694,7 +806,32 @@ struct Snapshot {
 }
 
 /// Prometheus text exposition of `s` with vLLM's metric names.
-fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> String {
+/// The agent link's counters, for `/metrics`: the block API's, or the HyperPod API's with
+/// its objects.
+#[derive(Clone, Copy)]
+enum AgentView<'a> {
+    Blocks(&'a AgentCounters),
+    HyperPod(&'a HyperPodSide),
+}
+
+impl<'a> AgentView<'a> {
+    fn of(shared: &'a Shared) -> Option<Self> {
+        match (&shared.agent, &shared.hyperpod) {
+            (Some(a), _) => Some(AgentView::Blocks(&a.counters)),
+            (_, Some(h)) => Some(AgentView::HyperPod(h)),
+            _ => None,
+        }
+    }
+
+    fn counters(self) -> &'a AgentCounters {
+        match self {
+            AgentView::Blocks(c) => c,
+            AgentView::HyperPod(h) => &h.counters,
+        }
+    }
+}
+
+fn render_metrics(model: &str, s: &Snapshot, agent: Option<AgentView<'_>>) -> String {
     let label = format!("model_name=\"{}\"", escape_label(model));
     let mut out = String::with_capacity(4096);
     let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, String)]| {
@@ -721,9 +858,23 @@ fn render_metrics(model: &str, s: &Snapshot, agent: Option<&AgentSide>) -> Strin
         "GPU seconds of prefill, model time: the profile's prefill time of the tokens computed (what cache hits save).",
         &[("", (stats.prefill_us as f64 / 1e6).to_string())],
     );
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed).to_string();
+    if let Some(AgentView::HyperPod(h)) = agent {
+        let o = &h.objects;
+        metric(
+            crate::metric_names::ENGINE_AGENT_OBJECTS_TOTAL,
+            "counter",
+            "Chunks exchanged with the host's cache-agent over its HyperPod API: stored (200), existed (409, stored already), loaded (leased, read from the segment, checked), missed (404).",
+            &[
+                (",op=\"stored\"", get(&o.stored)),
+                (",op=\"existed\"", get(&o.existed)),
+                (",op=\"loaded\"", get(&o.loaded)),
+                (",op=\"missed\"", get(&o.missed)),
+            ],
+        );
+    }
     if let Some(agent) = agent {
-        let c = &agent.counters;
-        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed).to_string();
+        let c = agent.counters();
         metric(
             crate::metric_names::ENGINE_AGENT_BLOCKS_TOTAL,
             "counter",
@@ -1010,7 +1161,7 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         &tokens,
         shared.block_tokens,
     );
-    let tokens_for_events = if shared.kv_events {
+    let tokens_for_events = if shared.wants_tokens {
         tokens.clone()
     } else {
         Vec::new()
@@ -1033,7 +1184,7 @@ async fn generate(shared: Arc<Shared>, mut g: Generation) -> Response {
         offered_from: 0,
     };
     let blocks = shared
-        .kv_events
+        .wants_tokens
         .then(|| (tokens_for_events, g.extras.cache_salt.clone()));
     if shared
         .commands
@@ -1346,7 +1497,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        render_metrics(&shared.model, &snapshot, shared.agent.as_deref()),
+        render_metrics(&shared.model, &snapshot, AgentView::of(&shared)),
     )
         .into_response()
 }

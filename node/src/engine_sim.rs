@@ -4,6 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use warmpath_cache_agent::client::AgentAddr;
+use warmpath_engine_sim::hyperpod::{HyperPodSettings, DEFAULT_CHUNK_TOKENS};
 use warmpath_engine_sim::offload::{layout_of, AgentSettings};
 use warmpath_engine_sim::server::{serve, EngineSimConfig};
 use warmpath_sim::engine::EngineConfig;
@@ -35,9 +36,23 @@ pub struct EngineSimArgs {
     #[arg(long, default_value = "default")]
     pub profile: String,
     /// The host's cache-agent (HOST:PORT or unix:PATH): GPU evictions are offloaded to it
-    /// as real payloads and a GPU miss loads the following blocks from it.
+    /// as real payloads and a GPU miss loads the following blocks from it. With
+    /// `--agent-protocol hyperpod`, its HyperPod API (HOST:PORT or http://HOST:PORT).
     #[arg(long)]
     pub agent: Option<AgentAddr>,
+    /// How to speak to the agent: `blocks` (its block API) or `hyperpod` (its HyperPod
+    /// daemon API, as LMCache's connector does: computed 256-token chunks stored, a GPU
+    /// miss leases them and reads the agent's shared-memory segment).
+    #[arg(long, value_enum, default_value_t = AgentProtocol::Blocks, requires = "agent")]
+    pub agent_protocol: AgentProtocol,
+    /// With `--agent-protocol hyperpod`: the agent's segment (its `--hyperpod-shm-name`),
+    /// read at /dev/shm/NAME.
+    #[arg(long)]
+    pub hyperpod_shm_name: Option<String>,
+    /// With `--agent-protocol hyperpod`: tokens per chunk (LMCache's `chunk_size`), a
+    /// multiple of `--block-tokens`.
+    #[arg(long, default_value_t = DEFAULT_CHUNK_TOKENS)]
+    pub hyperpod_chunk_tokens: u32,
     /// File holding the agent's block API token.
     #[arg(long, requires = "agent")]
     pub agent_token_file: Option<std::path::PathBuf>,
@@ -62,6 +77,75 @@ pub struct EngineSimArgs {
     pub chat_template_file: Option<std::path::PathBuf>,
 }
 
+/// The protocol engine-sim speaks to its agent.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentProtocol {
+    /// warmpath's block API (record 0074).
+    Blocks,
+    /// The HyperPod daemon API, as LMCache speaks it (record 0109).
+    Hyperpod,
+}
+
+impl AgentProtocol {
+    /// What a run's output says of it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            AgentProtocol::Blocks => "engines speak the agent's block API",
+            AgentProtocol::Hyperpod => {
+                "engines speak the agent's HyperPod API as LMCache does (256-token chunks, leases, a shared-memory segment)"
+            }
+        }
+    }
+}
+
+/// The HyperPod link of `args`, when `--agent-protocol hyperpod`.
+fn hyperpod_settings(
+    args: &EngineSimArgs,
+    kv_bytes_per_token: u64,
+) -> Result<Option<HyperPodSettings>> {
+    let hyperpod = args.agent_protocol == AgentProtocol::Hyperpod;
+    if !hyperpod {
+        if args.hyperpod_shm_name.is_some() {
+            bail!("--hyperpod-shm-name goes with --agent-protocol hyperpod");
+        }
+        return Ok(None);
+    }
+    let url = match &args.agent {
+        Some(AgentAddr::Tcp(a)) if a.starts_with("http://") => a.trim_end_matches('/').to_string(),
+        Some(AgentAddr::Tcp(a)) => format!("http://{a}"),
+        Some(AgentAddr::Unix(_)) => {
+            bail!("--agent-protocol hyperpod speaks HTTP over TCP: give --agent HOST:PORT")
+        }
+        None => {
+            bail!("--agent-protocol hyperpod needs --agent HOST:PORT (the agent's HyperPod API)")
+        }
+    };
+    let Some(shm_name) = args.hyperpod_shm_name.clone() else {
+        bail!("--agent-protocol hyperpod needs --hyperpod-shm-name (the agent's segment)");
+    };
+    if args.agent_token_file.is_some() {
+        bail!("--agent-token-file is for the block API; the HyperPod API takes no token on loopback, and LMCache sends none");
+    }
+    let chunk = args.hyperpod_chunk_tokens;
+    if chunk == 0 || !chunk.is_multiple_of(args.block_tokens) {
+        bail!(
+            "--hyperpod-chunk-tokens {chunk} must be a positive multiple of --block-tokens {}",
+            args.block_tokens
+        );
+    }
+    let bytes = kv_bytes_per_token as f64 * f64::from(args.block_tokens) * args.agent_block_scale;
+    Ok(Some(HyperPodSettings {
+        url,
+        shm_name,
+        model: args.model.clone(),
+        layout: layout_of(&args.model, chunk),
+        chunk_tokens: chunk,
+        block_tokens: args.block_tokens,
+        block_bytes: (bytes.round() as usize).max(1),
+        timeout: std::time::Duration::from_secs(2),
+    }))
+}
+
 pub fn run(args: EngineSimArgs) -> Result<()> {
     if args.block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
@@ -82,7 +166,9 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
         bail!("--agent-block-scale must be a positive number");
     }
     let profile = warmpath_index::profiles::builtin(&args.profile)?;
+    let hyperpod = hyperpod_settings(&args, profile.kv_bytes_per_token)?;
     let agent = match &args.agent {
+        Some(_) if hyperpod.is_some() => None,
         Some(addr) => {
             let token = match &args.agent_token_file {
                 Some(p) => {
@@ -121,6 +207,7 @@ pub fn run(args: EngineSimArgs) -> Result<()> {
         },
         profile,
         agent,
+        hyperpod,
         kv_events: args.kv_events.clone(),
         kv_replay: args.kv_replay.clone(),
         tokenizer,

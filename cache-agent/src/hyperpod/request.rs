@@ -58,6 +58,35 @@ impl ObjectName {
     }
 }
 
+/// `CacheEngineKey.to_string()` of an int chunk hash, as LMCache writes it:
+/// `model@world_size@worker_id@{chunk_hash:x}@dtype`, a negative hash (Python's builtin
+/// `hash` gives those) printed with a leading `-`. [`ObjectName::chunk_hash`] reads it back.
+pub fn cache_engine_key(
+    model: &str,
+    world_size: u32,
+    worker_id: u32,
+    chunk_hash: i64,
+    dtype: &str,
+) -> String {
+    let sign = if chunk_hash < 0 { "-" } else { "" };
+    let hex = chunk_hash.unsigned_abs();
+    format!("{model}@{world_size}@{worker_id}@{sign}{hex:x}@{dtype}")
+}
+
+/// What `urllib.parse.quote(s, safe="")` leaves as it is: letters, digits and `_.-~`.
+const QUOTE_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'-')
+    .remove(b'~');
+
+/// A key as LMCache's connector puts it in a path, `urllib.parse.quote(key, safe="")`:
+/// every byte but letters, digits and `_.-~` escaped (`@` as `%40`). [`decode_key`] reads
+/// it back.
+pub fn encode_key(key: &str) -> String {
+    percent_encoding::utf8_percent_encode(key, QUOTE_KEEPS).to_string()
+}
+
 /// `chunk_hash_hex` back to the bytes events carry: an int that fits 64 bits as its
 /// big-endian bytes (unsigned or, negative, two's complement), a longer even-length hex
 /// as its bytes.
@@ -324,6 +353,29 @@ impl LeaseIds {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_written_as_lmcache_writes_them_read_back() {
+        // Python: f"{-8111776335910957595:x}" == "-7092d1997764721b".
+        let key = cache_engine_key("org/m", 1, 0, -8111776335910957595, "bfloat16");
+        assert_eq!(key, "org/m@1@0@-7092d1997764721b@bfloat16");
+        assert_eq!(
+            cache_engine_key("m", 2, 1, 0x6b9e34824ade1095, "half"),
+            "m@2@1@6b9e34824ade1095@half"
+        );
+        // quote(key, safe=""): "org%2Fm%401%400%40-7092d1997764721b%40bfloat16".
+        let encoded = encode_key(&key);
+        assert_eq!(encoded, "org%2Fm%401%400%40-7092d1997764721b%40bfloat16");
+        assert_eq!(decode_key(&encoded).unwrap(), key);
+        for h in [i64::MIN, -1, 0, 1, i64::MAX] {
+            let name = n("lmcache", &cache_engine_key("m", 1, 0, h, "bfloat16"));
+            assert_eq!(
+                name.chunk_hash(),
+                Some(EngineHash(h.to_be_bytes().to_vec())),
+                "{h}"
+            );
+        }
+    }
 
     #[test]
     fn keys_name_the_chunk_hash_events_carry() {
