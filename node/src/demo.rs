@@ -11,6 +11,7 @@
 //! speed-up), router overhead in wall time. `--keep-running` then leaves a prefix-aware
 //! cluster up and prints its URLs.
 
+use crate::engine_sim::AgentProtocol;
 use crate::loadgen::execute;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -66,6 +67,12 @@ pub struct DemoArgs {
     /// redis-server started for the demo).
     #[arg(long, default_value = "none")]
     pub l2: String,
+    /// How the engine-sims speak to their agents (with `--l1-kv-tokens`): `blocks`, the
+    /// agent's block API (GPU evictions offloaded), or `hyperpod`, the agent's HyperPod
+    /// daemon API as LMCache's connector speaks it (computed 256-token chunks stored in the
+    /// agent's shared-memory segment, which holds the L1's tokens, and leased back).
+    #[arg(long, value_enum, default_value_t = AgentProtocol::Blocks)]
+    pub agent_protocol: AgentProtocol,
     /// Size of the L2 in tokens' worth of KV blocks (dir: the agents' bound; redis: its
     /// maxmemory).
     #[arg(long, default_value_t = 2_000_000)]
@@ -114,6 +121,25 @@ struct Proc {
     url: String,
     /// Where its metrics are served, when not at `url` (a cache-agent's metrics port).
     metrics: Option<String>,
+    /// A cache-agent's HyperPod segment, removed when dropped (agents leave theirs).
+    segment: Option<Segment>,
+}
+
+/// `/dev/shm/NAME` of a demo agent's HyperPod API: a name of this run, removed at its end.
+struct Segment(String);
+
+impl Segment {
+    fn new() -> Segment {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Segment(format!("warmpath-demo-{}-{n}", std::process::id()))
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(std::path::Path::new("/dev/shm").join(&self.0));
+    }
 }
 
 async fn spawn(args: &[String]) -> Result<Proc> {
@@ -154,6 +180,7 @@ async fn spawn_with_lines(args: &[String], lines_wanted: usize) -> Result<(Proc,
             child,
             url,
             metrics: None,
+            segment: None,
         },
         first,
     ))
@@ -303,14 +330,34 @@ async fn start_host(
                 agent_args.extend(["--l2-bytes".into(), share.max(1).to_string()]);
             }
         }
+        let hyperpod = args.l1_kv_tokens > 0 && args.agent_protocol == AgentProtocol::Hyperpod;
+        let segment = hyperpod.then(Segment::new);
+        if let Some(segment) = &segment {
+            // The segment holds the L1's tokens; the block API's L1 stays unused.
+            agent_args.extend([
+                "--hyperpod-listen".into(),
+                "127.0.0.1:0".into(),
+                "--hyperpod-shm-name".into(),
+                segment.0.clone(),
+                "--hyperpod-shm-bytes".into(),
+                kv_bytes(l1_tokens, args.agent_block_scale)
+                    .max(1 << 20)
+                    .to_string(),
+            ]);
+        }
         // Its lines: the block API's address, the residency address (with residency),
-        // then the metrics port's.
-        let (mut agent, lines) =
-            spawn_with_lines(&agent_args, if args.residency { 3 } else { 2 }).await?;
-        agent.metrics = lines
-            .last()
-            .and_then(|l| l.rsplit(" on ").next())
-            .map(|m| m.trim().to_string());
+        // the metrics port's, then the HyperPod API's (with it).
+        let wanted = 2 + usize::from(args.residency) + usize::from(hyperpod);
+        let (mut agent, lines) = spawn_with_lines(&agent_args, wanted).await?;
+        agent.segment = segment;
+        let after = |marker: &str| {
+            lines
+                .iter()
+                .find_map(|l| l.split(marker).nth(1))
+                .and_then(|r| r.split_whitespace().next())
+                .map(str::to_string)
+        };
+        agent.metrics = after("metrics on ");
         if args.residency {
             let quic = lines[1]
                 .rsplit(" on ")
@@ -321,7 +368,23 @@ async fn start_host(
             // loopback name.
             quic_addr = Some(format!("agent@{quic}"));
         }
-        if args.l1_kv_tokens > 0 {
+        if hyperpod {
+            let api = after("hyperpod API on ").context("the agent's HyperPod API line")?;
+            engine_args.extend([
+                "--agent".into(),
+                api,
+                "--agent-protocol".into(),
+                "hyperpod".into(),
+                "--hyperpod-shm-name".into(),
+                agent
+                    .segment
+                    .as_ref()
+                    .map(|s| s.0.clone())
+                    .unwrap_or_default(),
+                "--agent-block-scale".into(),
+                args.agent_block_scale.to_string(),
+            ]);
+        } else if args.l1_kv_tokens > 0 {
             engine_args.extend([
                 "--agent".into(),
                 agent.url.clone(),
@@ -594,6 +657,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
     if !(args.agent_block_scale.is_finite() && args.agent_block_scale > 0.0) {
         bail!("--agent-block-scale must be positive");
     }
+    if args.agent_protocol == AgentProtocol::Hyperpod && args.l1_kv_tokens == 0 {
+        bail!("--agent-protocol hyperpod needs agents: give --l1-kv-tokens");
+    }
     if args.residency && ![0, ENGINE_BLOCK_TOKENS].contains(&args.router_block_tokens) {
         bail!("--residency cuts blocks as the engines do ({ENGINE_BLOCK_TOKENS} tokens): drop --router-block-tokens");
     }
@@ -627,11 +693,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     if args.l1_kv_tokens > 0 {
         println!(
-            "a cache-agent per engine-sim: L1 of {} KV tokens, L2 {}{}; payloads at {}× the real KV bytes",
+            "a cache-agent per engine-sim: L1 of {} KV tokens, L2 {}{}; payloads at {}× the real KV bytes; {}",
             args.l1_kv_tokens,
             args.l2,
             if args.l2 == "none" { String::new() } else { format!(" of {} KV tokens", args.l2_kv_tokens) },
-            args.agent_block_scale
+            args.agent_block_scale,
+            args.agent_protocol.describe()
         );
     }
     println!(
@@ -717,8 +784,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
             }
             for a in &cluster.agents {
                 println!(
-                    "  agent:   {}  (block API; metrics: {})",
+                    "  agent:   {}  (block API{}; metrics: {})",
                     a.url,
+                    a.segment.as_ref().map(|s| format!(", HyperPod API, segment /dev/shm/{}", s.0)).unwrap_or_default(),
                     a.metrics.as_deref().unwrap_or("none")
                 );
             }
@@ -845,7 +913,7 @@ fn write_report(
                 args.routers.max(1),
                 if args.residency { ", routers following residency over QUIC" } else { "" },
                 if args.l1_kv_tokens > 0 {
-                    format!(", a cache-agent per engine (L1 {} KV tokens, L2 {})", args.l1_kv_tokens, args.l2)
+                    format!(", a cache-agent per engine (L1 {} KV tokens, L2 {}; {})", args.l1_kv_tokens, args.l2, args.agent_protocol.describe())
                 } else {
                     String::new()
                 }
