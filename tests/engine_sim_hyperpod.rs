@@ -268,3 +268,51 @@ fn the_demo_runs_its_agents_over_the_hyperpod_api() {
         assert!(row.trim_end().ends_with(" 60"), "{row}");
     }
 }
+
+/// Flags that cannot make a HyperPod link are refused at start, saying why.
+#[test]
+fn hyperpod_flags_that_cannot_work_are_refused() {
+    fn es<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = vec!["engine-sim", "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        args
+    }
+    let hp = ["--agent-protocol", "hyperpod"];
+    for (args, want) in [
+        (
+            es(&[&["--agent", "127.0.0.1:9"][..], &hp].concat()),
+            "needs --hyperpod-shm-name",
+        ),
+        (
+            es(&[
+                &["--agent", "unix:/tmp/a", "--hyperpod-shm-name", "x"][..],
+                &hp,
+            ]
+            .concat()),
+            "speaks HTTP over TCP",
+        ),
+        (
+            es(&[
+                &["--agent", "127.0.0.1:9", "--hyperpod-shm-name", "x"][..],
+                &hp,
+                &["--hyperpod-chunk-tokens", "100"],
+            ]
+            .concat()),
+            "multiple of --block-tokens",
+        ),
+        (
+            es(&["--agent", "127.0.0.1:9", "--hyperpod-shm-name", "x"]),
+            "goes with --agent-protocol hyperpod",
+        ),
+        (
+            vec!["demo", "--agent-protocol", "hyperpod"],
+            "needs agents: give --l1-kv-tokens",
+        ),
+    ] {
+        let out = crate::warmpath_exits_within(&args, Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("{args:?} kept running"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
