@@ -606,3 +606,137 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// What `tests/clients/residency_quic.py` (aioquic, in the tests' venv) saw connecting to
+/// the agent at `target` (`NAME@HOST:PORT`) trusting `ca`, presenting `cert` (a
+/// certificate and key of `warmpath certs`, or none) and offering `alpn`: its JSON line.
+fn aioquic(target: &str, ca: &Path, cert: Option<(&Path, &str)>, alpn: &str) -> serde_json::Value {
+    let python = crate::test_venv().join("bin/python");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/residency_quic.py");
+    let (cert, key) = match cert {
+        Some((dir, name)) => (
+            dir.join(format!("{name}.pem")).display().to_string(),
+            dir.join(format!("{name}.key")).display().to_string(),
+        ),
+        None => ("-".into(), "-".into()),
+    };
+    let out = tokio::task::block_in_place(|| {
+        std::process::Command::new(python)
+            .arg(script)
+            .args([target, ca.to_str().unwrap(), &cert, &key, alpn])
+            .output()
+            .expect("the venv's python runs")
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"))
+}
+
+/// Attacks 7 and 9 again, by a QUIC implementation that is not the agent's own (quinn):
+/// aioquic, which builds its own TLS 1.3. With a router's certificate it is served, and
+/// decodes the snapshot frame (length prefix, postcard of `Wire::V1Msg(Msg::Snapshot)`)
+/// itself. With another agent's certificate, the agent's own, none, or a router's of
+/// another CA, aioquic finishes its side of the handshake (in TLS 1.3 a client is done
+/// before the server checks the client's certificate) and the agent then fails it with a
+/// TLS alert, in QUIC a CONNECTION_CLOSE of crypto error 0x100 + alert: it never confirms
+/// the handshake, never accepts a stream, and not one byte of residency reaches the
+/// client. A build that served any cluster certificate would fail at the agents'
+/// certificates below (`served`, `confirmed`, and the `access_denied` alert).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_quic_implementation_is_served_with_a_router_certificate_only() {
+    let dir = scratch_dir("tiers-aioquic");
+    let certs = make_certs(&dir, &["--agent", "a1", "--agent", "a2", "--router", "r1"]);
+    // A second CA, with a router certificate of the same name.
+    let other = make_certs(&dir.join("other"), &["--router", "r1"]);
+    let (agent, quic, metrics) = residency_agent(&certs, "a1", &[]);
+    // One block in the agent's L1, for the snapshot to carry.
+    const KEY: u64 = 0x00C0_FFEE;
+    let addr = warmpath_cache_agent::client::AgentAddr::Tcp(agent.url.clone());
+    let c = warmpath_cache_agent::client::AgentClient::connect(&addr, "", Duration::from_secs(5))
+        .await
+        .expect("the agent");
+    c.put(7, vec![(KEY, Bytes::from_static(&[7u8; 4096]), false)])
+        .await
+        .expect("a put");
+
+    let target = format!("a1@{quic}");
+    let ca = certs.join("ca.pem");
+    let alpn = std::str::from_utf8(warmpath_residency::tls::ALPN).unwrap();
+
+    // (a) A router's certificate: the handshake is confirmed and the first frame is a
+    // whole snapshot, the block put above in it.
+    let router = aioquic(&target, &ca, Some((&certs, "r1")), alpn);
+    let frame = &router["frame"];
+    assert!(
+        router["served"] == true && router["confirmed"] == true && router["alpn"] == alpn,
+        "{router}"
+    );
+    assert!(
+        frame["well_formed"] == true && frame["kind"] == "snapshot" && frame["last"] == true,
+        "{router}"
+    );
+    assert!(
+        router["stream_bytes"].as_u64().unwrap() >= 4 + frame["length"].as_u64().unwrap(),
+        "{router}"
+    );
+    assert_eq!(
+        frame["blocks"],
+        serde_json::json!([["L1", KEY, null]]),
+        "{router}"
+    );
+    assert!(router["closed"].is_null(), "{router}");
+
+    // The refusals: the agent closes the connection in the handshake, with `alert`.
+    let refused = |seen: &serde_json::Value, alerts: &[&str], what: &str| {
+        assert!(
+            seen["served"] == false && seen["stream_bytes"] == 0 && seen["frame"].is_null(),
+            "{what} was served residency: {seen}"
+        );
+        assert!(
+            seen["confirmed"] == false,
+            "{what}: the agent confirmed the handshake: {seen}"
+        );
+        let closed = &seen["closed"];
+        assert_eq!(closed["by"], "peer", "{what}: {seen}");
+        let alert = closed["tls_alert"][1].as_str().unwrap_or("none");
+        assert!(
+            alerts.contains(&alert),
+            "{what}: alert {alert}, not one of {alerts:?}: {seen}"
+        );
+    };
+    // (b), (c) Another agent's certificate, and the agent's own: of the cluster CA, so
+    // the chain is good; the role is not a router's.
+    for name in ["a2", "a1"] {
+        let seen = aioquic(&target, &ca, Some((&certs, name)), alpn);
+        assert!(seen["finished"] == true, "{seen}");
+        refused(
+            &seen,
+            &["access_denied"],
+            &format!("agent certificate {name}"),
+        );
+    }
+    // (d) No certificate.
+    let seen = aioquic(&target, &ca, None, alpn);
+    refused(&seen, &["certificate_required"], "no certificate");
+    // (e) A router's certificate of another CA. Both development CAs have one subject
+    // name, so the agent finds "its" issuer by name and the signature fails
+    // (decrypt_error); a CA of another name gives unknown_ca.
+    let seen = aioquic(&target, &ca, Some((&other, "r1")), alpn);
+    refused(
+        &seen,
+        &["decrypt_error", "unknown_ca"],
+        "a router certificate of another CA",
+    );
+    // And a router's certificate offering another protocol: refused at its ClientHello.
+    let seen = aioquic(&target, &ca, Some((&certs, "r1")), "h3");
+    assert!(seen["finished"] == false, "{seen}");
+    refused(&seen, &["no_application_protocol"], "ALPN h3");
+
+    // Every refusal counted by the agent.
+    until(Duration::from_secs(5), "five refusals counted", || async {
+        let text = get_text(&metrics).await;
+        (metric(&text, "warmpath_agent_residency_refused_total") >= 5.0).then_some(())
+    })
+    .await;
+}
