@@ -383,8 +383,14 @@ impl HyperPodSide {
 
     /// The `n` blocks of `prompt` from block `from` on that the agent has, chunk by chunk,
     /// leased, read from the segment and checked: their tiers (leading run only), and the
-    /// hashes of the chunks loaded. Within the call deadline in all.
-    pub async fn fetch(&self, prompt: &Prompt, from: usize, n: usize) -> (Vec<Tier>, Vec<i64>) {
+    /// hashes of the chunks loaded. Within the call deadline in all; a load still going at
+    /// the deadline runs on in its own task, so that its lease is released.
+    pub async fn fetch(
+        self: &Arc<Self>,
+        prompt: &Prompt,
+        from: usize,
+        n: usize,
+    ) -> (Vec<Tier>, Vec<i64>) {
         let end = (from + n).min(prompt.keys.len());
         let deadline = Instant::now() + self.settings.timeout;
         let mut covered = from;
@@ -394,7 +400,12 @@ impl HyperPodSide {
             let Some(chunk) = prompt.chunks.get(c) else {
                 break;
             };
-            match tokio::time::timeout_at(deadline, self.load(chunk)).await {
+            let (side, owned) = (self.clone(), chunk.clone());
+            let load = tokio::spawn(async move { side.load(&owned).await });
+            let answer = tokio::time::timeout_at(deadline, load)
+                .await
+                .map(|joined| joined.unwrap_or_else(|e| Err(e.to_string())));
+            match answer {
                 Ok(Ok(true)) => {
                     loaded.push(chunk.hash);
                     covered = chunk.blocks.end.min(end);
