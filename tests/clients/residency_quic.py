@@ -9,8 +9,8 @@ no client certificate), offers ALPN. Once its side of the handshake is done it o
 bidirectional stream, sends what a router sends first (a resync request: a u32
 little-endian length, then postcard of `Wire::V1Reply(Reply::Resync)`, i.e. 1, 0) and
 reads the first frame the agent sends back, decoding it as residency/src/session.rs
-defines it (postcard of `Wire::V1Msg(Msg::Snapshot { .. })`). It then waits a moment for
-the agent to close the connection, and prints one JSON line:
+defines it (postcard of `Wire::V1Msg(Msg::Snapshot { .. })`); when no frame comes, it
+waits up to a second for the agent to close the connection. It prints one JSON line:
 
     finished    whether the client's side of the TLS handshake finished: it checked the
                 agent's chain and sent its Finished (in TLS 1.3 a client is done before
