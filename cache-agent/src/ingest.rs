@@ -202,6 +202,9 @@ pub struct IngestStats {
     pub capped: u64,
     /// Objects of the host's store not followed because [`MAX_OBJECTS`] were.
     pub objects_capped: u64,
+    /// CPU chunks announced with parent 0 (LMCache's store of chunks after a prefix it
+    /// already held) whose chain was found by their tokens on the engine's GPU chain.
+    pub parents_by_tokens: u64,
 }
 
 /// One event block an engine announced.
@@ -423,6 +426,46 @@ impl Ingest {
             (Some((i, _)), None) => Some(i as u32),
             _ => None,
         }
+    }
+
+    /// The end of the engine's GPU chain that `tokens` continue, for a CPU chunk announced
+    /// with parent 0 (LMCache's first chunk after a prefix it held already): the one GPU
+    /// block whose chain, extended by the chunk's first pool block, names a pool block the
+    /// engine's GPU holds. None when no block or more than one does. A scan of the
+    /// engine's GPU blocks (at most [`MAX_BLOCKS`]), once per such chunk.
+    fn gpu_chain_continued(
+        &self,
+        engine: usize,
+        tokens: &[u32],
+        pool: usize,
+        adapter: Option<&str>,
+    ) -> Option<ChainEnd> {
+        let gpu = Scope::Gpu(u16::try_from(engine).ok()?);
+        let mut bytes = Vec::with_capacity(pool * 4);
+        let mut found: Option<ChainEnd> = None;
+        for node in self.engines[engine].blocks.values() {
+            if !node.gpu || self.keys[node.slot as usize].1.as_deref() != adapter {
+                continue;
+            }
+            let Some(rest) = pool.checked_sub(node.tail.len()) else {
+                continue;
+            };
+            let Some(first) = tokens.get(..rest) else {
+                continue;
+            };
+            let block: Vec<u32> = node.tail.iter().chain(first).copied().collect();
+            warmpath_index::keys::token_block_bytes(&block, &mut bytes);
+            let k = self.keys[node.slot as usize].0.chain(node.key, &bytes);
+            if !self.covered.contains_key(&(gpu, k.0)) {
+                continue;
+            }
+            let end = (node.slot, node.key, node.tail.to_vec());
+            match &found {
+                Some(f) if *f != end => return None,
+                _ => found = Some(end),
+            }
+        }
+        found
     }
 
     /// A chunk of `tokens` tokens in the engine's CPU tier announced without tokens, by
@@ -657,12 +700,21 @@ impl Ingest {
                         continue;
                     }
                     // `n` blocks of `bs` tokens, the last one possibly shorter (LMCache's
-                    // last chunk).
+                    // last chunk). LMCache 0.5.6 also sends one token more than its
+                    // chunks (`convert_tokens_to_list` slices `start:end + 1`): the next
+                    // chunk's first token, not part of this one; in the CPU tier only.
                     let len = token_ids.len();
-                    if bs == 0 || n == 0 || len > n as usize * bs || len <= (n as usize - 1) * bs {
+                    let extra = usize::from(scope == Scope::L1);
+                    if bs == 0
+                        || n == 0
+                        || len > n as usize * bs + extra
+                        || len <= (n as usize - 1) * bs
+                    {
                         self.stats.malformed += 1;
                         continue;
                     }
+                    let token_ids = &token_ids[..len.min(n as usize * bs)];
+                    let len = token_ids.len();
                     if scope != Scope::L1
                         && len == n as usize * bs
                         && self.engines[engine].gpu_block_tokens.is_none()
@@ -686,10 +738,29 @@ impl Ingest {
                         None => None,
                         Some(p) => match self.engines[engine].blocks.get(p) {
                             Some(node) => Some((node.slot, node.key, node.tail.to_vec())),
-                            None => {
-                                self.stats.orphans += n;
-                                continue;
-                            }
+                            None => match (scope, p.is_zero()) {
+                                // LMCache names parent 0 for the first chunk it stores
+                                // after a prefix it already held: the chain is the GPU's
+                                // that these tokens continue.
+                                (Scope::L1, true) => {
+                                    match self.gpu_chain_continued(engine, token_ids, pool, adapter)
+                                    {
+                                        Some(end) => {
+                                            self.stats.parents_by_tokens += 1;
+                                            prev_hash = None;
+                                            Some(end)
+                                        }
+                                        None => {
+                                            self.stats.orphans += n;
+                                            continue;
+                                        }
+                                    }
+                                }
+                                _ => {
+                                    self.stats.orphans += n;
+                                    continue;
+                                }
+                            },
                         },
                     };
                     for (i, (hash, tokens)) in
@@ -1229,6 +1300,56 @@ mod tests {
         // Its node stays a while: a chunk stored after it again keys from it.
         let again = ing.apply(0, 5, &batch(vec![chunk(101, Some(100), 12..24)]));
         assert_eq!(present(&again, Scope::L1), want[3..6]);
+    }
+
+    /// What lmcache 0.5.6's own engine publishes (found by driving `LMCacheEngine.store`
+    /// through vLLM 0.33's connector, tests/lmcache_e2e.rs): every chunk but a store's
+    /// last carries the next chunk's first token too, and a store that starts after
+    /// chunks LMCache holds names parent 0 for its first chunk.
+    #[test]
+    fn lmcaches_own_chunk_events_are_keyed() {
+        let table = Tenants::Table(HashMap::from([("s".to_string(), "acme".to_string())]));
+        let mut ing = Ingest::new(table, 1);
+        let tokens: Vec<u32> = (0..36).collect();
+        let want: Vec<u64> = token_block_keys(&TenantKey::derive("acme", "s"), &tokens, 4)
+            .iter()
+            .map(|k| k.0)
+            .collect();
+        // The GPU holds the whole prompt, in 4-token blocks (the pool's).
+        let gpu_blocks: Vec<u64> = (1..=9).collect();
+        let gpu = ing.apply(
+            0,
+            0,
+            &batch(vec![stored(&gpu_blocks, None, 0..36, Some("s"))]),
+        );
+        assert_eq!(present(&gpu, Scope::Gpu(0)), want);
+        // First store: chunks of 12 tokens, the first with 13 (its next chunk's first).
+        let c1 = with(chunk(100, None, 0..13), |e| {
+            if let KvEvent::Stored { block_size, .. } = e {
+                *block_size = 12;
+            }
+        });
+        let first = ing.apply(0, 1, &batch(vec![c1, chunk(101, Some(100), 12..24)]));
+        assert_eq!(present(&first, Scope::L1), want[..6]);
+        assert_eq!(ing.stats.malformed, 0);
+        // A follow-up store of the chunk after them, under parent 0: its chain is the
+        // GPU's that its tokens continue.
+        let next = ing.apply(0, 2, &batch(vec![chunk(102, Some(0), 24..36)]));
+        assert_eq!(present(&next, Scope::L1), want[6..9]);
+        assert_eq!((ing.stats.parents_by_tokens, ing.stats.orphans), (1, 0));
+        // Two more tokens than the chunk is malformed still; a parent 0 that no GPU
+        // chain continues is an orphan.
+        let bad = with(chunk(103, None, 0..14), |e| {
+            if let KvEvent::Stored { block_size, .. } = e {
+                *block_size = 12;
+            }
+        });
+        assert!(ing.apply(0, 3, &batch(vec![bad])).is_empty());
+        assert_eq!(ing.stats.malformed, 1);
+        assert!(ing
+            .apply(0, 4, &batch(vec![chunk(104, Some(0), 100..112)]))
+            .is_empty());
+        assert_eq!(ing.stats.orphans, 1);
     }
 
     #[test]

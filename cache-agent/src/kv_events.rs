@@ -47,6 +47,14 @@ pub const MAX_DEPTH: usize = 16;
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineHash(pub Vec<u8>);
 
+impl EngineHash {
+    /// Whether it is the hash 0 (an int 0, or bytes of zeros): what LMCache 0.5.6 names as
+    /// the parent of the first chunk of a store that starts after chunks it holds.
+    pub fn is_zero(&self) -> bool {
+        !self.0.is_empty() && self.0.iter().all(|b| *b == 0)
+    }
+}
+
 /// One event.
 #[derive(Clone, Debug, PartialEq)]
 pub enum KvEvent {
