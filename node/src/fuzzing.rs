@@ -50,6 +50,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("residency_wire", residency_wire),
     ("zmtp_frames", zmtp_frames),
     ("lm_header", lm_header),
+    ("hyperpod_request", hyperpod_request),
 ];
 
 /// A client's completions or chat body, as the router parses, salts and forwards it.
@@ -573,6 +574,41 @@ pub fn lm_header(data: &[u8]) {
     }
 }
 
+/// A HyperPod API request line (method, then path and query) as the agent reads it, and a
+/// lease id as it checks one: a key it accepts is text without control characters within
+/// the bound, and percent-encoded as LMCache encodes keys it reads back the same; a lease
+/// id it did not issue is never taken.
+pub fn hyperpod_request(data: &[u8]) {
+    use warmpath_cache_agent::hyperpod::request::{
+        decode_key, encode_key, parse, LeaseIds, Op, MAX_KEY_BYTES,
+    };
+    let Some((&m, rest)) = data.split_first() else {
+        return;
+    };
+    let method = ["PUT", "POST", "GET", "DELETE"][usize::from(m % 4)];
+    let text = String::from_utf8_lossy(rest);
+    let (path, query) = match text.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (&*text, None),
+    };
+    if let Ok(Op::Put(name) | Op::Lease { name, .. }) = parse(method, path, query) {
+        assert!(!name.key.is_empty() && name.key.len() <= MAX_KEY_BYTES);
+        assert!(!name.key.chars().any(char::is_control));
+        assert_eq!(
+            decode_key(&encode_key(&name.key)).as_deref(),
+            Ok(&*name.key)
+        );
+    }
+    let ids = LeaseIds::new(7, [9u8; 32]);
+    if let Ok(lease) = ids.decode(&text) {
+        assert_eq!(
+            ids.encode(lease),
+            text.to_ascii_lowercase(),
+            "an id this run issued"
+        );
+    }
+}
+
 /// Starting inputs for each target, made from real values: what `fuzz/corpus` was seeded
 /// with (`WARMPATH_WRITE_FUZZ_SEEDS=1 cargo test -p warmpath --lib fuzzing` writes them again).
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
@@ -924,6 +960,23 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
             ..h
         };
         add("lm_header", "get", encode_header(&get).to_vec());
+        let mut put = vec![0u8];
+        put.extend_from_slice(b"/v1/kv/lmcache/meta-llama%2FLlama-3-8B@1@0@-5a1f@bfloat16");
+        add("hyperpod_request", "put", put);
+        let mut lease = vec![1u8];
+        lease.extend_from_slice(
+            b"/v1/kv/lmcache/m@1@0@1234abcd@half/leases?timeout_ms=2000&ttl_s=10.0",
+        );
+        add("hyperpod_request", "lease", lease);
+        let mut release = vec![1u8];
+        release.extend_from_slice(
+            format!(
+                "/v1/leases/{}/release",
+                warmpath_cache_agent::hyperpod::request::LeaseIds::new(7, [9u8; 32]).encode(3)
+            )
+            .as_bytes(),
+        );
+        add("hyperpod_request", "release", release);
     }
     out
 }
