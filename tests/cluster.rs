@@ -448,3 +448,104 @@ async fn a_partition_does_not_double_a_tenants_rate() {
     drop(b);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Issue 27, decision 0105: with `--residency-followers 1`, each agent is followed by one
+/// router of three (the one rendezvous hashing over the live routers names), so an agent's
+/// outbound no longer grows with the routers; when that router dies, the survivors take
+/// its agents over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_agent_is_followed_by_its_chosen_routers_only_and_survivors_take_over() {
+    let dir = crate::scratch_dir("followers");
+    let agents: Vec<String> = (0..6).map(|i| format!("a{i}")).collect();
+    let routers = ["r0", "r1", "r2"];
+    let mut cert_args: Vec<&str> = vec!["--loopback"];
+    for a in &agents {
+        cert_args.extend(["--agent", a.as_str()]);
+    }
+    for r in routers {
+        cert_args.extend(["--router", r]);
+    }
+    let certs = crate::make_certs(&dir, &cert_args);
+    let mut agent_procs = Vec::new();
+    let mut entries = Vec::new();
+    for a in &agents {
+        let (p, quic, _) = crate::security_tiers::residency_agent(&certs, a, &[]);
+        entries.push(format!("{a}@{quic}"));
+        agent_procs.push(p);
+    }
+    let certs_s = certs.to_str().unwrap();
+    let mut started: Vec<Replica> = Vec::new();
+    for r in routers {
+        let mut extra = vec![
+            "--tls-dir",
+            certs_s,
+            "--tls-name",
+            r,
+            "--residency-followers",
+            "1",
+        ];
+        for e in &entries {
+            extra.extend(["--residency-agent", e.as_str()]);
+        }
+        let seeds: Vec<&str> = started.iter().map(|x| x.gossip.as_str()).collect();
+        started.push(replica_with(r, &[], &seeds, &extra));
+    }
+    let gauge = |url: String, name: &'static str| async move {
+        metric(&get_text(&format!("{url}/metrics")).await, name)
+    };
+    // What each router should follow, by the same hash, once all three see each other.
+    let expect = |live: &[&str]| -> Vec<f64> {
+        routers
+            .iter()
+            .map(|r| {
+                entries
+                    .iter()
+                    .filter(|e| warmpath_residency::follow::follows(r, e, live, 1))
+                    .count() as f64
+            })
+            .collect()
+    };
+    let urls: Vec<String> = started.iter().map(|x| x.proc.url.clone()).collect();
+    let following = |of: Vec<usize>| {
+        let urls: Vec<String> = of.iter().map(|&i| urls[i].clone()).collect();
+        async move {
+            let mut out = Vec::new();
+            for u in urls {
+                out.push(gauge(u, "warmpath_router_residency_agents").await);
+            }
+            out
+        }
+    };
+    let want = expect(&routers);
+    assert_eq!(want.iter().sum::<f64>(), 6.0);
+    let start = Instant::now();
+    while following(vec![0, 1, 2]).await != want {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "followed {:?}, want {want:?}",
+            following(vec![0, 1, 2]).await
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // The router that follows the most agents dies: once the others see it gone, they
+    // follow every agent between them.
+    let dead = (0..3)
+        .max_by(|&a, &b| want[a].total_cmp(&want[b]))
+        .expect("three routers");
+    assert!(want[dead] >= 2.0, "{want:?}");
+    started[dead].proc.kill();
+    let alive: Vec<usize> = (0..3).filter(|&i| i != dead).collect();
+    let live: Vec<&str> = alive.iter().map(|&i| routers[i]).collect();
+    let after: Vec<f64> = alive.iter().map(|&i| expect(&live)[i]).collect();
+    assert_eq!(after.iter().sum::<f64>(), 6.0);
+    let start = Instant::now();
+    while following(alive.clone()).await != after {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "after {} died: followed {:?}, want {after:?}",
+            routers[dead],
+            following(alive.clone()).await
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

@@ -21,7 +21,7 @@ use crate::{make_certs, scratch_dir, until, Proc};
 
 /// An agent serving residency with certificate `name` of `certs`: the process, its QUIC
 /// address and its metrics URL.
-fn residency_agent(certs: &Path, name: &str, extra: &[&str]) -> (Proc, String, String) {
+pub(crate) fn residency_agent(certs: &Path, name: &str, extra: &[&str]) -> (Proc, String, String) {
     let mut args = vec![
         "agent",
         "--listen",

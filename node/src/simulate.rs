@@ -66,6 +66,11 @@ pub struct SimulateArgs {
     /// Turn the agents' residency feed off: routers know only their predictions.
     #[arg(long)]
     pub no_agent_feed: bool,
+    /// Routers that follow each agent's residency (decision 0105: chosen by rendezvous
+    /// hashing, as live routers choose with `--residency-followers`); by default every
+    /// router follows every agent.
+    #[arg(long)]
+    pub residency_followers: Option<u32>,
     /// Tier loads stall the step that admits them, instead of running beside the batch as
     /// vLLM's KV connectors load (the model before issue 24).
     #[arg(long)]
@@ -151,6 +156,8 @@ pub struct ClusterSummary {
     pub routers: u32,
     pub sharing: Sharing,
     pub agent_feed_ms: Option<f64>,
+    /// Routers following each agent; None: all.
+    pub residency_followers: Option<u32>,
     pub gpu_kv_tokens_per_instance: u64,
     pub l1_kv_tokens_per_host: u64,
     pub l2_kv_tokens: u64,
@@ -260,6 +267,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             routers: args.routers,
             sharing,
             agent_feed_delay_us,
+            residency_followers: args.residency_followers,
             engine: engine.clone(),
             profile: profile.clone(),
             policy: PolicyConfig {
@@ -301,6 +309,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             routers: args.routers,
             sharing,
             agent_feed_ms: (!args.no_agent_feed).then_some(args.agent_feed_ms),
+            residency_followers: args.residency_followers,
             gpu_kv_tokens_per_instance: u64::from(gpu_blocks) * u64::from(bt),
             l1_kv_tokens_per_host: args.l1_kv_tokens,
             l2_kv_tokens: args.l2_kv_tokens,
@@ -432,7 +441,11 @@ pub fn render_table(out: &SimulationOutput) -> String {
             Sharing::Perfect => "perfect".to_string(),
             Sharing::Delayed(us) => format!("after {} ms", us as f64 / 1e3),
         },
-        c.agent_feed_ms.map_or("off".to_string(), |ms| format!("{ms} ms")),
+        match (c.agent_feed_ms, c.residency_followers) {
+            (None, _) => "off".to_string(),
+            (Some(ms), None) => format!("{ms} ms"),
+            (Some(ms), Some(f)) => format!("{ms} ms, {f} router(s) per agent"),
+        },
         c.profile,
         c.concurrency_threshold,
         c.seed,

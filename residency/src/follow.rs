@@ -2,7 +2,8 @@
 //! 0105): rendezvous hashing of (agent, router) over the live routers, the top `f` win.
 //! Pure and deterministic: every router and agent computes the same set from the same
 //! membership, and a router joining or leaving moves only the agents whose top `f` it
-//! enters or leaves. Not wired in yet: the agent and router shells still follow all.
+//! enters or leaves. Routers choose with it (`--residency-followers`, record 0111), and the
+//! simulator's feed too (`simulate --residency-followers`).
 
 /// FNV-1a of `s`, then splitmix64: a stable 64-bit name for a node.
 fn name_hash(s: &str) -> u64 {

@@ -41,6 +41,7 @@ fn main() {
             max_prompt_tokens: 1 << 20,
             seed: 1,
             prefetch: false,
+            residency_followers: None,
         };
         let mut times: Vec<f64> = (0..3)
             .map(|_| {

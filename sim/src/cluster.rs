@@ -62,6 +62,10 @@ pub struct ClusterConfig {
     /// Delay of the agents' residency feed to every router; `None` disables the feed, so
     /// routers know only predicted entries (SageMaker-style approximate routing).
     pub agent_feed_delay_us: Option<u64>,
+    /// Routers that follow each agent (decision 0105: the top `F` of rendezvous hashing,
+    /// `warmpath_residency::follow`); `None`: every router follows every agent. A router
+    /// that does not follow an agent routes to its engines on predictions.
+    pub residency_followers: Option<u32>,
     pub engine: EngineConfig,
     pub profile: ModelProfile,
     pub policy: PolicyConfig,
@@ -290,6 +294,8 @@ impl EventQueue {
 struct Feed {
     /// Host to its agent's session.
     publishers: Vec<Publisher>,
+    /// Router, then host: whether the router follows the host's agent.
+    follows: Vec<Vec<bool>>,
     /// Router, then host, to the router's view of that agent.
     subscribers: Vec<Vec<Subscriber>>,
     /// Parent of each key of the workload, for the changes' chains (the index keeps trees).
@@ -325,6 +331,7 @@ impl Feed {
         }
         Feed {
             publishers,
+            follows: follower_matrix(config),
             subscribers,
             parent_of,
         }
@@ -738,6 +745,9 @@ impl<'a> Run<'a> {
         };
         let msg = Rc::new(msg);
         for router in 0..self.config.routers {
+            if !self.feed.follows[router as usize][host as usize] {
+                continue;
+            }
             let event = Event::Residency {
                 router,
                 host,
@@ -851,8 +861,33 @@ impl<'a> Run<'a> {
     }
 }
 
+/// Router, then host: whether the router follows the host's agent (every router every
+/// agent, unless `residency_followers` bounds them). Names as the live shells use them:
+/// the router's and the agent's, hashed by `warmpath_residency::follow`.
+fn follower_matrix(config: &ClusterConfig) -> Vec<Vec<bool>> {
+    let routers: Vec<String> = (0..config.routers).map(|r| format!("router-{r}")).collect();
+    let names: Vec<&str> = routers.iter().map(String::as_str).collect();
+    let mut follows =
+        vec![vec![config.residency_followers.is_none(); config.instances as usize]; names.len()];
+    if let Some(f) = config.residency_followers {
+        for host in 0..config.instances {
+            for chosen in
+                warmpath_residency::follow::followers(&format!("agent-{host}"), &names, f as usize)
+            {
+                let r = names
+                    .iter()
+                    .position(|n| *n == chosen)
+                    .expect("one of the routers");
+                follows[r][host as usize] = true;
+            }
+        }
+    }
+    follows
+}
+
 /// The router replicas of a run, each serving the one pool of every instance.
 fn replicas(config: &ClusterConfig) -> Vec<RouterCore> {
+    let follows = follower_matrix(config);
     let pool = [CorePool {
         model: MODEL.to_string(),
         instances: (0..config.instances)
@@ -878,8 +913,12 @@ fn replicas(config: &ClusterConfig) -> Vec<RouterCore> {
                 u64::from(config.engine.gpu_blocks) * u64::from(config.engine.block_tokens);
             for i in 0..config.instances {
                 core.set_kv_capacity(InstanceId(i), capacity);
-                // With the agent feed, every router sees every engine's cache.
-                core.set_observed(InstanceId(i), config.agent_feed_delay_us.is_some());
+                // With the agent feed, a router sees the caches of the engines whose agents
+                // it follows.
+                core.set_observed(
+                    InstanceId(i),
+                    config.agent_feed_delay_us.is_some() && follows[r as usize][i as usize],
+                );
             }
             if matches!(config.sharing, Sharing::Delayed(_)) {
                 core.enable_sharing();
@@ -946,6 +985,7 @@ mod tests {
             max_prompt_tokens: 1 << 20,
             seed: 7,
             prefetch: false,
+            residency_followers: None,
         }
     }
 

@@ -83,6 +83,10 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
             );
         app.peers
             .store(counted, std::sync::atomic::Ordering::Relaxed);
+        if let (Some(residency), Some(cluster)) = (app.residency.get(), &app.config.cluster) {
+            let peers: Vec<String> = update.peers.iter().map(|p| p.node_id.clone()).collect();
+            residency.set_routers(&cluster.node_id, &peers);
+        }
         *app.peer_list.lock().unwrap_or_else(|e| e.into_inner()) = update
             .peers
             .iter()

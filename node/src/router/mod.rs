@@ -58,6 +58,10 @@ pub struct RouterArgs {
     /// An agent silent this long has its observed residency dropped, in ms.
     #[arg(long, default_value_t = 3000)]
     pub residency_expiry_ms: u64,
+    /// Routers that follow each agent (decision 0105: the first F by rendezvous hashing
+    /// over the live routers); 0: every router follows every agent.
+    #[arg(long, default_value_t = residency::DEFAULT_FOLLOWERS)]
+    pub residency_followers: usize,
     /// Model served by the `--instance` URLs (when no config file names pools).
     #[arg(long, default_value = "sim-llama")]
     pub model: String,
@@ -725,6 +729,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
                     &args.residency_agents,
                     &tls,
                     Duration::from_millis(args.residency_expiry_ms),
+                    args.residency_followers,
                 )?;
                 let _ = app.residency.set(r);
             }

@@ -13,6 +13,15 @@
 //! failed lookup keeps what was followed. An agent that leaves the configuration is no
 //! longer followed and what it reported is withdrawn. Each link also sends the agent the
 //! configuration's tenant salts, which it needs to key its engines' chains.
+//!
+//! Not every router follows every agent (decision 0105): with `--residency-followers F`
+//! (default [`DEFAULT_FOLLOWERS`]), an agent is followed by the `F` live routers that
+//! rendezvous hashing of (agent, router) ranks first (`warmpath_residency::follow`), over
+//! this router and the peers gossip reports live, so an agent's outbound does not grow with
+//! the routers and a router's inbound shrinks as routers are added. A router that does not
+//! follow an agent routes to its engines on predictions and usage reports. The agent's name
+//! in the hash is its entry as configured (one address of a `dns:` entry: that address), the
+//! same on every router; a router alone, or with at most `F` routers, follows all.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -32,8 +41,61 @@ use super::state::RouterState;
 /// Residency changes applied under one hold of the routing core's lock.
 const APPLY_CHUNK: usize = 256;
 
-/// How often a `dns:` agent entry is resolved again.
+/// How often a `dns:` agent entry is resolved again (and its addresses' followers chosen
+/// again).
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// Routers that follow each agent unless `--residency-followers` says otherwise.
+pub const DEFAULT_FOLLOWERS: usize = 4;
+
+/// Which agents this router follows: those whose top `followers` routers include it.
+#[derive(Debug)]
+pub struct Followership {
+    /// This router's node id (its gossip name).
+    me: Mutex<Option<String>>,
+    /// Routers following each agent; 0: every router follows every agent.
+    followers: usize,
+    /// The live routers, this one included, sorted (empty: this router runs alone).
+    routers: Mutex<Vec<String>>,
+}
+
+impl Followership {
+    pub fn new(followers: usize) -> Followership {
+        Followership {
+            me: Mutex::new(None),
+            followers,
+            routers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Whether this router follows the agent named `agent`.
+    pub fn wants(&self, agent: &str) -> bool {
+        let me = self.me.lock().unwrap_or_else(|e| e.into_inner());
+        let routers = self.routers.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(me) = me.as_deref() else {
+            return true;
+        };
+        if self.followers == 0 || routers.len() <= self.followers {
+            return true;
+        }
+        let names: Vec<&str> = routers.iter().map(String::as_str).collect();
+        warmpath_residency::follow::follows(me, agent, &names, self.followers)
+    }
+
+    /// Sets this router's name and the live peers'; whether the set changed.
+    fn set(&self, me: &str, peers: &[String]) -> bool {
+        let mut all: Vec<String> = peers.to_vec();
+        all.push(me.to_string());
+        all.sort_unstable();
+        all.dedup();
+        let mut routers = self.routers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut mine = self.me.lock().unwrap_or_else(|e| e.into_inner());
+        let changed = *routers != all || mine.as_deref() != Some(me);
+        *routers = all;
+        *mine = Some(me.to_string());
+        changed
+    }
+}
 
 /// An agent entry: one agent, or (`dns:`) every address its host resolves to.
 fn parse_entry(entry: &str) -> Result<(bool, AgentTarget), String> {
@@ -55,16 +117,22 @@ pub struct Residency {
     tenants: watch::Sender<Arc<TenantTable>>,
     /// Each followed agent's link for prefetch hints, by the instances it reports.
     prefetchers: Prefetchers,
+    /// Which of the agents this router follows.
+    followership: Arc<Followership>,
+    /// The configured agents, as last set (to choose again when routers come and go).
+    configured: Mutex<Vec<String>>,
 }
 
 impl Residency {
     /// Starts following `fixed` (HOST:PORT; the name in their certificates is HOST) and
     /// applying what every followed agent reports to the routing core `core`.
+    /// `followers`: routers per agent (0: all, decision 0105).
     pub fn start(
         core: Arc<Mutex<RouterState>>,
         fixed: &[String],
         tls: &TlsFiles,
         expiry: Duration,
+        followers: usize,
     ) -> Result<Arc<Residency>> {
         for a in fixed {
             parse_entry(a).map_err(|e| anyhow::anyhow!("--residency-agent: {e}"))?;
@@ -82,6 +150,8 @@ impl Residency {
             following: Mutex::new(HashMap::new()),
             tenants: watch::Sender::new(Arc::new(TenantTable::default())),
             prefetchers: Prefetchers::default(),
+            followership: Arc::new(Followership::new(followers)),
+            configured: Mutex::new(Vec::new()),
         });
         residency.set_agents(&[]);
         Ok(residency)
@@ -91,7 +161,15 @@ impl Residency {
     /// departed ones dropped with what they reported. Addresses that do not parse were
     /// refused when the configuration was written.
     pub fn set_agents(&self, configured: &[String]) {
-        let wanted: BTreeSet<String> = self.fixed.iter().chain(configured).cloned().collect();
+        *self.configured.lock().unwrap_or_else(|e| e.into_inner()) = configured.to_vec();
+        // A `dns:` entry is kept: which of its addresses to follow is chosen per address.
+        let wanted: BTreeSet<String> = self
+            .fixed
+            .iter()
+            .chain(configured)
+            .filter(|a| a.starts_with("dns:") || self.followership.wants(a))
+            .cloned()
+            .collect();
         let mut following = self.following.lock().unwrap_or_else(|e| e.into_inner());
         reconcile(&mut following, &wanted, |a| {
             let Ok((every_address, target)) = parse_entry(a) else {
@@ -113,7 +191,7 @@ impl Residency {
                     out,
                     stopped,
                     tenants,
-                    prefetchers,
+                    (prefetchers, self.followership.clone()),
                 ));
             } else {
                 tokio::spawn(follow(
@@ -129,6 +207,20 @@ impl Residency {
             Some(stop)
         });
         metrics::gauge!(crate::metric_names::ROUTER_RESIDENCY_AGENTS).set(following.len() as f64);
+    }
+
+    /// This router's gossip name and its live peers': when they change, the agents it
+    /// follows are chosen again (new ones followed, others dropped with what they
+    /// reported; `dns:` entries at their next resolution).
+    pub fn set_routers(&self, me: &str, peers: &[String]) {
+        if self.followership.set(me, peers) {
+            let configured = self
+                .configured
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            self.set_agents(&configured);
+        }
     }
 
     /// Asks the agent that reports `instance` (its URL) to promote `keys` from L2 into its
@@ -168,7 +260,7 @@ async fn follow_each(
     out: mpsc::Sender<Outcome>,
     mut stop: oneshot::Receiver<()>,
     tenants: watch::Receiver<Arc<TenantTable>>,
-    prefetchers: Prefetchers,
+    (prefetchers, followership): (Prefetchers, Arc<Followership>),
 ) {
     let mut following: HashMap<SocketAddr, oneshot::Sender<()>> = HashMap::new();
     let mut tick = tokio::time::interval(RESOLVE_EVERY);
@@ -178,7 +270,9 @@ async fn follow_each(
             _ = tick.tick() => {}
         }
         let addresses: BTreeSet<SocketAddr> = match tokio::net::lookup_host(&target.address).await {
-            Ok(found) => found.collect(),
+            Ok(found) => found
+                .filter(|a: &SocketAddr| followership.wants(&a.to_string()))
+                .collect(),
             Err(error) => {
                 tracing::warn!(agents = %target.address, %error, "cannot resolve the agents; following those found before");
                 continue;
