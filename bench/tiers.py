@@ -38,6 +38,8 @@ def main():
     ap.add_argument("--routers", default="1 4")
     ap.add_argument("--cases", default=" ".join(c[0] for c in CASES))
     ap.add_argument("--policies", default="all")
+    ap.add_argument("--gpu-kv-tokens", help="each instance's GPU KV tokens, for every case "
+                    "(default: each case's own, at most half of its working set)")
     ap.add_argument("extra", nargs="*", help="extra simulate flags")
     a = ap.parse_args()
     print(f"{'case':13} {'r':>1} {'tiers':5} {'policy':13} {'gpu/ws':>6} {'hit%':>11} "
@@ -46,6 +48,12 @@ def main():
     for name, args, l1, l2 in CASES:
         if name not in a.cases.split():
             continue
+        if a.gpu_kv_tokens:
+            args = [x for x in args]
+            if "--gpu-kv-tokens" in args:
+                i = args.index("--gpu-kv-tokens")
+                del args[i:i + 2]
+            args += ["--gpu-kv-tokens", a.gpu_kv_tokens]
         for routers in a.routers.split():
             for tiers, targs in (("L1", ["--l1-kv-tokens", str(l1)]),
                                  ("L1+L2", ["--l1-kv-tokens", str(l1), "--l2-kv-tokens", str(l2)])):
