@@ -364,8 +364,9 @@ pub struct Gossip {
     /// Seq of the next decision batch; only read and bumped under the chitchat lock, so
     /// that seq order is version order.
     next_seq: AtomicU64,
-    /// When `applied` was last published.
-    applied_published_at: Mutex<Option<Instant>>,
+    /// When `applied` was last published (tokio's clock, as chitchat's own timers, so
+    /// that a simulation on a paused clock publishes it at the production cadence).
+    applied_published_at: Mutex<Option<tokio::time::Instant>>,
     shared: Arc<Shared>,
 }
 
@@ -677,7 +678,7 @@ impl Gossip {
             .applied_published_at
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
+        let now = tokio::time::Instant::now();
         if last.is_some_and(|t| now.duration_since(t) < APPLIED_PUBLISH_INTERVAL) {
             return false;
         }
