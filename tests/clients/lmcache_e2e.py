@@ -57,8 +57,6 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
-from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
-from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.connector.sagemaker_hyperpod_connector import (
     SageMakerHyperPodConnector,
@@ -85,7 +83,6 @@ metadata = LMCacheMetadata(
     model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
     kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, 8, 64), chunk_size=CHUNK,
 )
-allocator = AdHocMemoryAllocator("cpu")
 
 
 class PagedKv(GPUConnectorInterface):
@@ -211,23 +208,15 @@ def described(events):
     } for e in events]
 
 
-class LocalCpu:
-    """What the connector reads of LMCache's LocalCPUBackend: config, metadata, allocate."""
+from lmcache_stand_ins import LocalCpu as _LocalCpu, kv_object  # noqa: E402
 
-    def __init__(self):
-        self.config = config
-        self.metadata = metadata
 
-    def allocate(self, shape, dtype, fmt=MemoryFormat.KV_2LTD, **_):
-        return allocator.allocate(shape, dtype, fmt)
+def LocalCpu():
+    return _LocalCpu(config, metadata)
 
 
 def obj(tokens, seed):
-    o = allocator.allocate(torch.Size((2, 2, tokens, 512)), torch.bfloat16,
-                           MemoryFormat.KV_2LTD)
-    g = torch.Generator().manual_seed(seed)
-    o.tensor.copy_(torch.randn(o.tensor.shape, generator=g).to(torch.bfloat16))
-    return o
+    return kv_object((2, 2, tokens, 512), seed)
 
 
 PROBE = list(range(20000, 20016))

@@ -20,7 +20,6 @@ import torch
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.connector.sagemaker_hyperpod_adapter import (
@@ -47,24 +46,12 @@ metadata = LMCacheMetadata(
     kv_shape=(2, 2, 256, 8, 64),
     chunk_size=256,
 )
-allocator = AdHocMemoryAllocator("cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lmcache_stand_ins import LocalCpu as _LocalCpu, check, kv_object  # noqa: E402
 
 
-class LocalCpu:
-    """What the connector reads of LMCache's LocalCPUBackend: config, metadata, allocate."""
-
-    def __init__(self):
-        self.config = config
-        self.metadata = metadata
-
-    def allocate(self, shape, dtype, fmt=MemoryFormat.KV_2LTD, **_):
-        return allocator.allocate(shape, dtype, fmt)
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok", what, flush=True)
+def LocalCpu():
+    return _LocalCpu(config, metadata)
 
 
 def health():
@@ -80,10 +67,7 @@ def key(chunk_hash):
 
 
 def obj(shape, seed):
-    o = allocator.allocate(torch.Size(shape), torch.bfloat16, MemoryFormat.KV_2LTD)
-    g = torch.Generator().manual_seed(seed)
-    o.tensor.copy_(torch.randn(o.tensor.shape, generator=g).to(torch.bfloat16))
-    return o
+    return kv_object(shape, seed)
 
 
 def connector(loop, ttl_s=10.0):

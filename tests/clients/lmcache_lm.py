@@ -20,7 +20,6 @@ import torch
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.protocol import (
@@ -43,24 +42,12 @@ metadata = LMCacheMetadata(
     model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
     kv_dtype=torch.bfloat16, kv_shape=(2, 2, CHUNK, 8, 64), chunk_size=CHUNK,
 )
-allocator = AdHocMemoryAllocator("cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lmcache_stand_ins import LocalCpu as _LocalCpu, check, kv_object  # noqa: E402
 
 
-class LocalCpu:
-    """What the connectors read of LMCache's LocalCPUBackend: config, metadata, allocate."""
-
-    def __init__(self):
-        self.config = config
-        self.metadata = metadata
-
-    def allocate(self, shape, dtype, fmt=MemoryFormat.KV_2LTD, **_):
-        return allocator.allocate(shape, dtype, fmt)
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok", what, flush=True)
+def LocalCpu():
+    return _LocalCpu(config, metadata)
 
 
 def key(chunk_hash):
@@ -69,11 +56,7 @@ def key(chunk_hash):
 
 
 def obj(tokens, seed):
-    o = allocator.allocate(torch.Size((2, 2, tokens, 512)), torch.bfloat16,
-                           MemoryFormat.KV_2LTD)
-    g = torch.Generator().manual_seed(seed)
-    o.tensor.copy_(torch.randn(o.tensor.shape, generator=g).to(torch.bfloat16))
-    return o
+    return kv_object((2, 2, tokens, 512), seed)
 
 
 def same(a, b):

@@ -187,9 +187,7 @@ pub fn encode_header(h: &Header) -> [u8; HEADER_BYTES] {
         h.meta.shape[2],
         h.meta.shape[3],
     ];
-    for (i, v) in ints.iter().enumerate() {
-        b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-    }
+    b[..36].copy_from_slice(&le_ints::<36>(&ints));
     let key = &h.key.as_bytes()[..h.key.len().min(KEY_FIELD_BYTES)];
     b[36..36 + key.len()].copy_from_slice(key);
     b
@@ -208,24 +206,21 @@ pub fn encode_reply(code: i32, length: u32, meta: Meta) -> [u8; REPLY_BYTES] {
         meta.shape[3],
         0,
     ];
-    let mut b = [0u8; REPLY_BYTES];
-    for (i, v) in ints.iter().enumerate() {
-        b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-    }
-    b
+    le_ints(&ints)
 }
 
 /// A failure reply, as LMCache's server sends one (fmt 1, dtype float16, no shape).
 fn fail_reply() -> [u8; REPLY_BYTES] {
-    encode_reply(
-        FAIL,
-        0,
-        Meta {
-            fmt: 1,
-            dtype: 2,
-            shape: [0; 4],
-        },
-    )
+    encode_reply(FAIL, 0, fail_reply_meta())
+}
+
+/// `ints` as consecutive little-endian i32s (LMCache's `struct` formats; `N` = 4 × ints).
+fn le_ints<const N: usize>(ints: &[i32]) -> [u8; N] {
+    let mut b = [0u8; N];
+    for (i, v) in ints.iter().enumerate() {
+        b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    b
 }
 
 /// The object's `RemoteMetadata` header of one group, as the HyperPod API stores it.
@@ -239,11 +234,7 @@ pub fn remote_metadata(length: u32, meta: Meta) -> [u8; METADATA_BYTES as usize]
         meta.shape[2],
         meta.shape[3],
     ];
-    let mut b = [0u8; METADATA_BYTES as usize];
-    for (i, v) in ints.iter().enumerate() {
-        b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-    }
-    b
+    le_ints(&ints)
 }
 
 /// The metadata of a stored object's header (its length is the store's).
@@ -285,23 +276,13 @@ impl HyperPod {
         let unproven = Arc::new(Unproven::new("lm", self.max_unproven, self.max_unproven));
         tokio::pin!(shutdown);
         loop {
-            let (tcp, peer) = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok(c) => c,
-                    Err(error) => {
-                        counter!(names::AGENT_ACCEPT_ERRORS_TOTAL).increment(1);
-                        tracing::debug!(%error, "lm accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
+            let accepted = tokio::select! {
+                a = super::accept_placed(&listener, &places, "lm") => a,
                 _ = &mut shutdown => return,
             };
-            let Ok(place) = places.clone().try_acquire_owned() else {
-                counter!(names::AGENT_CONNECTIONS_REFUSED_TOTAL).increment(1);
+            let Some((tcp, peer, place)) = accepted else {
                 continue;
             };
-            let _ = tcp.set_nodelay(true);
             let (hp, unproven) = (self.clone(), unproven.clone());
             tokio::spawn(async move {
                 if let Err(error) = hp.lm_connection(&unproven, peer, tcp).await {

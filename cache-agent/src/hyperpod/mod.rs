@@ -282,23 +282,13 @@ impl HyperPod {
             .keep_alive(true);
         tokio::pin!(shutdown);
         loop {
-            let (tcp, peer) = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok(c) => c,
-                    Err(error) => {
-                        counter!(names::AGENT_ACCEPT_ERRORS_TOTAL).increment(1);
-                        tracing::debug!(%error, "hyperpod accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
+            let accepted = tokio::select! {
+                a = accept_placed(&listener, &permits, "hyperpod") => a,
                 _ = &mut shutdown => return,
             };
-            let Ok(permit) = permits.clone().try_acquire_owned() else {
-                counter!(names::AGENT_CONNECTIONS_REFUSED_TOTAL).increment(1);
+            let Some((tcp, peer, permit)) = accepted else {
                 continue;
             };
-            let _ = tcp.set_nodelay(true);
             let hp = self.clone();
             let client = peer.ip();
             // Unproven until its first request arrives: displaced by newer silent ones
@@ -726,6 +716,35 @@ impl HyperPod {
             }),
         )
     }
+}
+
+/// The next connection of `listener` with its place among `places`, for the listener
+/// named `api`: None when accepting failed (counted, after a pause: fds may be exhausted)
+/// or no place is free (counted; the connection is dropped).
+async fn accept_placed(
+    listener: &tokio::net::TcpListener,
+    places: &Arc<Semaphore>,
+    api: &'static str,
+) -> Option<(
+    tokio::net::TcpStream,
+    std::net::SocketAddr,
+    tokio::sync::OwnedSemaphorePermit,
+)> {
+    let (tcp, peer) = match listener.accept().await {
+        Ok(c) => c,
+        Err(error) => {
+            counter!(names::AGENT_ACCEPT_ERRORS_TOTAL).increment(1);
+            tracing::debug!(%error, api, "accept failed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            return None;
+        }
+    };
+    let Ok(place) = places.clone().try_acquire_owned() else {
+        counter!(names::AGENT_CONNECTIONS_REFUSED_TOTAL).increment(1);
+        return None;
+    };
+    let _ = tcp.set_nodelay(true);
+    Some((tcp, peer, place))
 }
 
 /// A reserved place not yet committed: dropped, the put is aborted.
