@@ -332,16 +332,7 @@ async fn a_second_writer_of_a_key_gets_a_conflict_and_the_first_bytes_stay() {
 async fn an_l2_object_from_a_host_without_the_cluster_key_is_a_counted_miss() {
     let dir = scratch_dir("agent-attack-l2-seal");
     let l2 = format!("dir:{}", dir.join("l2").display());
-    std::fs::write(dir.join("cluster.key"), "a cluster secret of some length\n").unwrap();
-    let toml = dir.join("keyed.toml");
-    std::fs::write(
-        &toml,
-        format!(
-            "version = 1\n[l2]\nkey_file = {:?}\n",
-            dir.join("cluster.key").display().to_string()
-        ),
-    )
-    .unwrap();
+    let toml = crate::cluster_key_config(&dir);
     let keyed = |_: ()| {
         agent(&[
             "--config",

@@ -724,16 +724,7 @@ fn silent_connection_floods_keep_no_client_of_either_front_out() {
 fn hyperpod_objects_in_l2_are_sealed_under_the_cluster_key() {
     let dir = scratch_dir("hyperpod-seal");
     let l2 = format!("dir:{}", dir.join("l2").display());
-    std::fs::write(dir.join("cluster.key"), "a cluster secret of some length\n").unwrap();
-    let toml = dir.join("keyed.toml");
-    std::fs::write(
-        &toml,
-        format!(
-            "version = 1\n[l2]\nkey_file = {:?}\n",
-            dir.join("cluster.key").display().to_string()
-        ),
-    )
-    .unwrap();
+    let toml = crate::cluster_key_config(&dir);
     // Room for one object: each put evicts the other to L2.
     let shm = Shm::new("seal-a");
     let (keyed, addr) = agent(

@@ -50,6 +50,22 @@ pub fn test_venv() -> PathBuf {
     venv
 }
 
+/// An agent configuration file in `dir` that seals L2 objects under a cluster key (also in
+/// `dir`; decision 0106): agents started with it share the key.
+pub fn cluster_key_config(dir: &std::path::Path) -> std::path::PathBuf {
+    std::fs::write(dir.join("cluster.key"), "a cluster secret of some length\n").unwrap();
+    let toml = dir.join("keyed.toml");
+    std::fs::write(
+        &toml,
+        format!(
+            "version = 1\n[l2]\nkey_file = {:?}\n",
+            dir.join("cluster.key").display().to_string()
+        ),
+    )
+    .unwrap();
+    toml
+}
+
 /// Polls `f` until it gives a value; panics, naming `what`, after `within`.
 pub async fn until<T, F, Fut>(within: std::time::Duration, what: &str, mut f: F) -> T
 where
