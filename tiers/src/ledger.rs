@@ -37,6 +37,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
+use rustc_hash::FxHashMap;
+
 use crate::list::{List, Slab};
 use serde::{Deserialize, Serialize};
 use warmpath_index::keys::BlockKey;
@@ -169,7 +171,9 @@ pub struct Ledger {
     /// bounded in count by the number of blocks held.
     ghost: VecDeque<BlockId>,
     ghost_set: HashSet<BlockId>,
-    leases: HashMap<LeaseId, Lease>,
+    /// By lease id. Ids are the ledger's own (a counter), never a client's choice, so a fast
+    /// unkeyed hash is safe here; block ids come from clients and keep the keyed default.
+    leases: FxHashMap<LeaseId, Lease>,
     /// Expiry time to the leases expiring then, for `expire`.
     expiries: BTreeMap<(u64, LeaseId), ()>,
     next_lease: LeaseId,
@@ -180,8 +184,10 @@ pub struct Ledger {
     held_bytes: u64,
     /// Bytes of the pinned blocks.
     pinned_bytes: u64,
-    /// Each owner's pins and leases (owner 0's are not listed).
-    owners: HashMap<Owner, Holds>,
+    /// Each owner's pins and leases (owner 0's are not listed), kept until
+    /// [`Ledger::release_owner`] (the owner's connection closed) rather than dropped and made
+    /// again on every lease: owners are the agent's own ids, one per connection.
+    owners: FxHashMap<Owner, Holds>,
 }
 
 impl Ledger {
@@ -196,7 +202,7 @@ impl Ledger {
             queue_bytes: [0; 2],
             ghost: VecDeque::new(),
             ghost_set: HashSet::new(),
-            leases: HashMap::new(),
+            leases: FxHashMap::default(),
             expiries: BTreeMap::new(),
             next_lease: 1,
             pinned: 0,
@@ -204,7 +210,7 @@ impl Ledger {
             held: 0,
             held_bytes: 0,
             pinned_bytes: 0,
-            owners: HashMap::new(),
+            owners: FxHashMap::default(),
         }
     }
 
@@ -363,17 +369,6 @@ impl Ledger {
         }
     }
 
-    /// Forgets an owner with nothing left.
-    fn forget_if_empty(&mut self, owner: Owner) {
-        if self
-            .owners
-            .get(&owner)
-            .is_some_and(|h| h.pins.is_empty() && h.leases.is_empty())
-        {
-            self.owners.remove(&owner);
-        }
-    }
-
     /// Bytes of the pinned blocks.
     pub fn pinned_bytes(&self) -> u64 {
         self.pinned_bytes
@@ -464,7 +459,6 @@ impl Ledger {
                 if let Some(h) = self.owners.get_mut(&owner) {
                     h.pins.remove(id);
                 }
-                self.forget_if_empty(owner);
                 true
             }
             _ => false,
@@ -525,7 +519,6 @@ impl Ledger {
         self.expiries.remove(&(l.expires_us, lease));
         if let Some(h) = self.owners.get_mut(&l.owner) {
             h.leases.remove(&lease);
-            self.forget_if_empty(l.owner);
         }
         for b in &l.blocks {
             if let Some(&slot) = self.slots.get(b) {
