@@ -130,6 +130,18 @@ struct Shared {
     pending: Unproven,
 }
 
+/// `n` permits of `budget`: at once when enough are free (the common case: one CAS, no
+/// waiter set up), else waiting for them (permits given back go to waiters first).
+async fn take(
+    budget: &Arc<Semaphore>,
+    n: u32,
+) -> Result<tokio::sync::OwnedSemaphorePermit, tokio::sync::AcquireError> {
+    match budget.clone().try_acquire_many_owned(n) {
+        Ok(p) => Ok(p),
+        Err(_) => budget.clone().acquire_many_owned(n).await,
+    }
+}
+
 /// Owners of pins and leases: one per connection, never reused (0 is nobody's).
 static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 
@@ -254,8 +266,8 @@ where
         // is read: a frame that would pass them waits, within the body's deadline.
         let bytes = len as u32;
         let read = async {
-            let mine = budget.clone().acquire_many_owned(bytes).await;
-            let all = shared.inflight.clone().acquire_many_owned(bytes).await;
+            let mine = take(&budget, bytes).await;
+            let all = take(&shared.inflight, bytes).await;
             let frame = read_body::<_, Request>(&mut rd, len, agent.pool(), put_lens).await;
             Ok::<_, std::io::Error>((frame?, (mine.ok(), all.ok())))
         };
