@@ -266,6 +266,8 @@ struct Row {
     decode_errors: u64,
     cpu_per_router: f64,
     poll_per_router: f64,
+    /// (CPU, of which poll) per router in each whole simulated second of publishing.
+    cpu_by_second: Vec<(f64, f64)>,
     rss_mb: f64,
     state_mb: f64,
 }
@@ -414,8 +416,19 @@ async fn run(routers: usize, rate: f64, w: Workload, publish_s: f64, drain_s: f6
         )));
     }
     let publish_end = shared.start + Duration::from_secs_f64(publish_s);
+    // CPU per router over each simulated second of publishing: it grows with the batches
+    // every router holds (all of them, for the decision TTL).
+    let mut second = (shared.start + Duration::from_secs(1), cpu, 0.0);
     while Instant::now() < publish_end {
         tokio::time::sleep(TICK).await;
+        if Instant::now() >= second.0 {
+            let (now_cpu, now_poll) = (cpu_s(), shared.book().poll_s);
+            row.cpu_by_second.push((
+                (now_cpu - second.1) / routers as f64,
+                (now_poll - second.2) / routers as f64,
+            ));
+            second = (second.0 + Duration::from_secs(1), now_cpu, now_poll);
+        }
         if wall.elapsed() > wall_budget {
             row.cut_short = true;
             break;
@@ -592,6 +605,17 @@ fn main() {
                     },
                     row.rss_mb,
                 );
+                if row.cpu_by_second.len() > 2 {
+                    let series: Vec<String> = row
+                        .cpu_by_second
+                        .iter()
+                        .map(|(c, p)| format!("{c:.3} ({p:.3})"))
+                        .collect();
+                    println!(
+                        "  CPU per router (poll) in each second of publishing: {}",
+                        series.join(", ")
+                    );
+                }
                 if row.lagging > 0 || row.decode_errors > 0 {
                     println!(
                         "  ({} expired-before-delivery reports, {} decode errors)",
