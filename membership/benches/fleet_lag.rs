@@ -31,10 +31,11 @@
 //! Run: `cargo bench -p warmpath-membership --bench fleet_lag`. Environment:
 //! `FLEET_LAG_ROUTERS` (default `8,32,64,128`), `FLEET_LAG_RATES` (fleet requests/s,
 //! default `10000,100000`), `FLEET_LAG_WORKLOADS` (`chat`, `conversation`, `longdoc`;
-//! default `chat,longdoc`), `FLEET_LAG_SECONDS`, `FLEET_LAG_DRAIN`, `FLEET_LAG_WALL` (wall
-//! seconds after which a configuration stops publishing early, default 90; the row says
-//! so). 128 routers need about 16,500 file descriptors (one loopback shadow socket per
-//! peer per router): raise `ulimit -n` if it is lower.
+//! default `chat,longdoc`), `FLEET_LAG_SECONDS`, `FLEET_LAG_DRAIN`, `FLEET_LAG_TTL` (the
+//! decision TTL in seconds, default the router's 120), `FLEET_LAG_WALL` (wall seconds after
+//! which a configuration stops publishing early, default 90; the row says so). 128 routers
+//! need about 16,500 file descriptors (one loopback shadow socket per peer per router):
+//! raise `ulimit -n` if it is lower.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -52,8 +53,13 @@ use warmpath_membership::gossip::{
 
 /// The router's cluster tick (`node/src/router/mod.rs`: `cluster::run(.., 25 ms, ..)`).
 const TICK: Duration = Duration::from_millis(25);
-/// The router's default decision TTL (`predicted_ttl_ms`).
+/// The router's default decision TTL (`predicted_ttl_ms`); `FLEET_LAG_TTL` (seconds)
+/// overrides it.
 const DECISION_TTL: Duration = Duration::from_secs(120);
+
+fn decision_ttl() -> Duration {
+    Duration::from_secs_f64(env_f64("FLEET_LAG_TTL", DECISION_TTL.as_secs_f64()))
+}
 /// Lag histogram resolution and range.
 const BUCKET_US: u64 = 1_000;
 const BUCKETS: usize = 120_000;
@@ -160,7 +166,7 @@ fn gossip_config(i: usize, seeds: &[std::net::SocketAddr]) -> GossipConfig {
         seeds: seeds.iter().map(|a| a.to_string()).collect(),
         gossip_interval: DEFAULT_GOSSIP_INTERVAL,
         http_url: format!("http://10.0.{}.{}:8080", i / 250, i % 250 + 1),
-        decision_ttl: DECISION_TTL,
+        decision_ttl: decision_ttl(),
         secret: Some(b"fleet-lag bench secret".to_vec()),
         datagrams: None,
     }
@@ -489,7 +495,8 @@ async fn run(routers: usize, rate: f64, w: Workload, publish_s: f64, drain_s: f6
         row.min_peers = book.min_peers;
         row.lagging = book.lagging;
         // Every router holds every router's batches for the decision TTL.
-        row.state_mb = book.batch_bytes as f64 / row.published_s * DECISION_TTL.as_secs_f64() / 1e6;
+        row.state_mb =
+            book.batch_bytes as f64 / row.published_s * decision_ttl().as_secs_f64() / 1e6;
         row.rss_mb = rss_mb();
     }
     if let Ok(gossips) = Arc::try_unwrap(gossips) {
@@ -553,7 +560,7 @@ fn main() {
          real UDP on 127.0.0.1; {publish_s} s publishing + at most {drain_s} s catching up per row; {}",
         DEFAULT_GOSSIP_INTERVAL.as_millis(),
         TICK.as_millis(),
-        DECISION_TTL.as_secs(),
+        decision_ttl().as_secs_f64(),
         machine()
     );
     println!(
