@@ -37,61 +37,27 @@
 //! need about 16,500 file descriptors (one loopback shadow socket per peer per router):
 //! raise `ulimit -n` if it is lower.
 
+mod fleet_common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use tokio::time::Instant;
-use warmpath_index::keys::BlockKey;
-use warmpath_membership::decisions::{encode, BatchWire, Decision};
-use warmpath_membership::gossip::{
-    Cursor, Gossip, GossipConfig, GossipStats, DEFAULT_GOSSIP_INTERVAL,
+use fleet_common::{
+    cpu_s, env_f64, env_list, kb, lag_bucket, machine, paused_runtime, quantile, random_decision,
+    rss_mb, start_routers, workload, Workload, BUCKETS, DECISION_TTL, TICK,
 };
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::time::Instant;
+use warmpath_membership::decisions::{encode, BatchWire, Decision};
+use warmpath_membership::gossip::{Cursor, Gossip, GossipStats, DEFAULT_GOSSIP_INTERVAL};
 
-/// The router's cluster tick (`node/src/router/mod.rs`: `cluster::run(.., 25 ms, ..)`).
-const TICK: Duration = Duration::from_millis(25);
-/// The router's default decision TTL (`predicted_ttl_ms`); `FLEET_LAG_TTL` (seconds)
-/// overrides it.
-const DECISION_TTL: Duration = Duration::from_secs(120);
-
+/// The decision TTL: the router's default, or `FLEET_LAG_TTL` seconds.
 fn decision_ttl() -> Duration {
     Duration::from_secs_f64(env_f64("FLEET_LAG_TTL", DECISION_TTL.as_secs_f64()))
 }
-/// Lag histogram resolution and range.
-const BUCKET_US: u64 = 1_000;
-const BUCKETS: usize = 120_000;
-/// Longest wait for membership to converge at start.
-const JOIN_LIMIT: Duration = Duration::from_secs(30);
-
-/// A workload: block keys per decision, chosen so that one decision encodes to the bytes per
-/// routed request that BENCHMARKS.md's fleet-scale section measured for it.
-#[derive(Clone, Copy, Debug)]
-struct Workload {
-    name: &'static str,
-    keys: usize,
-    measured_bytes: u32,
-}
-
-const WORKLOADS: [Workload; 3] = [
-    Workload {
-        name: "chat",
-        keys: 16,
-        measured_bytes: 189,
-    },
-    Workload {
-        name: "conversation",
-        keys: 9,
-        measured_bytes: 110,
-    },
-    Workload {
-        name: "longdoc",
-        keys: 306,
-        measured_bytes: 3_285,
-    },
-];
 
 /// What the routers record while they run.
 #[derive(Debug)]
@@ -130,45 +96,6 @@ impl Shared {
     }
     fn now_us(&self) -> u64 {
         self.start.elapsed().as_micros() as u64
-    }
-}
-
-fn env_list(name: &str, default: &str) -> Vec<String> {
-    std::env::var(name)
-        .unwrap_or_else(|_| default.to_string())
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
-fn env_f64(name: &str, default: f64) -> f64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn random_decision(rng: &mut StdRng, keys: usize) -> Decision {
-    Decision {
-        instance: rng.gen(),
-        keys: (0..keys).map(|_| BlockKey(rng.gen())).collect(),
-    }
-}
-
-fn gossip_config(i: usize, seeds: &[std::net::SocketAddr]) -> GossipConfig {
-    let any: std::net::SocketAddr = ([127, 0, 0, 1], 0).into();
-    GossipConfig {
-        node_id: format!("router-{i:03}"),
-        cluster_id: "fleet-lag".into(),
-        listen: any,
-        advertise: any,
-        seeds: seeds.iter().map(|a| a.to_string()).collect(),
-        gossip_interval: DEFAULT_GOSSIP_INTERVAL,
-        http_url: format!("http://10.0.{}.{}:8080", i / 250, i % 250 + 1),
-        decision_ttl: decision_ttl(),
-        secret: Some(b"fleet-lag bench secret".to_vec()),
-        datagrams: None,
     }
 }
 
@@ -224,8 +151,7 @@ async fn router(
             let Some(&at) = book.published[o].get(*seq as usize - 1) else {
                 continue;
             };
-            let bucket = ((now.saturating_sub(at)) / BUCKET_US) as usize;
-            book.lag[bucket.min(BUCKETS - 1)] += 1;
+            book.lag[lag_bucket(now.saturating_sub(at))] += 1;
         }
         if update.peers.len() + 1 < routers {
             book.short_polls += 1;
@@ -278,61 +204,8 @@ struct Row {
     state_mb: f64,
 }
 
-fn rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
-/// CPU seconds (user + system) this process has used.
-fn cpu_s() -> f64 {
-    std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let rest = s.rsplit(')').next()?.split_whitespace().collect::<Vec<_>>();
-            // Fields 14 and 15 (utime, stime), counted after the command name (field 2).
-            let user: f64 = rest.get(11)?.parse().ok()?;
-            let system: f64 = rest.get(12)?.parse().ok()?;
-            Some((user + system) / 100.0)
-        })
-        .unwrap_or(0.0)
-}
-
 fn sum_stats(gossips: &[Arc<Gossip>]) -> Vec<GossipStats> {
     gossips.iter().map(|g| g.stats()).collect()
-}
-
-/// The lag at quantile `q` over delivered and undelivered pairs (undelivered last).
-fn quantile(lag: &[u64], undelivered: u64, q: f64, run_s: f64) -> String {
-    let total: u64 = lag.iter().sum::<u64>() + undelivered;
-    if total == 0 {
-        return "-".into();
-    }
-    let want = ((total as f64 * q).ceil() as u64).max(1);
-    let mut seen = 0;
-    for (b, n) in lag.iter().enumerate() {
-        seen += n;
-        if seen >= want {
-            if b == BUCKETS - 1 {
-                return format!("> {} s", BUCKETS as u64 * BUCKET_US / 1_000_000);
-            }
-            return fmt_ms((b as u64 + 1) * BUCKET_US / 1000);
-        }
-    }
-    format!("> {run_s:.1} s")
-}
-
-fn fmt_ms(ms: u64) -> String {
-    if ms >= 1000 {
-        format!("{:.2} s", ms as f64 / 1000.0)
-    } else {
-        format!("{ms} ms")
-    }
 }
 
 async fn run(routers: usize, rate: f64, w: Workload, publish_s: f64, drain_s: f64) -> Row {
@@ -344,36 +217,9 @@ async fn run(routers: usize, rate: f64, w: Workload, publish_s: f64, drain_s: f6
         ..Row::default()
     };
     // Start the routers, staggered over one gossip interval as real starts are.
-    let mut gossips: Vec<Arc<Gossip>> = Vec::with_capacity(routers);
-    let mut seeds = Vec::new();
-    for i in 0..routers {
-        let g = Gossip::start(gossip_config(i, &seeds))
-            .await
-            .expect("gossip starts");
-        if seeds.len() < 3 {
-            seeds.push(g.gossip_addr());
-        }
-        gossips.push(Arc::new(g));
-        tokio::time::sleep(DEFAULT_GOSSIP_INTERVAL / routers as u32).await;
-    }
-    let t0 = Instant::now();
-    loop {
-        let mut all = true;
-        for g in &gossips {
-            if g.live_peers().await.len() + 1 < routers {
-                all = false;
-                break;
-            }
-        }
-        if all {
-            row.join_s = Some(t0.elapsed().as_secs_f64());
-            break;
-        }
-        if t0.elapsed() > JOIN_LIMIT {
-            break;
-        }
-        tokio::time::sleep(TICK).await;
-    }
+    let (gossips, _, join_s) = start_routers(routers, "fleet-lag", decision_ttl()).await;
+    let gossips: Vec<Arc<Gossip>> = gossips.into_iter().map(Arc::new).collect();
+    row.join_s = join_s;
     // Idle: heartbeats and digests only.
     let before = sum_stats(&gossips);
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -509,31 +355,6 @@ async fn run(routers: usize, rate: f64, w: Workload, publish_s: f64, drain_s: f6
     row
 }
 
-fn kb(bytes_per_s: f64) -> String {
-    if bytes_per_s >= 1e6 {
-        format!("{:.2} MB/s", bytes_per_s / 1e6)
-    } else {
-        format!("{:.0} KB/s", bytes_per_s / 1e3)
-    }
-}
-
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let load = std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default();
-    format!("{cores} × {cpu}, load average {load}")
-}
-
 fn main() {
     let routers: Vec<usize> = env_list("FLEET_LAG_ROUTERS", "8,32,64,128")
         .iter()
@@ -545,12 +366,7 @@ fn main() {
         .collect();
     let workloads: Vec<Workload> = env_list("FLEET_LAG_WORKLOADS", "chat,longdoc")
         .iter()
-        .map(|n| {
-            *WORKLOADS
-                .iter()
-                .find(|w| w.name == n)
-                .expect("workload: chat, conversation or longdoc")
-        })
+        .map(|n| workload(n))
         .collect();
     let publish_s = env_f64("FLEET_LAG_SECONDS", 2.0);
     let drain_s = env_f64("FLEET_LAG_DRAIN", 2.0);
@@ -570,11 +386,7 @@ fn main() {
     for w in &workloads {
         for &rate in &rates {
             for &r in &routers {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .start_paused(true)
-                    .build()
-                    .expect("runtime");
+                let rt = paused_runtime();
                 let wall = std::time::Instant::now();
                 let row = rt.block_on(run(r, rate, *w, publish_s, drain_s));
                 drop(rt);
