@@ -603,7 +603,11 @@ async fn run(scenario: Scenario, routers: usize, p: Params) -> Outcome {
                     targets.push((g.origin().to_string(), seq));
                     let o = &book.list[book.origins[g.origin()]];
                     out.backlog_batches += seq;
-                    out.backlog_bytes += o.cum_bytes.get(seq as usize - 1).copied().unwrap_or(0);
+                    out.backlog_bytes += (seq as usize)
+                        .checked_sub(1)
+                        .and_then(|i| o.cum_bytes.get(i))
+                        .copied()
+                        .unwrap_or(0);
                 }
                 book.goal = Some(Goal {
                     targets,
