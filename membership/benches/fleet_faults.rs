@@ -33,7 +33,9 @@
 //! there, see `fleet_lag`), `FLEET_FAULTS_WORKLOAD` (default `chat`), `FLEET_FAULTS_TTL`
 //! (decision TTL in seconds, default the router's 120), the durations above, and
 //! `FLEET_FAULTS_WALL` (wall seconds after which a run ends its current phase early and says
-//! so, default 900). 128 routers need about 16,500 file descriptors.
+//! so, default 900). 128 routers need about 16,500 file descriptors and as many loopback
+//! ports: two 128-router runs at once exhaust Linux's default ephemeral range (28,232 ports)
+//! and the restarted adapter then fails to bind.
 
 mod fleet_common;
 
