@@ -51,34 +51,32 @@ pub const DEFAULT_FOLLOWERS: usize = 4;
 /// Which agents this router follows: those whose top `followers` routers include it.
 #[derive(Debug)]
 pub struct Followership {
-    /// This router's node id (its gossip name).
-    me: Mutex<Option<String>>,
     /// Routers following each agent; 0: every router follows every agent.
     followers: usize,
-    /// The live routers, this one included, sorted (empty: this router runs alone).
-    routers: Mutex<Vec<String>>,
+    /// This router's node id (its gossip name), and the live routers, this one included,
+    /// sorted; None until gossip reported them (a router alone follows every agent). One
+    /// lock: the two are read and written together.
+    routers: Mutex<Option<(String, Vec<String>)>>,
 }
 
 impl Followership {
     pub fn new(followers: usize) -> Followership {
         Followership {
-            me: Mutex::new(None),
             followers,
-            routers: Mutex::new(Vec::new()),
+            routers: Mutex::new(None),
         }
     }
 
     /// Whether this router follows the agent named `agent`.
     pub fn wants(&self, agent: &str) -> bool {
-        let me = self.me.lock().unwrap_or_else(|e| e.into_inner());
         let routers = self.routers.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(me) = me.as_deref() else {
+        let Some((me, all)) = routers.as_ref() else {
             return true;
         };
-        if self.followers == 0 || routers.len() <= self.followers {
+        if self.followers == 0 || all.len() <= self.followers {
             return true;
         }
-        let names: Vec<&str> = routers.iter().map(String::as_str).collect();
+        let names: Vec<&str> = all.iter().map(String::as_str).collect();
         warmpath_residency::follow::follows(me, agent, &names, self.followers)
     }
 
@@ -89,10 +87,10 @@ impl Followership {
         all.sort_unstable();
         all.dedup();
         let mut routers = self.routers.lock().unwrap_or_else(|e| e.into_inner());
-        let mut mine = self.me.lock().unwrap_or_else(|e| e.into_inner());
-        let changed = *routers != all || mine.as_deref() != Some(me);
-        *routers = all;
-        *mine = Some(me.to_string());
+        let changed = routers.as_ref().is_none_or(|(m, a)| m != me || *a != all);
+        if changed {
+            *routers = Some((me.to_string(), all));
+        }
         changed
     }
 }
