@@ -305,7 +305,7 @@ struct Feed {
 impl Feed {
     /// One agent per host, every replica following each from its (empty) first snapshot;
     /// nothing is lost on the way, so an agent never expires.
-    fn new(config: &ClusterConfig, workload: &Workload) -> Self {
+    fn new(config: &ClusterConfig, workload: &Workload, follows: Vec<Vec<bool>>) -> Self {
         let publishers: Vec<Publisher> = (0..config.instances)
             .map(|i| Publisher::new(u64::from(i) + 1, vec![format!("i{i}")]))
             .collect();
@@ -331,7 +331,7 @@ impl Feed {
         }
         Feed {
             publishers,
-            follows: follower_matrix(config),
+            follows,
             subscribers,
             parent_of,
         }
@@ -430,12 +430,15 @@ impl<'a> Run<'a> {
         for (i, r) in workload.requests.iter().enumerate() {
             queue.push(r.arrival_us, Event::Arrival(i));
         }
+        let router_names: Vec<String> =
+            (0..config.routers).map(|r| format!("router-{r}")).collect();
+        let follows = follower_matrix(config, &router_names);
         Run {
             config,
             workload,
             lb_rng: Rng::new(config.seed).fork(1),
-            replicas: replicas(config),
-            router_names: (0..config.routers).map(|r| format!("router-{r}")).collect(),
+            replicas: replicas(config, &follows),
+            router_names,
             tenant_names: HashMap::new(),
             engines: (0..config.instances)
                 .map(|_| Engine::new(config.engine.clone(), config.profile.clone()))
@@ -443,7 +446,7 @@ impl<'a> Run<'a> {
             l2: TierSet::lru(config.l2_blocks),
             shared_load: !matches!(config.sharing, Sharing::Isolated),
             queue,
-            feed: Feed::new(config, workload),
+            feed: Feed::new(config, workload, follows),
             tracks: vec![Track::default(); workload.requests.len()],
             engine_events: Vec::new(),
             tally: Tally {
@@ -863,9 +866,8 @@ impl<'a> Run<'a> {
 
 /// Router, then host: whether the router follows the host's agent (every router every
 /// agent, unless `residency_followers` bounds them). Names as the live shells use them:
-/// the router's and the agent's, hashed by `warmpath_residency::follow`.
-fn follower_matrix(config: &ClusterConfig) -> Vec<Vec<bool>> {
-    let routers: Vec<String> = (0..config.routers).map(|r| format!("router-{r}")).collect();
+/// the router's (`routers`, by index) and the agent's, hashed by `warmpath_residency::follow`.
+fn follower_matrix(config: &ClusterConfig, routers: &[String]) -> Vec<Vec<bool>> {
     let names: Vec<&str> = routers.iter().map(String::as_str).collect();
     let mut follows =
         vec![vec![config.residency_followers.is_none(); config.instances as usize]; names.len()];
@@ -886,8 +888,8 @@ fn follower_matrix(config: &ClusterConfig) -> Vec<Vec<bool>> {
 }
 
 /// The router replicas of a run, each serving the one pool of every instance.
-fn replicas(config: &ClusterConfig) -> Vec<RouterCore> {
-    let follows = follower_matrix(config);
+/// `follows`: [`follower_matrix`]'s, which the feed sends by.
+fn replicas(config: &ClusterConfig, follows: &[Vec<bool>]) -> Vec<RouterCore> {
     let pool = [CorePool {
         model: MODEL.to_string(),
         instances: (0..config.instances)
