@@ -47,15 +47,15 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use warmpath_cache_agent::hyperpod::request::{cache_engine_key, encode_key};
+use warmpath_cache_agent::hyperpod::request::{
+    cache_engine_key, encode_key, remote_metadata, Meta, LMCACHE_BUCKET,
+};
 use warmpath_cache_agent::hyperpod::METADATA_BYTES;
 use warmpath_index::cost::Tier;
 use warmpath_index::keys::BlockKey;
 
 use crate::offload::{payload, AgentCounters};
 
-/// LMCache's bucket (`sagemaker_hyperpod_bucket`'s default).
-pub const BUCKET: &str = "lmcache";
 /// LMCache's chunk size by default (`chunk_size`).
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
 /// The dtype the keys name (`CacheEngineKey`'s `bfloat16`) and its `RemoteMetadata` code.
@@ -521,7 +521,7 @@ impl HyperPodSide {
     fn object_uri(&self, hash: i64) -> String {
         let s = &self.settings;
         let key = cache_engine_key(&s.model, 1, 0, hash, DTYPE);
-        format!("{}/v1/kv/{BUCKET}/{}", s.url, encode_key(&key))
+        format!("{}/v1/kv/{LMCACHE_BUCKET}/{}", s.url, encode_key(&key))
     }
 
     /// One request; its status and (bounded) body.
@@ -583,20 +583,12 @@ impl HyperPodSide {
 /// payload's bytes give at 2 bytes a value; the agent reads only the length).
 fn metadata(len: usize, tokens: usize) -> [u8; METADATA_BYTES as usize] {
     let hidden = len / (2 * 2 * tokens.max(1));
-    let fields = [
-        len as i32,
-        FMT_KV_2LTD,
-        DTYPE_CODE,
-        2,
-        1,
-        tokens as i32,
-        hidden as i32,
-    ];
-    let mut out = [0u8; METADATA_BYTES as usize];
-    for (i, f) in fields.iter().enumerate() {
-        out[i * 4..i * 4 + 4].copy_from_slice(&f.to_le_bytes());
-    }
-    out
+    let meta = Meta {
+        fmt: FMT_KV_2LTD,
+        dtype: DTYPE_CODE,
+        shape: [2, 1, tokens as i32, hidden as i32],
+    };
+    remote_metadata(len as u32, meta)
 }
 
 fn empty_post(uri: &str) -> Request<Full<Bytes>> {

@@ -942,7 +942,8 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         );
     }
     {
-        use warmpath_cache_agent::hyperpod::lm::{encode_header, Command, Header, Meta};
+        use warmpath_cache_agent::hyperpod::lm::{encode_header, Command, Header};
+        use warmpath_cache_agent::hyperpod::request::Meta;
         let h = Header {
             command: Command::Put,
             length: 1 << 20,

@@ -14,7 +14,7 @@
 //!
 //! An object is stored as the HyperPod API stores it: LMCache's 28-byte `RemoteMetadata`
 //! header of one group (length, fmt, dtype, shape[4]) and the payload, under the bucket
-//! [`LM_BUCKET`], LMCache's default HyperPod bucket, so the two fronts share names.
+//! [`LMCACHE_BUCKET`], LMCache's default HyperPod bucket, so the two fronts share names.
 //!
 //! What the protocol cannot say, and what the agent does instead (each counted in
 //! `warmpath_agent_lm_requests_total{command, result}`):
@@ -48,14 +48,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Semaphore;
 
-use super::request::ObjectName;
+use super::request::{
+    i32_at, le_ints, parse_remote_metadata, remote_metadata, Meta, ObjectName, LMCACHE_BUCKET,
+};
 use super::store::{LeaseError, PutError};
 use super::{HyperPod, ObjectEvent, Pending, METADATA_BYTES};
 use crate::handshakes::Unproven;
 use crate::metric_names as names;
 
-/// The bucket of objects stored through `lm://` (LMCache's default HyperPod bucket).
-pub const LM_BUCKET: &str = "lmcache";
 /// Bytes of the key field (LMCache's `MAX_KEY_LENGTH`).
 pub const KEY_FIELD_BYTES: usize = 150;
 /// Bytes of a client header.
@@ -84,24 +84,17 @@ pub enum Command {
 }
 
 impl Command {
-    fn label(self) -> &'static str {
+    /// Its name in `warmpath_agent_lm_requests_total`, and its `op` in the HyperPod API's
+    /// duration histogram.
+    fn labels(self) -> (&'static str, &'static str) {
         match self {
-            Command::Put => "put",
-            Command::Get => "get",
-            Command::Exist => "exist",
-            Command::List => "list",
-            Command::Health => "health",
+            Command::Put => ("put", "lm_put"),
+            Command::Get => ("get", "lm_get"),
+            Command::Exist => ("exist", "lm_exist"),
+            Command::List => ("list", "lm_list"),
+            Command::Health => ("health", "lm_health"),
         }
     }
-}
-
-/// What an object's metadata says besides its length: memory format, dtype code, shape
-/// (LMCache's codes, passed through as they came).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Meta {
-    pub fmt: i32,
-    pub dtype: i32,
-    pub shape: [i32; 4],
 }
 
 /// A client header, decoded.
@@ -125,10 +118,6 @@ pub enum BadHeader {
     KeyNotText,
     #[error("the key is empty")]
     KeyEmpty,
-}
-
-fn i32_at(b: &[u8], i: usize) -> i32 {
-    i32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"))
 }
 
 /// Decodes a client header. The key is LMCache's padded field with the padding stripped
@@ -176,17 +165,8 @@ pub fn encode_header(h: &Header) -> [u8; HEADER_BYTES] {
         Command::List => 4,
         Command::Health => 5,
     };
-    let ints = [
-        command,
-        h.length as i32,
-        h.meta.fmt,
-        h.meta.dtype,
-        0,
-        h.meta.shape[0],
-        h.meta.shape[1],
-        h.meta.shape[2],
-        h.meta.shape[3],
-    ];
+    let [fmt, dtype, s0, s1, s2, s3] = h.meta.ints();
+    let ints = [command, h.length as i32, fmt, dtype, 0, s0, s1, s2, s3];
     b[..36].copy_from_slice(&le_ints::<36>(&ints));
     let key = &h.key.as_bytes()[..h.key.len().min(KEY_FIELD_BYTES)];
     b[36..36 + key.len()].copy_from_slice(key);
@@ -195,55 +175,13 @@ pub fn encode_header(h: &Header) -> [u8; HEADER_BYTES] {
 
 /// A server reply (LMCache's `ServerMetaMessage`; location 0).
 pub fn encode_reply(code: i32, length: u32, meta: Meta) -> [u8; REPLY_BYTES] {
-    let ints = [
-        code,
-        length as i32,
-        meta.fmt,
-        meta.dtype,
-        meta.shape[0],
-        meta.shape[1],
-        meta.shape[2],
-        meta.shape[3],
-        0,
-    ];
-    le_ints(&ints)
+    let [fmt, dtype, s0, s1, s2, s3] = meta.ints();
+    le_ints(&[code, length as i32, fmt, dtype, s0, s1, s2, s3, 0])
 }
 
 /// A failure reply, as LMCache's server sends one (fmt 1, dtype float16, no shape).
 fn fail_reply() -> [u8; REPLY_BYTES] {
     encode_reply(FAIL, 0, fail_reply_meta())
-}
-
-/// `ints` as consecutive little-endian i32s (LMCache's `struct` formats; `N` = 4 × ints).
-fn le_ints<const N: usize>(ints: &[i32]) -> [u8; N] {
-    let mut b = [0u8; N];
-    for (i, v) in ints.iter().enumerate() {
-        b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-    }
-    b
-}
-
-/// The object's `RemoteMetadata` header of one group, as the HyperPod API stores it.
-pub fn remote_metadata(length: u32, meta: Meta) -> [u8; METADATA_BYTES as usize] {
-    let ints = [
-        length as i32,
-        meta.fmt,
-        meta.dtype,
-        meta.shape[0],
-        meta.shape[1],
-        meta.shape[2],
-        meta.shape[3],
-    ];
-    le_ints(&ints)
-}
-
-/// The metadata of a stored object's header (its length is the store's).
-pub fn parse_remote_metadata(b: &[u8; METADATA_BYTES as usize]) -> Meta {
-    Meta {
-        fmt: i32_at(b, 1),
-        dtype: i32_at(b, 2),
-        shape: [i32_at(b, 3), i32_at(b, 4), i32_at(b, 5), i32_at(b, 6)],
-    }
 }
 
 /// Why a connection ended early.
@@ -311,7 +249,7 @@ impl HyperPod {
         let mut next = first?;
         while let Some(header) = next {
             let started = Instant::now();
-            let command = header.command.label();
+            let (command, op) = header.command.labels();
             let result = self.lm_request(header, peer.ip(), &mut rd, &mut wr, &mut buf);
             match result.await {
                 Ok(r) => counted(command, r),
@@ -320,7 +258,7 @@ impl HyperPod {
                     return Err(e);
                 }
             }
-            metrics::histogram!(names::AGENT_HYPERPOD_OP_DURATION_SECONDS, "op" => command_op(command))
+            metrics::histogram!(names::AGENT_HYPERPOD_OP_DURATION_SECONDS, "op" => op)
                 .record(started.elapsed().as_secs_f64());
             next = read_header(&mut rd).await?;
         }
@@ -337,7 +275,7 @@ impl HyperPod {
         buf: &mut Vec<u8>,
     ) -> Result<&'static str, Ended> {
         let name = ObjectName {
-            bucket: LM_BUCKET.to_string(),
+            bucket: LMCACHE_BUCKET.to_string(),
             key: h.key,
         };
         match h.command {
@@ -450,17 +388,6 @@ impl HyperPod {
         }
         counter!(names::AGENT_HYPERPOD_BYTES_TOTAL, "direction" => "out").increment(grant.len);
         Ok("hit")
-    }
-}
-
-/// The op label of the HyperPod API's duration histogram for an lm:// command.
-fn command_op(command: &'static str) -> &'static str {
-    match command {
-        "put" => "lm_put",
-        "get" => "lm_get",
-        "exist" => "lm_exist",
-        "list" => "lm_list",
-        _ => "lm_health",
     }
 }
 

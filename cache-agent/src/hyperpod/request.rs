@@ -15,6 +15,7 @@
 
 use std::fmt;
 
+use super::METADATA_BYTES;
 use crate::kv_events::EngineHash;
 
 /// The longest key accepted, decoded (LMCache's keys are a model name and a few numbers).
@@ -114,6 +115,58 @@ fn hash_from_hex(hex: &str) -> Option<EngineHash> {
         .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok())
         .collect::<Option<Vec<u8>>>()
         .map(EngineHash)
+}
+
+/// LMCache's default HyperPod bucket (`sagemaker_hyperpod_bucket`): `lm://` stores its
+/// objects under it, and engine-sim's HyperPod mode puts there, as LMCache does.
+pub const LMCACHE_BUCKET: &str = "lmcache";
+
+/// What an object's `RemoteMetadata` says besides its length: memory format, dtype code,
+/// shape (LMCache's codes, passed through as they came).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Meta {
+    pub fmt: i32,
+    pub dtype: i32,
+    pub shape: [i32; 4],
+}
+
+impl Meta {
+    /// Its fields in their order on the wire: fmt, dtype, shape.
+    pub fn ints(&self) -> [i32; 6] {
+        let [s0, s1, s2, s3] = self.shape;
+        [self.fmt, self.dtype, s0, s1, s2, s3]
+    }
+}
+
+/// The `RemoteMetadata` header of one group that starts every object (7 little-endian
+/// i32: payload length, fmt, dtype, shape): what LMCache's connector writes, and what the
+/// `lm://` front writes for it.
+pub fn remote_metadata(length: u32, meta: Meta) -> [u8; METADATA_BYTES as usize] {
+    let [fmt, dtype, s0, s1, s2, s3] = meta.ints();
+    le_ints(&[length as i32, fmt, dtype, s0, s1, s2, s3])
+}
+
+/// The metadata of a stored object's header (its length is the store's).
+pub fn parse_remote_metadata(b: &[u8; METADATA_BYTES as usize]) -> Meta {
+    Meta {
+        fmt: i32_at(b, 1),
+        dtype: i32_at(b, 2),
+        shape: [i32_at(b, 3), i32_at(b, 4), i32_at(b, 5), i32_at(b, 6)],
+    }
+}
+
+/// The `i`-th little-endian i32 of `b` (LMCache's `struct` formats).
+pub(crate) fn i32_at(b: &[u8], i: usize) -> i32 {
+    i32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"))
+}
+
+/// `ints` as consecutive little-endian i32s (`N` = 4 × ints).
+pub(crate) fn le_ints<const N: usize>(ints: &[i32]) -> [u8; N] {
+    let mut b = [0u8; N];
+    for (i, v) in ints.iter().enumerate() {
+        b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    b
 }
 
 /// The operations of the API.
