@@ -15,7 +15,7 @@ use futures_util::future::join_all;
 use metrics::{counter, gauge, histogram};
 use tokio::sync::mpsc;
 
-use crate::block::{decode_with, encode_sealed, Block};
+use crate::block::{decode_with, Block};
 use crate::config::{AgentConfig, L2Config, WritePolicy};
 use crate::hyperpod::request::ObjectName;
 use crate::hyperpod::ObjectEvent;
@@ -164,7 +164,7 @@ impl Agent {
         });
         let l2_writes = l2.as_ref().map(|l2| {
             let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
-            let seal = config.l2_key.clone().map(|k| (k, writer_id(&config)));
+            let seal = seal_of(&config);
             tokio::spawn(write_l2(
                 l2.clone(),
                 rx,
@@ -294,10 +294,7 @@ impl Agent {
     /// `[l2] key_file` is configured (decision 0106): the HyperPod store seals its L2
     /// objects with it as the block API does.
     pub fn l2_seal(&self) -> Option<(crate::block::SealKey, u64)> {
-        self.config
-            .l2_key
-            .clone()
-            .map(|k| (k, writer_id(&self.config)))
+        seal_of(&self.config)
     }
 
     /// The buffers the block API reads payloads into.
@@ -941,6 +938,11 @@ fn error_label(kind: ErrorKind) -> &'static str {
 /// This agent's identity in the L2 objects it seals: its host name and block API address,
 /// hashed (who wrote a block, for an operator chasing a bad one; the MAC says it was a
 /// holder of the cluster key).
+/// The cluster key and this agent's writer id, when `[l2] key_file` is configured.
+fn seal_of(config: &AgentConfig) -> Option<(crate::block::SealKey, u64)> {
+    config.l2_key.clone().map(|k| (k, writer_id(config)))
+}
+
 fn writer_id(config: &AgentConfig) -> u64 {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let h = blake3::hash(format!("{}\0{}", host.trim(), config.listen).as_bytes());
@@ -975,11 +977,7 @@ async fn write_l2(
         in_flight.spawn(async move {
             let started = Instant::now();
             let len = block.payload.len() as u64;
-            let put = match &seal {
-                Some((key, writer)) => l2.put(id, encode_sealed(&id, &block, key, *writer)).await,
-                None => l2.put_block(id, &block).await,
-            };
-            match put {
+            match l2.put_block_sealed(id, &block, seal.as_ref()).await {
                 Ok(evicted) => {
                     report.l2_stored(id, &evicted);
                     counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l2", "direction" => "out")

@@ -86,6 +86,26 @@ pub enum AnyL2 {
     Redis(RedisL2),
 }
 
+impl AnyL2 {
+    /// Stores `block` under `id`: sealed under the cluster key and signed by the writer
+    /// (decision 0106) when `seal` is given, as its plain self-checking object otherwise.
+    /// Every L2 writer of the agent (its tiers, the HyperPod store) writes through here.
+    pub async fn put_block_sealed(
+        &self,
+        id: BlockId,
+        block: &Block,
+        seal: Option<&(crate::block::SealKey, u64)>,
+    ) -> Result<Vec<BlockId>, L2Error> {
+        match seal {
+            Some((key, writer)) => {
+                self.put(id, crate::block::encode_sealed(&id, block, key, *writer))
+                    .await
+            }
+            None => self.put_block(id, block).await,
+        }
+    }
+}
+
 impl L2Backend for AnyL2 {
     async fn put(&self, id: BlockId, object: Bytes) -> Result<Vec<BlockId>, L2Error> {
         match self {

@@ -57,7 +57,7 @@ use hyper::{Request, Response, StatusCode};
 use metrics::{counter, gauge, histogram};
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::block::{decode_with, encode_sealed, Block, SealKey};
+use crate::block::{decode_with, Block, SealKey};
 use crate::config::HyperPodConfig;
 use crate::handshakes::Unproven;
 use crate::l2::{AnyL2, L2Backend};
@@ -844,11 +844,7 @@ async fn write_l2(
 ) {
     while let Some((id, block)) = rx.recv().await {
         let len = block.payload.len() as u64;
-        let put = match &seal {
-            Some((key, writer)) => l2.put(id, encode_sealed(&id, &block, key, *writer)).await,
-            None => l2.put_block(id, &block).await,
-        };
-        match put {
+        match l2.put_block_sealed(id, &block, seal.as_ref()).await {
             Ok(_) => {
                 counter!(names::AGENT_HYPERPOD_BYTES_TOTAL, "direction" => "l2_out").increment(len)
             }
