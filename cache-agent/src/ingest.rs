@@ -442,6 +442,7 @@ impl Ingest {
     ) -> Option<ChainEnd> {
         let gpu = Scope::Gpu(u16::try_from(engine).ok()?);
         let mut bytes = Vec::with_capacity(pool * 4);
+        let mut block = Vec::with_capacity(pool);
         let mut found: Option<ChainEnd> = None;
         for node in self.engines[engine].blocks.values() {
             if !node.gpu || self.keys[node.slot as usize].1.as_deref() != adapter {
@@ -453,7 +454,10 @@ impl Ingest {
             let Some(first) = tokens.get(..rest) else {
                 continue;
             };
-            let block: Vec<u32> = node.tail.iter().chain(first).copied().collect();
+            // The pool block that would follow the node: its tail, then the chunk's start.
+            block.clear();
+            block.extend_from_slice(&node.tail);
+            block.extend_from_slice(first);
             warmpath_index::keys::token_block_bytes(&block, &mut bytes);
             let k = self.keys[node.slot as usize].0.chain(node.key, &bytes);
             if !self.covered.contains_key(&(gpu, k.0)) {
