@@ -2,8 +2,6 @@
 //! engine-sims (`tests/clients/openai_compat.py` holds the checks).
 
 use crate::{scratch_dir, Proc};
-use std::path::Path;
-use std::process::Command;
 
 #[test]
 fn the_official_openai_client_works_through_the_router() {
@@ -40,16 +38,9 @@ fn the_official_openai_client_works_through_the_router() {
         "--config",
         config.to_str().expect("utf-8 path"),
     ]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/openai_compat.py");
-    let out = Command::new(venv.join("bin/python"))
-        .arg(script)
-        .arg(&open.url)
-        .arg(&keyed.url)
-        .output()
-        .expect("the venv's python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    print!("{stdout}");
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("all checks passed"), "{stdout}");
+    crate::run_client_checks(
+        &venv.join("bin/python"),
+        "openai_compat.py",
+        &[&open.url, &keyed.url],
+    );
 }

@@ -224,19 +224,11 @@ fn lmcaches_own_hyperpod_connector_stores_and_loads_through_the_agent() {
         .and_then(|u| u.trim().strip_suffix("/metrics"))
         .expect("the metrics line")
         .to_string();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/lmcache_hyperpod.py");
-    let out = Command::new(venv.join("bin/python"))
-        .args(["-W", "ignore"])
-        .arg(script)
-        .arg(&addr)
-        .arg(&shm.0)
-        .output()
-        .expect("the venv's python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    print!("{stdout}");
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("all checks passed"), "{stdout}\n{stderr}");
+    crate::run_client_checks(
+        &venv.join("bin/python"),
+        "lmcache_hyperpod.py",
+        &[&addr, &shm.0],
+    );
     // What the agent counted of it: 1 + 4 objects stored, the second put a conflict, the
     // misses the script asked for, the lease the script never released expired.
     for (name, want) in [
@@ -561,18 +553,11 @@ fn lmcaches_own_lm_connector_stores_and_loads_through_the_agent() {
     };
     let shm = Shm::new("lm");
     let (_agent, hp, lm, metrics) = agent_with_lm(&shm, "64MiB", &[]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/clients/lmcache_lm.py");
-    let out = Command::new(venv.join("bin/python"))
-        .args(["-W", "ignore"])
-        .arg(script)
-        .args([&lm, &hp, &shm.0])
-        .output()
-        .expect("the venv's python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    print!("{stdout}");
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("all checks passed"), "{stdout}\n{stderr}");
+    crate::run_client_checks(
+        &venv.join("bin/python"),
+        "lmcache_lm.py",
+        &[&lm, &hp, &shm.0],
+    );
     // What the agent counted: five objects stored through lm:// (one more through the
     // HyperPod API), the second writer of key 1 a conflict, its bytes dropped.
     let lm_metric = |command: &str, result: &str| {

@@ -66,6 +66,25 @@ pub fn cluster_key_config(dir: &std::path::Path) -> std::path::PathBuf {
     toml
 }
 
+/// Runs `tests/clients/SCRIPT` with `python` (its warnings off) and `args`, prints what it
+/// printed, and checks that it ended well and said `all checks passed`.
+pub fn run_client_checks(python: &std::path::Path, script: &str, args: &[&str]) {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/clients")
+        .join(script);
+    let out = Command::new(python)
+        .args(["-W", "ignore"])
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("the venv's python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    print!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("all checks passed"), "{stdout}\n{stderr}");
+}
+
 /// Polls `f` until it gives a value; panics, naming `what`, after `within`.
 pub async fn until<T, F, Fut>(within: std::time::Duration, what: &str, mut f: F) -> T
 where
