@@ -208,7 +208,7 @@ def described(events):
     } for e in events]
 
 
-from lmcache_stand_ins import LocalCpu as _LocalCpu, kv_object  # noqa: E402
+from lmcache_stand_ins import LocalCpu as _LocalCpu, kv_object, run_and_exit  # noqa: E402
 
 
 def LocalCpu():
@@ -344,14 +344,4 @@ async def main():
     publisher.shutdown()
 
 
-try:
-    asyncio.run(main())
-except BaseException:
-    import traceback
-
-    traceback.print_exc()
-    sys.stdout.flush()
-    os._exit(1)
-# The connector's close() blocks (lmcache 0.5.6): leave without it.
-sys.stdout.flush()
-os._exit(0)
+run_and_exit(main)

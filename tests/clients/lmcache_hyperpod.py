@@ -47,7 +47,7 @@ metadata = LMCacheMetadata(
     chunk_size=256,
 )
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lmcache_stand_ins import LocalCpu as _LocalCpu, check, kv_object  # noqa: E402
+from lmcache_stand_ins import LocalCpu as _LocalCpu, check, kv_object, run_and_exit  # noqa: E402,E501
 
 
 def LocalCpu():
@@ -142,15 +142,4 @@ async def main():
     print("all checks passed", flush=True)
 
 
-loop = asyncio.new_event_loop()
-try:
-    loop.run_until_complete(main())
-except BaseException:
-    import traceback
-
-    traceback.print_exc()
-    sys.stdout.flush()
-    os._exit(1)
-# The connector's close() blocks (lmcache 0.5.6): leave without it.
-sys.stdout.flush()
-os._exit(0)
+run_and_exit(main)

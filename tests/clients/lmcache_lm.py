@@ -43,7 +43,7 @@ metadata = LMCacheMetadata(
     kv_dtype=torch.bfloat16, kv_shape=(2, 2, CHUNK, 8, 64), chunk_size=CHUNK,
 )
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lmcache_stand_ins import LocalCpu as _LocalCpu, check, kv_object  # noqa: E402
+from lmcache_stand_ins import LocalCpu as _LocalCpu, check, kv_object, run_and_exit  # noqa: E402,E501
 
 
 def LocalCpu():
@@ -119,14 +119,4 @@ async def main():
     print("all checks passed", flush=True)
 
 
-try:
-    asyncio.run(main())
-except BaseException:
-    import traceback
-
-    traceback.print_exc()
-    sys.stdout.flush()
-    os._exit(1)
-# The connectors' close() blocks (lmcache 0.5.6): leave without it.
-sys.stdout.flush()
-os._exit(0)
+run_and_exit(main)

@@ -1,9 +1,14 @@
 """What the LMCache-driving test scripts share (lmcache_hyperpod.py, lmcache_lm.py,
 lmcache_e2e.py): the part of LMCache's LocalCPUBackend its remote connectors use, a KV
-object with seeded contents, and the check that prints what passed.
+object with seeded contents, the check that prints what passed, and how a script ends.
 
 Runs in the lmcache 0.5.6 venv (tests/tools/setup-lmcache-venv.sh).
 """
+
+import asyncio
+import os
+import sys
+import traceback
 
 import torch
 
@@ -37,3 +42,16 @@ def check(cond, what):
     if not cond:
         raise AssertionError(what)
     print("ok", what, flush=True)
+
+
+def run_and_exit(main):
+    """Runs the coroutine function `main`, then leaves at once: 1 with the traceback when it
+    raised, else 0. Without closing the connectors: their close() blocks (lmcache 0.5.6)."""
+    try:
+        asyncio.run(main())
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
