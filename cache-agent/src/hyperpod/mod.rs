@@ -67,8 +67,7 @@ use segment::{Segment, SegmentError};
 use store::{Layout, LeaseError, Limits, Placement, PutError, ReleaseError, Store};
 use warmpath_tiers::{BlockId, Eviction};
 
-/// Bytes of LMCache's `RemoteMetadata` header at the start of every object.
-pub const METADATA_BYTES: u64 = 28;
+pub use request::METADATA_BYTES;
 /// The lease ttl when a request names none (LMCache's connector's default).
 pub const DEFAULT_TTL_S: f64 = 10.0;
 /// Longest wait for the next piece of a body.

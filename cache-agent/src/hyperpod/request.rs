@@ -15,7 +15,6 @@
 
 use std::fmt;
 
-use super::METADATA_BYTES;
 use crate::kv_events::EngineHash;
 
 /// The longest key accepted, decoded (LMCache's keys are a model name and a few numbers).
@@ -116,6 +115,9 @@ fn hash_from_hex(hex: &str) -> Option<EngineHash> {
         .collect::<Option<Vec<u8>>>()
         .map(EngineHash)
 }
+
+/// Bytes of LMCache's `RemoteMetadata` header at the start of every object.
+pub const METADATA_BYTES: u64 = 28;
 
 /// LMCache's default HyperPod bucket (`sagemaker_hyperpod_bucket`): `lm://` stores its
 /// objects under it, and engine-sim's HyperPod mode puts there, as LMCache does.
