@@ -33,6 +33,7 @@ use std::rc::Rc;
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::BlockKey;
+use warmpath_index::load::{InstanceLoad, LoadView};
 use warmpath_index::policy::{Decision, PolicyConfig, RouteRequest};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{
@@ -390,6 +391,62 @@ impl LoadSampler {
     }
 }
 
+/// The name under which a replica is handed its peers' loads: all of them, summed (a
+/// router adds its peers' views into one, so the sum routes exactly as the views would).
+const PEERS: &str = "peers";
+
+/// Each replica's own load, as its [`RouterCore`] counts it (the same [`LoadView`] calls
+/// with the same arguments), and their sum over the cluster. A replica's peers' load is
+/// then the sum less its own: one pass over the instances per route, where asking every
+/// replica for its loads was one pass per replica (most of a 128-router run's time).
+#[derive(Debug)]
+struct Loads {
+    own: Vec<LoadView>,
+    total: LoadView,
+}
+
+impl Loads {
+    fn new(routers: u32) -> Self {
+        Loads {
+            own: vec![LoadView::new(); routers as usize],
+            total: LoadView::new(),
+        }
+    }
+
+    /// Replica `r` sent a request with `pending` tokens to prefill to `instance`.
+    fn start(&mut self, r: u32, instance: InstanceId, pending: u32) {
+        self.own[r as usize].start(instance, u64::from(pending));
+        self.total.start(instance, u64::from(pending));
+    }
+
+    fn first_token(&mut self, r: u32, instance: InstanceId, pending: u32) {
+        self.own[r as usize].first_token(instance, u64::from(pending));
+        self.total.first_token(instance, u64::from(pending));
+    }
+
+    fn finish(&mut self, r: u32, instance: InstanceId, pending: u32, prefilled: bool) {
+        self.own[r as usize].finish(instance, u64::from(pending), prefilled);
+        self.total.finish(instance, u64::from(pending), prefilled);
+    }
+
+    /// The load of every other replica, summed, by instance key (the simulated instances'
+    /// keys are their indices).
+    fn peers_of(&self, r: u32, instances: u32) -> Vec<(u64, InstanceLoad)> {
+        let own = &self.own[r as usize];
+        (0..instances)
+            .map(|i| {
+                let (all, mine) = (self.total.get(InstanceId(i)), own.get(InstanceId(i)));
+                let others = InstanceLoad {
+                    in_flight: all.in_flight - mine.in_flight,
+                    pending_prefill_tokens: all.pending_prefill_tokens
+                        - mine.pending_prefill_tokens,
+                };
+                (u64::from(i), others)
+            })
+            .collect()
+    }
+}
+
 /// One run's state: the cluster, its pending events and what it measured so far. Each
 /// kind of event has its method; [`Run::account`] then handles what the engine did.
 struct Run<'a> {
@@ -399,8 +456,6 @@ struct Run<'a> {
     lb_rng: Rng,
     /// The router replicas, by index.
     replicas: Vec<RouterCore>,
-    /// Each replica's name, as its peers know its loads.
-    router_names: Vec<String>,
     /// Tenant index to the name the replicas know it by (made on first use).
     tenant_names: HashMap<u32, String>,
     /// One engine per instance (and host).
@@ -409,6 +464,8 @@ struct Run<'a> {
     l2: TierSet,
     /// Whether replicas see each other's load (every mode but isolated).
     shared_load: bool,
+    /// Every replica's own load and their sum, kept beside the replicas' (see [`Loads`]).
+    loads: Loads,
     queue: EventQueue,
     feed: Feed,
     /// Per request: where it went and how far it got.
@@ -438,13 +495,13 @@ impl<'a> Run<'a> {
             workload,
             lb_rng: Rng::new(config.seed).fork(1),
             replicas: replicas(config, &follows),
-            router_names,
             tenant_names: HashMap::new(),
             engines: (0..config.instances)
                 .map(|_| Engine::new(config.engine.clone(), config.profile.clone()))
                 .collect(),
             l2: TierSet::lru(config.l2_blocks),
             shared_load: !matches!(config.sharing, Sharing::Isolated),
+            loads: Loads::new(config.routers),
             queue,
             feed: Feed::new(config, workload, follows),
             tracks: vec![Track::default(); workload.requests.len()],
@@ -548,17 +605,9 @@ impl<'a> Run<'a> {
         let config = self.config;
         let req = &self.workload.requests[i];
         if self.shared_load && config.routers > 1 {
-            // Every replica routes on the exact cluster-wide load.
-            let peers = (0..config.routers)
-                .filter(|&o| o != r)
-                .map(|o| {
-                    (
-                        self.router_names[o as usize].clone(),
-                        self.replicas[o as usize].own_loads(),
-                    )
-                })
-                .collect();
-            self.replicas[r as usize].set_peer_loads(peers);
+            // Every replica routes on the exact cluster-wide load: the others' loads, summed.
+            let peers = self.loads.peers_of(r, config.instances);
+            self.replicas[r as usize].set_peer_loads(vec![(PEERS.to_string(), peers)]);
         }
         let tenant = self
             .tenant_names
@@ -568,9 +617,12 @@ impl<'a> Run<'a> {
             keys: &req.keys,
             prompt_tokens: req.prompt_tokens,
         };
-        self.replicas[r as usize]
+        let decision = self.replicas[r as usize]
             .route(tenant, &config.policy, MODEL, &rr, &[], false, now)
-            .expect("the simulated pool is never empty or down")
+            .expect("the simulated pool is never empty or down");
+        self.loads
+            .start(r, decision.instance, decision.uncached_tokens);
+        decision
     }
 
     /// Replica `r`'s decision to send `keys` to `inst` reaches the others as `Sharing` says.
@@ -716,6 +768,8 @@ impl<'a> Run<'a> {
         self.tally.ttft.push((at_us - req.arrival_us) as f64 / 1e3);
         let replica = &mut self.replicas[t.router as usize];
         replica.first_token(InstanceId(t.instance), t.pending);
+        self.loads
+            .first_token(t.router, InstanceId(t.instance), t.pending);
         // The engine's usage reports what it found cached, as a live one does.
         if let Some(decision) = t.decision.take() {
             replica.report_cached(
@@ -739,6 +793,8 @@ impl<'a> Run<'a> {
             prefilled,
             t.decided_at,
         );
+        self.loads
+            .finish(t.router, InstanceId(t.instance), t.pending, prefilled);
     }
 
     /// `host`'s agent sends what it recorded; every router gets it `delay` later.
