@@ -659,10 +659,11 @@ async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine()
 }
 
 /// Issue 24: engine-sim asks its agent for a request's blocks when it admits the request,
-/// not when the request arrives. Prompt P is cached on the GPU, unreferenced, and nothing has
-/// been offloaded yet when B (P again) arrives and queues behind C2; C2's admission then
-/// evicts P to the agent. B, admitted after C2, loads P from the agent's L1, where a lookup
-/// at its arrival found nothing. No timing is tight: C1 decodes for seconds at the model's
+/// not only when the request arrives. Prompt P is cached on the GPU, unreferenced, and
+/// nothing has been offloaded yet when B (P again) arrives and queues behind C2 (the GPU
+/// holds all of P: nothing to ask at arrival); C2's admission then evicts P to the agent.
+/// B, admitted after C2, loads P from the agent's L1, where a lookup at its arrival would
+/// have found nothing. No timing is tight: C1 decodes for seconds at the model's
 /// own speed while the test needs milliseconds, and C2 decodes for about a second after
 /// evicting P, while the offload takes milliseconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -734,6 +735,86 @@ async fn blocks_offloaded_while_a_request_waits_are_loaded_at_its_admission() {
             .await;
     assert_eq!(l1_hits, l1 as f64);
     assert!(gauge(offloaded).await >= 37.0);
+}
+
+/// Issue 24: a request that queues has its blocks looked up while it waits, so its
+/// admission asks nothing and it prefills in the step it is admitted in. P is computed,
+/// then pushed off the GPU to the agent by E; B (P again) queues behind D, which cannot be
+/// admitted beside C1's long decode. B's lookup at arrival is answered while it waits
+/// (`warmpath_engine_agent_arrival_lookups_total{outcome="in_time"}`), and B finds P in
+/// the agent's L1. No timing is tight: C1 decodes for seconds, the lookup takes
+/// milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_is_looked_up_while_it_waits() {
+    let (_agent, addr) = agent(&["--l1-bytes", "4MiB"]);
+    // 128 GPU blocks of 16 tokens; builtin words are one token each.
+    let engine = crate::engine_sim(
+        "1",
+        &[
+            "--gpu-kv-tokens",
+            "2048",
+            "--agent",
+            &addr.to_string(),
+            "--agent-block-scale",
+            "0.001",
+        ],
+    );
+    let http = client();
+    let send = |words: String, max_tokens: u32| {
+        let (http, url) = (http.clone(), engine.url.clone());
+        tokio::spawn(async move {
+            let body = completion(&words, max_tokens, false);
+            let r = post(&http, &url, "/v1/completions", body, &[]).await;
+            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+            r.json()
+        })
+    };
+    let gauge = |name: &'static str| {
+        let engine = &engine;
+        async move { engine_metric(engine, name).await }
+    };
+    let arrival = |outcome: &str| {
+        format!("warmpath_engine_agent_arrival_lookups_total{{model_name=\"sim-llama\",outcome=\"{outcome}\"}}")
+    };
+    let offloaded = "warmpath_engine_agent_blocks_total{model_name=\"sim-llama\",op=\"offloaded\"}";
+    // A computes P (37 blocks); E (113 blocks) then needs most of the GPU and evicts P.
+    let p = warmpath_index::text::words(1, 600);
+    send(p.clone(), 1).await.unwrap();
+    send(warmpath_index::text::words(4, 1800), 1).await.unwrap();
+    eventually("P offloaded", || async { gauge(offloaded).await >= 20.0 }).await;
+    // C1 (18 blocks, growing to 35) decodes for about 4 s; D (113 blocks) waits for it.
+    let c1 = send(warmpath_index::text::words(2, 300), 250);
+    eventually("C1 to run", || async {
+        gauge("vllm:num_requests_running").await == 1.0
+    })
+    .await;
+    let d = send(warmpath_index::text::words(3, 1800), 30);
+    eventually("D to wait", || async {
+        gauge("vllm:num_requests_waiting").await == 1.0
+    })
+    .await;
+    let asked = engine_metric(&engine, &arrival("asked")).await;
+    let b = send(p, 1);
+    eventually("B's lookup answered while it waits", || {
+        let (engine, name) = (&engine, arrival("in_time"));
+        async move { engine_metric(engine, &name).await >= 1.0 }
+    })
+    .await;
+    assert_eq!(
+        gauge("vllm:num_requests_waiting").await,
+        2.0,
+        "B still waits"
+    );
+    assert_eq!(engine_metric(&engine, &arrival("asked")).await, asked + 1.0);
+    let b = b.await.unwrap();
+    let (_, l1, l2) = tier_tokens(&b);
+    assert!(
+        l1 >= 16 * 10 && l2 == 0,
+        "B found P in L1: l1 {l1}, l2 {l2} tokens"
+    );
+    for c in [c1, d] {
+        c.await.unwrap();
+    }
 }
 
 fn agent_on(at: &str) -> (Proc, AgentAddr) {

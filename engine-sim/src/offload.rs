@@ -50,6 +50,11 @@ pub struct AgentCounters {
     pub bad_blocks: AtomicU64,
     pub errors: AtomicU64,
     pub dropped_offloads: AtomicU64,
+    /// Lookups asked when a request arrived (before its admission).
+    pub early_lookups: AtomicU64,
+    /// Of those, answers that reached the request while it still queued, so that its
+    /// admission asked nothing.
+    pub early_answers: AtomicU64,
 }
 
 /// The live link to the agent.

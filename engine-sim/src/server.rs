@@ -215,6 +215,7 @@ pub async fn serve(
         events: Vec::new(),
         lookups: Vec::new(),
         fetched,
+        early: HashMap::new(),
         ttft: Histogram::new(TTFT_BUCKETS),
         itl: Histogram::new(ITL_BUCKETS),
         generation_tokens: 0,
@@ -297,15 +298,41 @@ enum Command {
     Metrics { reply: oneshot::Sender<Snapshot> },
 }
 
-/// The agent's answer to an admission's lookup (`Engine::answer_lookup`).
+/// The agent's answer to a lookup: an admission's (`Engine::answer_lookup`) or one
+/// asked at arrival (`Engine::offer`).
 #[derive(Debug)]
 struct Fetched {
-    ticket: u64,
+    asked: Asked,
     /// Tiers of the leading blocks that arrived whole.
     tiers: Vec<Tier>,
     /// Over the HyperPod API: the hashes of the chunks loaded.
     loaded: Vec<i64>,
 }
+
+/// Who asked the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Asked {
+    /// Admission, for the lookup with this ticket.
+    Admission(u64),
+    /// Arrival, for the request with this id.
+    Arrival(u64),
+}
+
+/// A lookup asked at a request's arrival, not yet answered.
+#[derive(Clone, Copy, Debug)]
+struct Early {
+    /// It asked for `keys[from..to]` of the request's keys; `first` is `keys[from]`.
+    from: usize,
+    to: usize,
+    first: BlockKey,
+    /// An admission lookup of this request that waits for this answer instead of asking
+    /// again: its ticket and how many keys it asked for.
+    admission: Option<(u64, usize)>,
+}
+
+/// Most lookups asked at arrival and not yet answered; past it, requests are looked up at
+/// admission only. Each runs within the agent call deadline, so they end.
+const MAX_EARLY_LOOKUPS: usize = 64;
 
 /// What the engine loop tells one request's handler.
 #[derive(Debug)]
@@ -412,6 +439,8 @@ struct EngineLoop {
     lookups: Vec<Lookup>,
     /// Where a fetch task sends the agent's answer to a lookup.
     fetched: mpsc::UnboundedSender<Fetched>,
+    /// Lookups asked at arrival (block API), by request id, until answered.
+    early: HashMap<u64, Early>,
     /// Virtual seconds from submission to first token.
     ttft: Histogram,
     /// Virtual seconds between a request's consecutive output tokens.
@@ -444,12 +473,11 @@ impl EngineLoop {
                 Some(fetched) = fetches.recv() => {
                     let now = self.now();
                     self.advance(now);
-                    let Fetched { ticket, tiers, loaded } = fetched;
+                    let Fetched { asked, tiers, loaded } = fetched;
                     if let Some(plan) = &mut self.plan {
                         plan.fetched(&loaded);
                     }
-                    self.engine
-                        .answer_lookup(now, ticket, &tiers, &mut self.events);
+                    self.answer(now, asked, &tiers);
                     self.route_events();
                     // Start a step at once if the engine was idle, waiting for this answer.
                     self.advance(now);
@@ -506,6 +534,16 @@ impl EngineLoop {
     fn start_fetches(&mut self) {
         self.engine.take_lookups(&mut self.lookups);
         for Lookup { ticket, id, keys } in self.lookups.drain(..) {
+            // The arrival's lookup still under way asked for these keys: wait for it.
+            if let Some(early) = self.early.get_mut(&id) {
+                if early.admission.is_none()
+                    && keys.first() == Some(&early.first)
+                    && keys.len() <= early.to - early.from
+                {
+                    early.admission = Some((ticket, keys.len()));
+                    continue;
+                }
+            }
             let (agent, fetched) = (self.agent.clone(), self.fetched.clone());
             let hyperpod = match (&self.hyperpod, &self.plan) {
                 (Some(h), Some(plan)) => Some((h.clone(), plan.lookup(id, &keys))),
@@ -520,11 +558,90 @@ impl EngineLoop {
                     _ => (Vec::new(), Vec::new()),
                 };
                 let _ = fetched.send(Fetched {
-                    ticket,
+                    asked: Asked::Admission(ticket),
                     tiers,
                     loaded,
                 });
             });
+        }
+    }
+
+    /// Asks the agent (block API) at once for the blocks of `req` that admission would
+    /// ask for now: past the GPU's prefix, up to the last that can hit or the first the GPU
+    /// holds after the gap. The answer reaches the engine before admission if it comes
+    /// first (`Engine::offer`), so the round trip runs while the request queues instead of
+    /// parking it past the step it is admitted in; if admission comes first, its lookup
+    /// waits for this answer rather than asking again (`start_fetches`).
+    fn ask_at_arrival(&mut self, req: &EngineRequest) {
+        let Some(agent) = &self.agent else { return };
+        if self.early.len() >= MAX_EARLY_LOOKUPS {
+            return;
+        }
+        let engine = &self.engine;
+        let bt = engine.config().block_tokens.max(1);
+        // As admission counts: the last prompt token is always computed.
+        let max_hit = req
+            .keys
+            .len()
+            .min(((req.prompt_tokens.max(1) - 1) / bt) as usize);
+        let held =
+            |k: &BlockKey| engine.holds(*k) || engine.l1().contains(*k) || self.l2.contains(*k);
+        let from = req.keys[..max_hit].iter().take_while(|k| held(k)).count();
+        let to = (from..max_hit)
+            .find(|&i| engine.holds(req.keys[i]))
+            .unwrap_or(max_hit);
+        if from >= to {
+            return;
+        }
+        let keys = req.keys[from..to].to_vec();
+        self.early.insert(
+            req.id,
+            Early {
+                from,
+                to,
+                first: keys[0],
+                admission: None,
+            },
+        );
+        agent.counters.early_lookups.fetch_add(1, Ordering::Relaxed);
+        let (agent, fetched, id) = (agent.clone(), self.fetched.clone(), req.id);
+        tokio::spawn(async move {
+            let tiers = agent.fetch(&keys).await;
+            let _ = fetched.send(Fetched {
+                asked: Asked::Arrival(id),
+                tiers,
+                loaded: Vec::new(),
+            });
+        });
+    }
+
+    /// Hands the agent's answer to the engine: to the admission that asked, or, for an
+    /// arrival's, to the admission waiting for it or to the request still queued.
+    fn answer(&mut self, now: u64, asked: Asked, tiers: &[Tier]) {
+        match asked {
+            Asked::Admission(ticket) => {
+                self.engine
+                    .answer_lookup(now, ticket, tiers, &mut self.events);
+            }
+            Asked::Arrival(id) => {
+                let Some(early) = self.early.remove(&id) else {
+                    return;
+                };
+                match early.admission {
+                    Some((ticket, asked)) => {
+                        let n = tiers.len().min(asked);
+                        self.engine
+                            .answer_lookup(now, ticket, &tiers[..n], &mut self.events);
+                    }
+                    None => {
+                        if self.engine.offer(id, early.from, early.to, tiers) {
+                            if let Some(agent) = &self.agent {
+                                agent.counters.early_answers.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -608,6 +725,7 @@ impl EngineLoop {
                         last_token_us: now,
                     },
                 );
+                self.ask_at_arrival(&req);
                 self.engine.submit(now, req);
                 // Start a step at once if the engine was idle.
                 self.advance(now);
@@ -630,6 +748,7 @@ impl EngineLoop {
     }
 
     fn cancel(&mut self, now: u64, id: u64) {
+        self.early.remove(&id);
         if let Some(plan) = &mut self.plan {
             plan.finished(id);
         }
@@ -891,6 +1010,15 @@ fn render_metrics(model: &str, s: &Snapshot, agent: Option<AgentView<'_>>) -> St
             "counter",
             "Failed calls to the host's cache-agent (the engine recomputed instead).",
             &[("", get(&c.errors))],
+        );
+        metric(
+            crate::metric_names::ENGINE_AGENT_ARRIVAL_LOOKUPS_TOTAL,
+            "counter",
+            "Lookups asked of the host's cache-agent when a request arrived: asked, and answered in time (before admission, which then asked nothing).",
+            &[
+                (",outcome=\"asked\"", get(&c.early_lookups)),
+                (",outcome=\"in_time\"", get(&c.early_answers)),
+            ],
         );
     }
     metric(

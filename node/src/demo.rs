@@ -32,7 +32,9 @@ pub struct DemoArgs {
     /// Arrival rate in model time, requests/s.
     #[arg(long, default_value_t = 20.0)]
     pub rate: f64,
-    /// How much faster than the model's timings the engines run.
+    /// How much faster than the model's timings the engines run. Each run sends the
+    /// workload over its model duration divided by this (at least a minute); the
+    /// processes' own wall time counts this many times over in the model-time figures.
     #[arg(long, default_value_t = 10.0)]
     pub speedup: f64,
     /// Engine-sims behind the router.
@@ -740,7 +742,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             let mut config = LoadgenConfig::new(targets, "sim-llama");
             config.mode = Mode::OpenLoop { time_scale: args.speedup };
             config.timeout = Duration::from_secs(60);
-            config.max_duration = Some(Duration::from_secs(60));
+            config.max_duration = Some(send_window(stats.duration_us, args.speedup));
             let (stop, stopped) = tokio::sync::oneshot::channel();
             let sampler = args.report.as_ref().map(|_| {
                 let urls = cluster.engines.iter().map(|e| e.url.clone()).collect();
@@ -809,6 +811,14 @@ fn row_label(strategy: Strategy, agents: bool) -> String {
     } else {
         strategy.name().to_string()
     }
+}
+
+/// How long the load generator sends: the workload's model duration at the speed-up, and
+/// ten seconds more, but at least a minute. A slow speed-up (closer to the model's own
+/// timing, so the processes' own wall time weighs less in model time) then still sends
+/// every request, where a fixed minute cut it short.
+fn send_window(duration_us: u64, speedup: f64) -> Duration {
+    Duration::from_secs_f64((duration_us as f64 / 1e6 / speedup + 10.0).max(60.0))
 }
 
 fn render(rows: &[Row], speedup: f64) -> String {

@@ -69,8 +69,12 @@
 //! admission on, as the engine's own loads do, and prefill starts once the answer has
 //! come and the load has landed (always beside the batch, `async_loads` or not). A
 //! request preempted or cancelled before its answer forgets it (`answer_lookup` says
-//! false); an empty answer (the store failed or had nothing) costs a recompute. The
-//! simulator never turns this on.
+//! false); an empty answer (the store failed or had nothing) costs a recompute. A caller
+//! that asked the store while the request queued hands the answer over with
+//! [`Engine::offer`]: admission then takes those blocks as its own tiers' (loading them
+//! beside the batch) and asks nothing for the range answered, so the request is admitted
+//! into the step at hand rather than parked until the next one. The simulator never
+//! turns this on.
 //!
 //! # Prefetch
 //!
@@ -305,6 +309,9 @@ struct Seq {
     /// See [`EngineRequest::offered`].
     offered: Vec<Tier>,
     offered_from: usize,
+    /// The outside store was asked for `keys[offered_from..offered_to]` and handed over
+    /// `offered`, its leading run ([`Engine::offer`]): admission asks no lookup inside it.
+    offered_to: usize,
     // The current run: reset by preemption.
     /// With asynchronous loads, when this run's loaded blocks are all on the GPU; its
     /// prefill waits until then (0: nothing to wait for).
@@ -488,6 +495,7 @@ impl Engine {
             output_tokens,
             generated: 0,
             first_hits: None,
+            offered_to: req.offered_from + req.offered.len(),
             offered: req.offered,
             offered_from: req.offered_from,
             ready_us: 0,
@@ -505,6 +513,28 @@ impl Engine {
     /// engine's own tiers hold (see "Outside lookups"); off by default.
     pub fn set_outside_lookups(&mut self, on: bool) {
         self.outside = on;
+    }
+
+    /// An outside store's answer for waiting request `id`, before its admission: asked for
+    /// `keys[from..to]`, it handed over the leading blocks, from `tiers`. Admission takes
+    /// them as it takes [`EngineRequest::offered`] (a block the GPU lost meanwhile ends the
+    /// run) and asks no lookup of its own for blocks inside `from..to`, so a request whose
+    /// store answered while it queued is admitted into the step at hand, as one whose
+    /// engine holds its tiers itself. Returns false, changing nothing, when `id` is not
+    /// waiting (admitted, cancelled or unknown) or the range is empty or past its keys.
+    pub fn offer(&mut self, id: u64, from: usize, to: usize, tiers: &[Tier]) -> bool {
+        let Some(seq) = self.waiting.iter_mut().find(|s| s.id == id) else {
+            return false;
+        };
+        if from >= to || to > seq.keys.len() {
+            return false;
+        }
+        seq.offered.clear();
+        seq.offered
+            .extend_from_slice(&tiers[..tiers.len().min(to - from)]);
+        seq.offered_from = from;
+        seq.offered_to = to;
+        true
     }
 
     /// Moves the lookups asked since the last call into `out`, in the order asked.
@@ -945,7 +975,9 @@ impl Engine {
                 .unwrap_or(max_hit),
             false => loaded,
         };
-        if loaded < to {
+        // What the store already answered for this request needs no second asking.
+        let answered = seq.offered_from <= loaded && to <= seq.offered_to;
+        if loaded < to && !answered {
             let ticket = self.next_ticket;
             self.next_ticket += 1;
             self.lookups.push(Lookup {
@@ -1737,6 +1769,74 @@ mod tests {
         }));
         assert!(e.can_ever_fit(16 * 98, 1));
         assert!(!e.can_ever_fit(16 * 99 + 1, 1));
+    }
+
+    #[test]
+    fn an_answer_offered_before_admission_admits_into_the_step_at_hand() {
+        let d = ModelProfile::dynamo_default();
+        let (mut l2, mut events, mut lookups) = (TierSet::lru(0), Vec::new(), Vec::new());
+        let mut e = Engine::new(config(16, 100), d.clone());
+        e.set_outside_lookups(true);
+        // A (6 blocks + 4 tokens): the store answered while it queued that it has none of
+        // the 6: no lookup, and its prefill runs in the first step.
+        e.submit(0, req(1, keys(1, 6), 100, 2));
+        assert!(e.offer(1, 0, 6, &[]));
+        assert!(!e.offer(9, 0, 6, &[]), "no such request");
+        assert!(!e.offer(1, 3, 9, &[]), "past its keys");
+        let end = e.start_step(0, &mut l2, &mut events).expect("a step");
+        e.take_lookups(&mut lookups);
+        assert!(lookups.is_empty(), "answered already: {lookups:?}");
+        e.complete_step(end, &mut l2, &mut events);
+        check_accounting(&e);
+        assert!(events.contains(&EngineEvent::FirstToken {
+            id: 1,
+            at_us: end,
+            gpu_hit_tokens: 0,
+            l1_hit_tokens: 0,
+            l2_hit_tokens: 0,
+        }));
+        assert!(!e.offer(1, 0, 6, &[]), "admitted: nothing to offer to");
+        // A' (the same shape): the answer held blocks 0 and 1, from L1 and L2; they count
+        // as hits and load, and nothing is asked at admission.
+        let mut e = Engine::new(config(16, 100), d.clone());
+        e.set_outside_lookups(true);
+        e.submit(0, req(3, keys(3, 6), 100, 2));
+        assert!(e.offer(3, 0, 6, &[Tier::L1, Tier::L2]));
+        let mut now = 0;
+        events.clear();
+        while e.in_flight() > 0 {
+            if let Some(end) = e.start_step(now, &mut l2, &mut events) {
+                e.take_lookups(&mut lookups);
+                assert!(lookups.is_empty(), "answered already: {lookups:?}");
+                e.complete_step(end, &mut l2, &mut events);
+                now = end;
+            }
+        }
+        check_accounting(&e);
+        assert!(events.iter().any(|ev| matches!(
+            ev,
+            EngineEvent::FirstToken {
+                id: 3,
+                gpu_hit_tokens: 0,
+                l1_hit_tokens: 16,
+                l2_hit_tokens: 16,
+                ..
+            }
+        )));
+        // B (4 blocks + 4 tokens): the answer covered blocks 0..2 only (the GPU held
+        // block 2 then; it lost it since): admission asks for the rest itself.
+        let mut e = Engine::new(config(16, 100), d);
+        e.set_outside_lookups(true);
+        e.submit(0, req(2, keys(5, 4), 68, 1));
+        assert!(e.offer(2, 0, 2, &[]));
+        assert_eq!(
+            e.start_step(0, &mut l2, &mut events),
+            None,
+            "B waits for its lookup"
+        );
+        e.take_lookups(&mut lookups);
+        assert_eq!(lookups.len(), 1);
+        assert_eq!(lookups[0].keys, keys(5, 4));
     }
 
     #[test]
