@@ -1,11 +1,12 @@
 //! engine-sim's side of the host's cache-agent (`warmpath engine-sim --agent ADDR`).
 //!
 //! Blocks the engine model evicts from GPU memory are offloaded to the agent as real
-//! payloads, in batches, by a background task; when the engine admits a request whose
-//! prompt continues past what the GPU holds, the engine loop asks the agent for the
-//! following blocks (lookup-and-lease, then get) in a task of its own and hands the engine
-//! model the ones that arrived whole, which it loads at the profile's tier bandwidth
-//! instead of recomputing them; the request waits for them, the batch does not.
+//! payloads, in batches, by a background task; when a request arrives, and again when the
+//! engine admits it for what the arrival's answer did not cover, whose prompt continues
+//! past what the GPU holds, the engine loop asks the agent for the following blocks
+//! (lookup-and-lease, then get) in a task of its own and hands the engine model the ones
+//! that arrived whole, which it loads at the profile's tier bandwidth instead of
+//! recomputing them; a request admitted before its answer waits for it, the batch does not.
 //!
 //! A payload is `block_bytes` long (the profile's KV bytes per token × block tokens × a
 //! scale factor, so that tests stay small) and its content is a function of its id, so a

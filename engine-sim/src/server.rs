@@ -11,12 +11,15 @@
 //! token delivery a little but never distorts the model's timeline). Requests are
 //! submitted at the virtual time they arrive, after every step that ended before it.
 //!
-//! With the host's cache-agent (`offload.rs`), the engine asks it for a request's blocks
-//! past the GPU's prefix when it admits the request, not when the request arrives
-//! (`Engine::set_outside_lookups`): the loop starts the fetch in a task of its own, the
-//! request holds its GPU blocks and waits while the batch goes on, and the answer comes
-//! back to the loop on a channel of its own (empty when the agent failed or missed the
-//! deadline: a recompute).
+//! With the host's cache-agent (`offload.rs`), the loop asks it for a request's blocks past
+//! the GPU's prefix when the request arrives; an answer that comes while the request queues
+//! is handed to the engine (`Engine::offer`), and admission asks nothing for the range it
+//! covers, so the request is admitted into the step at hand. Admission asks for what the
+//! arrival did not cover, e.g. blocks the GPU evicted meanwhile
+//! (`Engine::set_outside_lookups`): the loop starts the fetch in a task of its own (or waits
+//! for the arrival's, when it asked the same), the request holds its GPU blocks and waits
+//! while the batch goes on, and the answer comes back to the loop on a channel of its own
+//! (empty when the agent failed or missed the deadline: a recompute).
 //!
 //! The HTTP surface is the part of vLLM's that warmpath uses:
 //!
