@@ -15,6 +15,7 @@ use warmpath_index::profiles;
 use warmpath_sim::bounds::{ideal_hit_rate, pooled_hit_rate};
 use warmpath_sim::cluster::{simulate, ClusterConfig, Progress, RunReport, Sharing};
 use warmpath_sim::engine::EngineConfig;
+use warmpath_sim::faults::{summarize, Fault};
 use warmpath_sim::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
 use warmpath_sim::workload::{mooncake, ReadOptions, Workload, WorkloadStats};
 
@@ -124,6 +125,18 @@ pub struct SimulateArgs {
     /// each instance's load over time) to DIR/report.html.
     #[arg(long, value_name = "DIR")]
     pub report: Option<PathBuf>,
+    /// A fault to play, repeatable (times from the first arrival; durations in s or ms):
+    /// `agents-lost@60s:0.125[:for=30s][:expiry=3s][:resync=0.63s]` (a rack: the agents of
+    /// the first 12.5% of the hosts die; back after `for`), `router-restart@60s[:router=N]
+    /// [:catch-up=0.8s][:resync=0.63s]` (default: the last router),
+    /// `partition@60s:0.25:for=5s[:catch-up=1s]` (the last quarter of the routers cut off).
+    /// Each policy also runs without the faults, to compare.
+    #[arg(long = "fault", value_name = "FAULT")]
+    pub faults: Vec<Fault>,
+    /// Record the hit rate over time in windows of this many ms (`timeline` in --json);
+    /// with --fault, on at 1000 ms unless given.
+    #[arg(long)]
+    pub timeline_ms: Option<f64>,
 }
 
 /// Everything `simulate --json` prints.
@@ -137,6 +150,9 @@ pub struct SimulationOutput {
     /// tiers buy (empty without tiers).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub runs_without_tiers: Vec<RunReport>,
+    /// With faults: the same runs without them, in the same order (empty without faults).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs_without_faults: Vec<RunReport>,
 }
 
 #[derive(Serialize, Debug)]
@@ -167,6 +183,9 @@ pub struct ClusterSummary {
     pub prefix_tokens: u32,
     pub concurrency_threshold: u32,
     pub seed: u64,
+    /// The faults played, as given.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub faults: Vec<Fault>,
 }
 
 #[derive(Serialize, Debug)]
@@ -260,6 +279,11 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
         ..EngineConfig::default()
     };
     let tiered = engine.l1_blocks > 0 || engine.offload_to_l2;
+    let timeline_ms = match args.timeline_ms {
+        Some(ms) if ms.is_finite() && ms >= 1.0 => Some(ms),
+        Some(ms) => bail!("--timeline-ms must be at least 1 ms, got {ms}"),
+        None => (!args.faults.is_empty()).then_some(1000.0),
+    };
     let configs: Vec<ClusterConfig> = strategies
         .iter()
         .map(|&s| ClusterConfig {
@@ -281,6 +305,8 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             max_prompt_tokens: args.max_prompt_tokens,
             seed: args.seed,
             prefetch: !args.no_prefetch,
+            faults: args.faults.clone(),
+            timeline_us: timeline_ms.map(|ms| (ms * 1e3) as u64),
         })
         .collect();
     // With tiers, each policy also runs without them, in the same batch.
@@ -296,8 +322,31 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             ..c.clone()
         }));
     }
+    // With faults, each policy also runs without them.
+    let faulted = !args.faults.is_empty();
+    if faulted {
+        all.extend(configs.iter().map(|c| ClusterConfig {
+            faults: Vec::new(),
+            ..c.clone()
+        }));
+    }
     let mut runs = run_all(&all, &workload, show_progress)?;
+    let runs_without_faults = if faulted {
+        runs.split_off(runs.len() - configs.len())
+    } else {
+        Vec::new()
+    };
     let runs_without_tiers = runs.split_off(configs.len());
+    // Each fault's cost against the same run without the faults.
+    for (with, without) in runs.iter_mut().zip(&runs_without_faults) {
+        if let (Some(t), Some(b)) = (&with.timeline, &without.timeline) {
+            with.faults = args
+                .faults
+                .iter()
+                .map(|f| summarize(f, t, Some(b)))
+                .collect();
+        }
+    }
     let fleet_blocks = u64::from(gpu_blocks) * u64::from(args.instances);
     Ok(SimulationOutput {
         bounds: Bounds {
@@ -319,6 +368,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             prefix_tokens: args.prefix_tokens,
             concurrency_threshold: args.concurrency_threshold,
             seed: args.seed,
+            faults: args.faults.clone(),
         },
         workload: WorkloadSummary {
             name: workload.name.clone(),
@@ -329,6 +379,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
         },
         runs,
         runs_without_tiers,
+        runs_without_faults,
     })
 }
 
@@ -497,6 +548,55 @@ pub fn render_table(out: &SimulationOutput) -> String {
     s += &follow_ups_table(&out.runs, &out.runs_without_tiers);
     if !out.runs_without_tiers.is_empty() {
         s += &tiers_table(&out.runs, &out.runs_without_tiers);
+    }
+    if !out.runs_without_faults.is_empty() {
+        s += &faults_table(&out.runs);
+    }
+    s
+}
+
+/// What each fault cost each policy: the hit rate before it, its dip, how long until it was
+/// back, and the hit rate over that span against the same run without the faults.
+fn faults_table(with: &[RunReport]) -> String {
+    let pct = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{:.1}%", x * 100.0));
+    let window_s = with
+        .iter()
+        .find_map(|r| r.timeline.as_ref())
+        .map_or(1.0, |t| t.window_us as f64 / 1e6);
+    let mut s = format!(
+        "\nfaults: hit rate of the requests by arrival time; before: the 30 s before the fault; \
+         dip: the lowest {window_s} s window from the fault to 30 s after it is over; back: until the \
+         rolling 5 s hit rate stays within 1 point of the same run without the faults; during: \
+         the fault to that (at least 5 s), with and without the faults\n"
+    );
+    s += &format!(
+        "{:<13} {:<36} {:>7} {:>16} {:>8} {:>7} {:>7} {:>8} {:>7}\n",
+        "policy", "fault", "before", "dip (after)", "back", "span", "during", "without", "cost"
+    );
+    for r in with {
+        for f in &r.faults {
+            let cost = match (f.during, f.without_during) {
+                (Some(a), Some(b)) => format!("{:.1} pt", (b - a) * 100.0),
+                _ => "-".to_string(),
+            };
+            s += &format!(
+                "{:<13} {:<36} {:>7} {:>16} {:>8} {:>7} {:>7} {:>8} {:>7}\n",
+                r.policy,
+                f.fault,
+                pct(f.before),
+                format!(
+                    "{} ({})",
+                    pct(f.dip),
+                    f.dip_at_s.map_or("-".to_string(), |t| format!("+{t:.0} s"))
+                ),
+                f.recovered_after_s
+                    .map_or("not yet".to_string(), |t| format!("{t:.0} s")),
+                format!("{:.0} s", f.span_s),
+                pct(f.during),
+                pct(f.without_during),
+                cost,
+            );
+        }
     }
     s
 }

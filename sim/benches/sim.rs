@@ -42,6 +42,8 @@ fn main() {
             seed: 1,
             prefetch: false,
             residency_followers: None,
+            faults: Vec::new(),
+            timeline_us: None,
         };
         let mut times: Vec<f64> = (0..3)
             .map(|_| {

@@ -23,6 +23,7 @@
 //! delta (`publish`), and `Run::report` sums the figures up.
 
 use crate::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
+use crate::faults::{Fault, FaultError, FaultSummary, Timeline};
 use crate::stats::Samples;
 use crate::tiers::TierSet;
 use crate::workload::Workload;
@@ -80,6 +81,11 @@ pub struct ClusterConfig {
     /// of its prefix only in L2 has those blocks read into the host's L1 while it queues
     /// ([`Engine::prefetch`]), as live routers ask the host's agent.
     pub prefetch: bool,
+    /// What goes wrong during the run, and when ([`crate::faults`]).
+    pub faults: Vec<Fault>,
+    /// Record the hit rate over time in windows of this many microseconds
+    /// ([`RunReport::timeline`]) and, with faults, what each cost ([`RunReport::faults`]).
+    pub timeline_us: Option<u64>,
 }
 
 /// Why a run could not start.
@@ -100,6 +106,9 @@ pub enum SimError {
     /// The workload's block size differs from the engines'.
     #[error("the workload uses {workload}-token blocks but the engines use {engine}")]
     BlockSizeMismatch { workload: u32, engine: u32 },
+    /// A fault that does not fit the cluster.
+    #[error(transparent)]
+    Fault(#[from] FaultError),
 }
 
 /// Figures of one run.
@@ -141,6 +150,12 @@ pub struct RunReport {
     /// What reports plot (long arrays, left out of `--json`).
     #[serde(skip)]
     pub curves: Curves,
+    /// The hit rate over time, when asked for ([`ClusterConfig::timeline_us`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
+    /// What each fault cost, read off the timeline (empty without faults or timeline).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub faults: Vec<FaultSummary>,
 }
 
 /// Follow-up turns of a run: requests whose prompt begins with a whole earlier prompt
@@ -187,18 +202,37 @@ pub struct Progress {
 enum Event {
     Arrival(usize),
     StepEnd(u32),
-    /// Another replica's routing decisions reach `router`.
+    /// Replica `from`'s routing decisions reach the others (`to`: those listed; `None`:
+    /// every other replica, in order).
     Decisions {
-        router: u32,
+        from: u32,
+        to: Option<Vec<u32>>,
         /// What the deciding replica shared (sampled keys, as the live routers share).
         batch: Rc<Vec<SharedDecision>>,
     },
-    /// A residency message of `host`'s agent reaches `router`.
+    /// A residency message of `host`'s agent reaches `router`, over the router's residency
+    /// link number `link` (a restarted router's links are new: messages on the old die).
     Residency {
         router: u32,
         host: u32,
         msg: Rc<Msg>,
+        link: u32,
     },
+    /// Fault number `n` of the configuration strikes.
+    Fault(usize),
+    /// Routers poll the silent agents of fault `n` (every 100 ms, as a live router's
+    /// expiry task does).
+    ExpiryTick(usize),
+    /// The agents of fault `n` start again.
+    AgentsBack(usize),
+    /// The started agents of fault `n` are connected: their followers take a snapshot.
+    AgentsResync(usize),
+    /// Restarted `router`'s residency links are up: its agents send their snapshots.
+    RouterResync(u32),
+    /// Restarted `router` has caught up with gossip: its peers' live decisions reach it.
+    RouterCatchUp(u32),
+    /// A partition heals.
+    Heal,
 }
 
 /// The residency scope of an engine event's tier (one engine per host: its GPU is the
@@ -231,10 +265,16 @@ struct Track {
     decision: Option<Decision>,
     /// When it was decided.
     decided_at: u64,
+    /// The start of its router that routed it (a router restarted since never hears of
+    /// it).
+    start: u32,
 }
 
 /// The model name the simulated pool serves.
 const MODEL: &str = "sim";
+
+/// A live router's expiry task polls its agents' views this often.
+const EXPIRY_POLL_US: u64 = 100_000;
 
 /// Runs `workload` on a cluster and reports the figures. `progress` is called now and
 /// then with the completed count.
@@ -268,23 +308,34 @@ pub fn simulate(
 struct EventQueue {
     /// (time, insertion number, index in `events`).
     heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
-    /// Every event ever pushed, taken out when it is popped.
+    /// The pending events, by slot; a popped event's slot is reused.
     events: Vec<Option<Event>>,
+    /// Slots free for the next pushes.
+    free: Vec<usize>,
     /// Insertion number of the next push: breaks ties between events at the same time.
     seq: u64,
 }
 
 impl EventQueue {
     fn push(&mut self, at: u64, event: Event) {
-        self.events.push(Some(event));
-        self.heap
-            .push(Reverse((at, self.seq, self.events.len() - 1)));
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.events[slot] = Some(event);
+                slot
+            }
+            None => {
+                self.events.push(Some(event));
+                self.events.len() - 1
+            }
+        };
+        self.heap.push(Reverse((at, self.seq, slot)));
         self.seq += 1;
     }
 
-    /// The earliest event and its time (`None` as the event if it was already taken).
+    /// The earliest event and its time.
     fn pop(&mut self) -> Option<(u64, Option<Event>)> {
         let Reverse((at, _, slot)) = self.heap.pop()?;
+        self.free.push(slot);
         Some((at, self.events[slot].take()))
     }
 }
@@ -295,27 +346,57 @@ impl EventQueue {
 struct Feed {
     /// Host to its agent's session.
     publishers: Vec<Publisher>,
+    /// Host to its agent's state (all up unless a fault says otherwise).
+    agents: Vec<Agent>,
+    /// Agent starts so far, to give each started agent an epoch of its own.
+    starts: u64,
     /// Router, then host: whether the router follows the host's agent.
     follows: Vec<Vec<bool>>,
     /// Router, then host, to the router's view of that agent.
     subscribers: Vec<Vec<Subscriber>>,
+    /// Router to the number of its residency links (a restart makes new ones) and whether
+    /// they are up (not between a restart and its agents' snapshots).
+    links: Vec<(u32, bool)>,
+    /// How long a router keeps a silent agent's residency (only polled for agents a fault
+    /// kills: the simulated agents are never silent otherwise).
+    expiry_us: u64,
     /// Parent of each key of the workload, for the changes' chains (the index keeps trees).
     parent_of: HashMap<BlockKey, BlockKey>,
 }
 
+/// An agent's state, as far as faults go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Agent {
+    /// Running, its followers connected.
+    Up,
+    /// Dead: it records and sends nothing (its engine keeps serving).
+    Down,
+    /// Started again, its followers not yet connected: it records, and sends nothing yet.
+    Starting,
+}
+
 impl Feed {
     /// One agent per host, every replica following each from its (empty) first snapshot;
-    /// nothing is lost on the way, so an agent never expires.
+    /// nothing is lost on the way, so an agent expires only when a fault kills it.
     fn new(config: &ClusterConfig, workload: &Workload, follows: Vec<Vec<bool>>) -> Self {
         let publishers: Vec<Publisher> = (0..config.instances)
             .map(|i| Publisher::new(u64::from(i) + 1, vec![format!("i{i}")]))
             .collect();
+        let expiry_us = config
+            .faults
+            .iter()
+            .filter_map(|f| match f {
+                Fault::AgentsLost { expiry_us, .. } => Some(*expiry_us),
+                _ => None,
+            })
+            .min()
+            .unwrap_or(u64::MAX);
         let subscribers = (0..config.routers)
             .map(|_| {
                 publishers
                     .iter()
                     .map(|p| {
-                        let mut s = Subscriber::new(u64::MAX);
+                        let mut s = Subscriber::new(expiry_us);
                         for m in p.snapshot() {
                             s.handle(0, m);
                         }
@@ -332,10 +413,19 @@ impl Feed {
         }
         Feed {
             publishers,
+            agents: vec![Agent::Up; config.instances as usize],
+            starts: 0,
             follows,
             subscribers,
+            links: vec![(0, true); config.routers as usize],
+            expiry_us,
             parent_of,
         }
+    }
+
+    /// Whether `router` takes `host`'s messages now.
+    fn delivers(&self, router: u32, host: u32) -> bool {
+        self.follows[router as usize][host as usize] && self.links[router as usize].1
     }
 }
 
@@ -399,10 +489,16 @@ const PEERS: &str = "peers";
 /// with the same arguments), and their sum over the cluster. A replica's peers' load is
 /// then the sum less its own: one pass over the instances per route, where asking every
 /// replica for its loads was one pass per replica (most of a 128-router run's time).
+///
+/// In a partition, each side sees the other's load as it was at the cut (the last one
+/// published across it), so the sums are also kept per side.
 #[derive(Debug)]
 struct Loads {
     own: Vec<LoadView>,
     total: LoadView,
+    /// In a partition: the first router of the cut-off side, each side's sum now, and each
+    /// side's sum at the cut.
+    cut: Option<(u32, [LoadView; 2], [LoadView; 2])>,
 }
 
 impl Loads {
@@ -410,38 +506,96 @@ impl Loads {
         Loads {
             own: vec![LoadView::new(); routers as usize],
             total: LoadView::new(),
+            cut: None,
         }
+    }
+
+    /// The views that count replica `r`'s load: the total and, in a partition, its side's.
+    fn sums_of(&mut self, r: u32) -> impl Iterator<Item = &mut LoadView> {
+        let side = self
+            .cut
+            .as_mut()
+            .map(|(first, now, _)| &mut now[usize::from(r >= *first)]);
+        std::iter::once(&mut self.own[r as usize])
+            .chain(std::iter::once(&mut self.total))
+            .chain(side)
     }
 
     /// Replica `r` sent a request with `pending` tokens to prefill to `instance`.
     fn start(&mut self, r: u32, instance: InstanceId, pending: u32) {
-        self.own[r as usize].start(instance, u64::from(pending));
-        self.total.start(instance, u64::from(pending));
+        for v in self.sums_of(r) {
+            v.start(instance, u64::from(pending));
+        }
     }
 
     fn first_token(&mut self, r: u32, instance: InstanceId, pending: u32) {
-        self.own[r as usize].first_token(instance, u64::from(pending));
-        self.total.first_token(instance, u64::from(pending));
+        for v in self.sums_of(r) {
+            v.first_token(instance, u64::from(pending));
+        }
     }
 
     fn finish(&mut self, r: u32, instance: InstanceId, pending: u32, prefilled: bool) {
-        self.own[r as usize].finish(instance, u64::from(pending), prefilled);
-        self.total.finish(instance, u64::from(pending), prefilled);
+        for v in self.sums_of(r) {
+            v.finish(instance, u64::from(pending), prefilled);
+        }
+    }
+
+    /// The sum of the replicas in `routers`.
+    fn sum(&self, routers: std::ops::Range<usize>) -> LoadView {
+        let mut sum = LoadView::new();
+        for v in &self.own[routers] {
+            sum.add(v);
+        }
+        sum
+    }
+
+    /// Replica `r` restarted: it has no request in flight (its peers see none from it).
+    fn restart(&mut self, r: u32) {
+        self.own[r as usize] = LoadView::new();
+        self.total = self.sum(0..self.own.len());
+        if let Some(first) = self.cut.as_ref().map(|c| c.0 as usize) {
+            let sides = [self.sum(0..first), self.sum(first..self.own.len())];
+            if let Some((_, now, _)) = &mut self.cut {
+                *now = sides;
+            }
+        }
+    }
+
+    /// Routers from `first` on are cut off from the others.
+    fn cut(&mut self, first: u32) {
+        let first_us = first as usize;
+        let sides = [self.sum(0..first_us), self.sum(first_us..self.own.len())];
+        self.cut = Some((first, sides.clone(), sides));
+    }
+
+    fn heal(&mut self) {
+        self.cut = None;
     }
 
     /// The load of every other replica, summed, by instance key (the simulated instances'
     /// keys are their indices).
+    /// In a partition: its side's replicas now, and the other side's as at the cut.
     fn peers_of(&self, r: u32, instances: u32) -> Vec<(u64, InstanceLoad)> {
         let own = &self.own[r as usize];
+        let (all, other) = match &self.cut {
+            None => (&self.total, None),
+            Some((first, now, then)) => {
+                let side = usize::from(r >= *first);
+                (&now[side], Some(&then[1 - side]))
+            }
+        };
         (0..instances)
             .map(|i| {
-                let (all, mine) = (self.total.get(InstanceId(i)), own.get(InstanceId(i)));
+                let i = InstanceId(i);
+                let (all, mine) = (all.get(i), own.get(i));
+                let across = other.map_or(InstanceLoad::default(), |v| v.get(i));
                 let others = InstanceLoad {
-                    in_flight: all.in_flight - mine.in_flight,
+                    in_flight: all.in_flight - mine.in_flight + across.in_flight,
                     pending_prefill_tokens: all.pending_prefill_tokens
-                        - mine.pending_prefill_tokens,
+                        - mine.pending_prefill_tokens
+                        + across.pending_prefill_tokens,
                 };
-                (u64::from(i), others)
+                (u64::from(i.0), others)
             })
             .collect()
     }
@@ -478,6 +632,70 @@ struct Run<'a> {
     last_us: u64,
     /// Per request, the blocks of context it inherits from an earlier turn (0: none).
     follow_up_context: Vec<u32>,
+    /// What faults did to the routers.
+    faulted: RouterFaults,
+    /// The hit rate over time, when asked for.
+    timeline: Option<Timeline>,
+}
+
+/// What faults changed about the routers ([`crate::faults`]).
+#[derive(Debug)]
+struct RouterFaults {
+    /// Per router, its starts so far less one (a request routed before a restart is unknown
+    /// to the router after it).
+    starts: Vec<u32>,
+    /// Per router, until when decisions reaching it are left to its catch-up (it restarted
+    /// and has not caught up with gossip yet).
+    catching_up: Vec<Option<u64>>,
+    /// Every batch shared, when and by whom, while a restart is to come: the batches alive
+    /// in gossip, which a restarted router catches up with. Dropped after the last catch-up.
+    shared: Option<Vec<Shared>>,
+    /// When the last restarted router catches up (the log is kept until then).
+    last_catch_up_us: u64,
+    /// The partition in force.
+    cut: Option<Cut>,
+}
+
+/// A batch of decisions as shared: when, by which replica.
+type Shared = (u64, u32, Rc<Vec<SharedDecision>>);
+
+/// A partition: routers from `first` on are cut off from the others until `heal_us`;
+/// decisions held back arrive `catch_up_us` after it.
+#[derive(Clone, Copy, Debug)]
+struct Cut {
+    first: u32,
+    heal_us: u64,
+    catch_up_us: u64,
+}
+
+impl RouterFaults {
+    fn new(config: &ClusterConfig, workload: &Workload) -> Self {
+        let first_us = workload.requests.first().map_or(0, |r| r.arrival_us);
+        let last_catch_up_us = config
+            .faults
+            .iter()
+            .filter_map(|f| match *f {
+                Fault::RouterRestart {
+                    at_us, catch_up_us, ..
+                } => Some(first_us + at_us + catch_up_us),
+                _ => None,
+            })
+            .max();
+        RouterFaults {
+            starts: vec![0; config.routers as usize],
+            catching_up: vec![None; config.routers as usize],
+            shared: last_catch_up_us.map(|_| Vec::new()),
+            last_catch_up_us: last_catch_up_us.unwrap_or(0),
+            cut: None,
+        }
+    }
+}
+
+impl Cut {
+    /// Whether a decision between routers `a` and `b` crosses the cut at `now`.
+    fn separates(&self, now: u64, a: u32, b: u32) -> bool {
+        now < self.heal_us && (a >= self.first) != (b >= self.first)
+    }
 }
 
 impl<'a> Run<'a> {
@@ -490,7 +708,7 @@ impl<'a> Run<'a> {
         let router_names: Vec<String> =
             (0..config.routers).map(|r| format!("router-{r}")).collect();
         let follows = follower_matrix(config, &router_names);
-        Run {
+        let mut run = Run {
             config,
             workload,
             lb_rng: Rng::new(config.seed).fork(1),
@@ -520,7 +738,14 @@ impl<'a> Run<'a> {
             load: LoadSampler::new(workload),
             last_us: 0,
             follow_up_context: workload.follow_up_context(),
+            faulted: RouterFaults::new(config, workload),
+            timeline: config.timeline_us.map(Timeline::new),
+        };
+        let first_us = run.load.first_us;
+        for (n, f) in config.faults.iter().enumerate() {
+            run.queue.push(first_us + f.at_us(), Event::Fault(n));
         }
+        run
     }
 
     fn progress(&self) -> Progress {
@@ -544,14 +769,246 @@ impl<'a> Run<'a> {
                 self.step_end(now, inst);
                 Some(inst)
             }
-            Event::Decisions { router, batch } => {
-                self.replicas[router as usize].apply_shared(&batch, now);
+            Event::Decisions { from, to, batch } => {
+                self.decisions(now, from, to, batch);
                 None
             }
-            Event::Residency { router, host, msg } => {
-                self.residency(now, router, host, &msg);
+            Event::Residency {
+                router,
+                host,
+                msg,
+                link,
+            } => {
+                // Messages on a link that died with a restart are lost with it.
+                if link == self.feed.links[router as usize].0 {
+                    self.residency(now, router, host, &msg);
+                }
                 None
             }
+            Event::Fault(n) => {
+                self.fault(now, n);
+                None
+            }
+            Event::ExpiryTick(n) => {
+                self.expiry_tick(now, n);
+                None
+            }
+            Event::AgentsBack(n) => {
+                self.agents_back(now, n);
+                None
+            }
+            Event::AgentsResync(n) => {
+                self.agents_resync(now, n);
+                None
+            }
+            Event::RouterResync(r) => {
+                self.router_resync(now, r);
+                None
+            }
+            Event::RouterCatchUp(r) => {
+                self.router_catch_up(now, r);
+                None
+            }
+            Event::Heal => {
+                self.faulted.cut = None;
+                self.loads.heal();
+                None
+            }
+        }
+    }
+
+    /// Replica `from`'s `batch` of decisions reaches `to` (`None`: every other replica),
+    /// except a replica still to catch up after a restart (the catch-up brings it) and, in
+    /// a partition, those across the cut, which get it once it heals.
+    fn decisions(
+        &mut self,
+        now: u64,
+        from: u32,
+        to: Option<Vec<u32>>,
+        batch: Rc<Vec<SharedDecision>>,
+    ) {
+        let to = to.unwrap_or_else(|| (0..self.config.routers).filter(|&o| o != from).collect());
+        let mut held_back = Vec::new();
+        for o in to {
+            if self.faulted.catching_up[o as usize].is_some_and(|until| now < until) {
+                continue;
+            }
+            if let Some(cut) = self.faulted.cut.filter(|c| c.separates(now, from, o)) {
+                held_back.push((o, cut.heal_us + cut.catch_up_us));
+                continue;
+            }
+            self.replicas[o as usize].apply_shared(&batch, now);
+        }
+        if let Some(&(_, at)) = held_back.first() {
+            let to = Some(held_back.into_iter().map(|(o, _)| o).collect());
+            self.queue.push(at, Event::Decisions { from, to, batch });
+        }
+    }
+
+    /// Fault number `n` strikes now.
+    fn fault(&mut self, now: u64, n: usize) {
+        let config = self.config;
+        match config.faults[n] {
+            Fault::AgentsLost {
+                share,
+                back_after_us,
+                ..
+            } => {
+                let delay = config.agent_feed_delay_us.unwrap_or(0);
+                for h in 0..Fault::hosts_lost(share, config.instances) {
+                    // Its last heartbeat (a live agent sends one every 500 ms): its
+                    // followers' expiry runs from there.
+                    self.heartbeat(now, h, delay);
+                    self.feed.agents[h as usize] = Agent::Down;
+                    // The L1 lived in the agent: gone, and none while it is down.
+                    self.engines[h as usize].replace_l1(0);
+                }
+                self.queue.push(now + EXPIRY_POLL_US, Event::ExpiryTick(n));
+                if let Some(back) = back_after_us {
+                    self.queue.push(now + back, Event::AgentsBack(n));
+                }
+            }
+            Fault::RouterRestart {
+                router,
+                catch_up_us,
+                resync_us,
+                ..
+            } => {
+                let r = router.unwrap_or(config.routers - 1);
+                let pool = pool(config);
+                self.replicas[r as usize] = replica(config, r, &pool, |_| false);
+                self.faulted.starts[r as usize] += 1;
+                self.faulted.catching_up[r as usize] = Some(now + catch_up_us);
+                self.loads.restart(r);
+                let (link, _) = self.feed.links[r as usize];
+                self.feed.links[r as usize] = (link + 1, false);
+                let expiry = self.feed.expiry_us;
+                for s in &mut self.feed.subscribers[r as usize] {
+                    *s = Subscriber::new(expiry);
+                }
+                self.queue.push(now + resync_us, Event::RouterResync(r));
+                self.queue.push(now + catch_up_us, Event::RouterCatchUp(r));
+            }
+            Fault::Partition {
+                share,
+                for_us,
+                catch_up_us,
+                ..
+            } => {
+                let first = config.routers - Fault::routers_cut(share, config.routers);
+                self.faulted.cut = Some(Cut {
+                    first,
+                    heal_us: now + for_us,
+                    catch_up_us,
+                });
+                self.loads.cut(first);
+                self.queue.push(now + for_us, Event::Heal);
+            }
+        }
+    }
+
+    /// The hosts fault `n` hits (agents lost).
+    fn hosts_of(&self, n: usize) -> u32 {
+        match self.config.faults[n] {
+            Fault::AgentsLost { share, .. } => Fault::hosts_lost(share, self.config.instances),
+            _ => 0,
+        }
+    }
+
+    /// The routers that followed fault `n`'s dead agents poll their views, as a live
+    /// router's expiry task does: a view silent past the expiry drops what it reported.
+    /// Polls again until every such view has expired (or its agent is back).
+    fn expiry_tick(&mut self, now: u64, n: usize) {
+        let mut waiting = false;
+        for h in 0..self.hosts_of(n) {
+            if self.feed.agents[h as usize] != Agent::Down {
+                continue;
+            }
+            for r in 0..self.config.routers {
+                if !self.feed.delivers(r, h) {
+                    continue;
+                }
+                let view = &mut self.feed.subscribers[r as usize][h as usize];
+                let outcome = view.poll(now);
+                waiting |= outcome == Outcome::Nothing && (view.in_sync() || !view.is_empty());
+                self.apply_outcome(now, r, h, outcome);
+            }
+        }
+        if waiting {
+            self.queue.push(now + EXPIRY_POLL_US, Event::ExpiryTick(n));
+        }
+    }
+
+    /// Fault `n`'s agents start again: a new epoch, an empty L1, the GPU's blocks from the
+    /// engine's replay; their followers connect `resync` later.
+    fn agents_back(&mut self, now: u64, n: usize) {
+        let Fault::AgentsLost { resync_us, .. } = self.config.faults[n] else {
+            return;
+        };
+        for h in 0..self.hosts_of(n) {
+            self.feed.agents[h as usize] = Agent::Starting;
+            self.engines[h as usize].replace_l1(self.config.engine.l1_blocks);
+            self.feed.starts += 1;
+            let epoch = (self.feed.starts << 32) | (u64::from(h) + 1);
+            let mut publisher = Publisher::new(epoch, vec![format!("i{h}")]);
+            for key in self.engines[h as usize].gpu_keys() {
+                publisher.record(Change {
+                    scope: Scope::Gpu(0),
+                    key: key.0,
+                    parent: self.feed.parent_of.get(&key).map(|p| p.0),
+                    present: true,
+                });
+            }
+            // Nobody follows it yet: its snapshot will carry these.
+            publisher.next_all(false, now / 1000);
+            self.feed.publishers[h as usize] = publisher;
+        }
+        self.queue.push(now + resync_us, Event::AgentsResync(n));
+    }
+
+    /// Fault `n`'s started agents are connected: each follower takes a snapshot.
+    fn agents_resync(&mut self, now: u64, n: usize) {
+        for h in 0..self.hosts_of(n) {
+            if self.feed.agents[h as usize] != Agent::Starting {
+                continue;
+            }
+            self.feed.agents[h as usize] = Agent::Up;
+            for r in 0..self.config.routers {
+                if self.feed.delivers(r, h) {
+                    self.snapshot_to(now, r, h);
+                }
+            }
+        }
+    }
+
+    /// Restarted router `r`'s residency links are up: each agent it follows sends it a
+    /// snapshot.
+    fn router_resync(&mut self, now: u64, r: u32) {
+        self.feed.links[r as usize].1 = true;
+        for h in 0..self.config.instances {
+            if self.feed.delivers(r, h) && self.feed.agents[h as usize] == Agent::Up {
+                self.snapshot_to(now, r, h);
+            }
+        }
+    }
+
+    /// Restarted router `r` has caught up with gossip: every batch its peers shared that is
+    /// still alive (within the decision TTL) and that reached the others before now.
+    fn router_catch_up(&mut self, now: u64, r: u32) {
+        self.faulted.catching_up[r as usize] = None;
+        let Sharing::Delayed(d) = self.config.sharing else {
+            return;
+        };
+        let ttl = self.config.index.predicted_ttl_us;
+        if let Some(log) = &self.faulted.shared {
+            for (sent, from, batch) in log {
+                if *from != r && sent + ttl >= now && sent + d < now {
+                    self.replicas[r as usize].apply_shared(batch, now);
+                }
+            }
+        }
+        if now >= self.faulted.last_catch_up_us {
+            self.faulted.shared = None;
         }
     }
 
@@ -579,6 +1036,7 @@ impl<'a> Run<'a> {
             pending: decision.uncached_tokens,
             decided_at: decision.decided_at,
             decision: Some(decision),
+            start: self.faulted.starts[r as usize],
         };
         let engine = &mut self.engines[inst as usize];
         engine.submit(
@@ -647,13 +1105,15 @@ impl<'a> Run<'a> {
                     return;
                 }
                 let batch = Rc::new(batch);
-                for o in (0..self.config.routers).filter(|&o| o != r) {
-                    let event = Event::Decisions {
-                        router: o,
-                        batch: batch.clone(),
-                    };
-                    self.queue.push(now + d, event);
+                if let Some(log) = &mut self.faulted.shared {
+                    log.push((now, r, batch.clone()));
                 }
+                let event = Event::Decisions {
+                    from: r,
+                    to: None,
+                    batch,
+                };
+                self.queue.push(now + d, event);
             }
         }
     }
@@ -671,12 +1131,23 @@ impl<'a> Run<'a> {
     /// changes.
     fn residency(&mut self, now: u64, router: u32, host: u32, msg: &Msg) {
         let subscriber = &mut self.feed.subscribers[router as usize][host as usize];
-        let changes = match subscriber.handle(now, msg.clone()) {
-            Outcome::Apply { changes, .. } => changes,
-            Outcome::Reset { removed, .. } => removed,
-            Outcome::Nothing => Vec::new(),
+        let outcome = subscriber.handle(now, msg.clone());
+        self.apply_outcome(now, router, host, outcome);
+    }
+
+    /// What `router`'s view of `host`'s agent says to do, done as the live router does:
+    /// the engine is observed after a snapshot or delta and not after a reset, whose
+    /// removals drop what the agent reported; a resync asked is answered with a snapshot.
+    fn apply_outcome(&mut self, now: u64, router: u32, host: u32, outcome: Outcome) {
+        let (changes, observed, resync) = match outcome {
+            Outcome::Apply { changes, .. } => (changes, true, false),
+            Outcome::Reset {
+                removed, resync, ..
+            } => (removed, false, resync),
+            Outcome::Nothing => return,
         };
         let replica = &mut self.replicas[router as usize];
+        replica.set_observed(InstanceId(host), observed);
         for c in changes {
             replica.observe(
                 InstanceId(host),
@@ -686,6 +1157,39 @@ impl<'a> Run<'a> {
                 c.present,
                 now,
             );
+        }
+        if resync && self.feed.agents[host as usize] == Agent::Up {
+            let delay = self.config.agent_feed_delay_us.unwrap_or(0);
+            self.snapshot_to(now + delay, router, host);
+        }
+    }
+
+    /// `host`'s agent sends `router` its snapshot at `now` (changes not yet sent go first to
+    /// the routers already following it, so that the snapshot ends where its deltas go on).
+    fn snapshot_to(&mut self, now: u64, router: u32, host: u32) {
+        let Some(delay) = self.config.agent_feed_delay_us else {
+            return;
+        };
+        let publisher = &mut self.feed.publishers[host as usize];
+        let mut msgs = publisher.next_all(false, now / 1000);
+        let flushed = msgs.len();
+        msgs.extend(publisher.snapshot());
+        for (n, msg) in msgs.into_iter().enumerate() {
+            let msg = Rc::new(msg);
+            for o in 0..self.config.routers {
+                let to_router = o == router;
+                if to_router != (n >= flushed) || !self.feed.delivers(o, host) {
+                    continue;
+                }
+                let link = self.feed.links[o as usize].0;
+                let event = Event::Residency {
+                    router: o,
+                    host,
+                    msg: msg.clone(),
+                    link,
+                };
+                self.queue.push(now + delay, event);
+            }
         }
     }
 
@@ -724,7 +1228,8 @@ impl<'a> Run<'a> {
                     self.finish(id as usize, false);
                 }
                 EngineEvent::Stored { key, tier } | EngineEvent::Removed { key, tier }
-                    if self.config.agent_feed_delay_us.is_some() =>
+                    if self.config.agent_feed_delay_us.is_some()
+                        && self.feed.agents[host as usize] != Agent::Down =>
                 {
                     self.feed.publishers[host as usize].record(Change {
                         scope: scope_of(tier),
@@ -761,11 +1266,18 @@ impl<'a> Run<'a> {
                 left -= part;
             }
         }
+        if let Some(timeline) = &mut self.timeline {
+            let since = req.arrival_us.saturating_sub(self.load.first_us);
+            timeline.add(since, u64::from(req.prompt_tokens), u64::from(cached));
+        }
         let t = &mut self.tracks[i];
         t.first_token_us = Some(at_us);
         t.last_token_us = at_us;
         self.tally.output_tokens += 1;
         self.tally.ttft.push((at_us - req.arrival_us) as f64 / 1e3);
+        if t.start != self.faulted.starts[t.router as usize] {
+            return;
+        }
         let replica = &mut self.replicas[t.router as usize];
         replica.first_token(InstanceId(t.instance), t.pending);
         self.loads
@@ -787,6 +1299,9 @@ impl<'a> Run<'a> {
     /// Request `i` leaves its engine, completed or (not `prefilled`) rejected.
     fn finish(&mut self, i: usize, prefilled: bool) {
         let t = &self.tracks[i];
+        if t.start != self.faulted.starts[t.router as usize] {
+            return;
+        }
         self.replicas[t.router as usize].finish(
             InstanceId(t.instance),
             t.pending,
@@ -802,17 +1317,44 @@ impl<'a> Run<'a> {
         let Some(msg) = self.feed.publishers[host as usize].next(false, now / 1000) else {
             return;
         };
+        // An agent started again sends nothing until its followers connect (its snapshot
+        // then carries what it recorded meanwhile).
+        if self.feed.agents[host as usize] != Agent::Up {
+            return;
+        }
         let msg = Rc::new(msg);
         for router in 0..self.config.routers {
-            if !self.feed.follows[router as usize][host as usize] {
+            if !self.feed.delivers(router, host) {
                 continue;
             }
             let event = Event::Residency {
                 router,
                 host,
                 msg: msg.clone(),
+                link: self.feed.links[router as usize].0,
             };
             self.queue.push(now + delay, event);
+        }
+    }
+
+    /// `host`'s agent tells its followers it is alive, as it does when it has nothing to
+    /// send (the simulated agents send only this one, before they die: no router polls a
+    /// live agent's expiry).
+    fn heartbeat(&mut self, now: u64, host: u32, delay: u64) {
+        let Some(msg) = self.feed.publishers[host as usize].next(true, now / 1000) else {
+            return;
+        };
+        let msg = Rc::new(msg);
+        for router in 0..self.config.routers {
+            if self.feed.delivers(router, host) {
+                let event = Event::Residency {
+                    router,
+                    host,
+                    msg: msg.clone(),
+                    link: self.feed.links[router as usize].0,
+                };
+                self.queue.push(now + delay, event);
+            }
         }
     }
 
@@ -916,6 +1458,15 @@ impl<'a> Run<'a> {
                 },
                 load: self.load.samples,
             },
+            faults: match &self.timeline {
+                Some(t) => config
+                    .faults
+                    .iter()
+                    .map(|f| crate::faults::summarize(f, t, None))
+                    .collect(),
+                None => Vec::new(),
+            },
+            timeline: self.timeline,
         }
     }
 }
@@ -946,7 +1497,21 @@ fn follower_matrix(config: &ClusterConfig, routers: &[String]) -> Vec<Vec<bool>>
 /// The router replicas of a run, each serving the one pool of every instance.
 /// `follows`: [`follower_matrix`]'s, which the feed sends by.
 fn replicas(config: &ClusterConfig, follows: &[Vec<bool>]) -> Vec<RouterCore> {
-    let pool = [CorePool {
+    let pool = pool(config);
+    (0..config.routers)
+        .map(|r| {
+            // With the agent feed, a router sees the caches of the engines whose agents it
+            // follows.
+            replica(config, r, &pool, |i| {
+                config.agent_feed_delay_us.is_some() && follows[r as usize][i as usize]
+            })
+        })
+        .collect()
+}
+
+/// The one pool of every instance.
+fn pool(config: &ClusterConfig) -> [CorePool; 1] {
+    [CorePool {
         model: MODEL.to_string(),
         instances: (0..config.instances)
             .map(|i| InstanceSpec {
@@ -955,35 +1520,34 @@ fn replicas(config: &ClusterConfig, follows: &[Vec<bool>]) -> Vec<RouterCore> {
             })
             .collect(),
         ..CorePool::default()
-    }];
-    (0..config.routers)
-        .map(|r| {
-            let mut core = RouterCore::new(
-                CoreConfig {
-                    index: config.index,
-                    seed: config.seed ^ (u64::from(r) + 1).wrapping_mul(0x9e37_79b9),
-                    ..CoreConfig::default()
-                },
-                config.profile.clone(),
-            );
-            core.set_pools(&pool);
-            let capacity =
-                u64::from(config.engine.gpu_blocks) * u64::from(config.engine.block_tokens);
-            for i in 0..config.instances {
-                core.set_kv_capacity(InstanceId(i), capacity);
-                // With the agent feed, a router sees the caches of the engines whose agents
-                // it follows.
-                core.set_observed(
-                    InstanceId(i),
-                    config.agent_feed_delay_us.is_some() && follows[r as usize][i as usize],
-                );
-            }
-            if matches!(config.sharing, Sharing::Delayed(_)) {
-                core.enable_sharing();
-            }
-            core
-        })
-        .collect()
+    }]
+}
+
+/// Replica `r` as it starts, seeing the caches of the instances `observed` says.
+fn replica(
+    config: &ClusterConfig,
+    r: u32,
+    pool: &[CorePool],
+    observed: impl Fn(u32) -> bool,
+) -> RouterCore {
+    let mut core = RouterCore::new(
+        CoreConfig {
+            index: config.index,
+            seed: config.seed ^ (u64::from(r) + 1).wrapping_mul(0x9e37_79b9),
+            ..CoreConfig::default()
+        },
+        config.profile.clone(),
+    );
+    core.set_pools(pool);
+    let capacity = u64::from(config.engine.gpu_blocks) * u64::from(config.engine.block_tokens);
+    for i in 0..config.instances {
+        core.set_kv_capacity(InstanceId(i), capacity);
+        core.set_observed(InstanceId(i), observed(i));
+    }
+    if matches!(config.sharing, Sharing::Delayed(_)) {
+        core.enable_sharing();
+    }
+    core
 }
 
 fn validate(config: &ClusterConfig, workload: &Workload) -> Result<(), SimError> {
@@ -992,6 +1556,9 @@ fn validate(config: &ClusterConfig, workload: &Workload) -> Result<(), SimError>
     }
     if config.routers == 0 {
         return Err(SimError::NoRouters);
+    }
+    for f in &config.faults {
+        f.check(config.routers)?;
     }
     if workload.block_tokens != config.engine.block_tokens {
         return Err(SimError::BlockSizeMismatch {
@@ -1044,6 +1611,8 @@ mod tests {
             seed: 7,
             prefetch: false,
             residency_followers: None,
+            faults: Vec::new(),
+            timeline_us: None,
         }
     }
 
@@ -1178,6 +1747,283 @@ mod tests {
             SimError::EmptyPrompt {
                 id: empty.requests[3].id
             }
+        );
+    }
+
+    /// The cluster's state once every event up to `until_us` has been handled.
+    fn run_until<'a>(config: &'a ClusterConfig, w: &'a Workload, until_us: u64) -> Run<'a> {
+        validate(config, w).expect("valid run");
+        let mut run = Run::new(config, w);
+        while run.queue.heap.peek().is_some_and(|e| e.0 .0 <= until_us) {
+            let (now, event) = run.queue.pop().expect("peeked");
+            run.advance_clock(now);
+            if let Some(host) = event.and_then(|e| run.handle(now, e)) {
+                run.account(now, host);
+            }
+        }
+        run
+    }
+
+    /// 100 requests of distinct prompts (no two share a block), 10 per second from 0: all
+    /// routed and answered well before the faults of the tests below strike at 30 s.
+    fn distinct_prompts() -> Workload {
+        let rows: Vec<AzureRow> = (0..100)
+            .map(|i| AzureRow {
+                arrival_us: i * 100_000,
+                context_tokens: 1024 + (i as u32 % 5) * 64,
+                generated_tokens: 4,
+            })
+            .collect();
+        azure_workload("distinct", &rows, 64, 5)
+    }
+
+    /// 4 routers sharing decisions after 50 ms, each agent followed by 2 of them.
+    fn four_routers(faults: &str) -> ClusterConfig {
+        let mut c = config(Strategy::PrefixAware, 8, 4, 10_000);
+        c.sharing = Sharing::Delayed(50_000);
+        c.residency_followers = Some(2);
+        c.faults = faults
+            .split(',')
+            .filter(|f| !f.is_empty())
+            .map(|f| f.parse().expect("a fault"))
+            .collect();
+        c.timeline_us = Some(1_000_000);
+        c
+    }
+
+    /// Blocks of `keys` router `r` thinks `instance` holds, in any tier, at `now`.
+    fn held(run: &mut Run<'_>, r: u32, instance: u32, keys: &[BlockKey], now: u64) -> u32 {
+        let decision = run.replicas[r as usize]
+            .dry_run(
+                "tenant-0",
+                &run.config.policy,
+                MODEL,
+                &RouteRequest {
+                    keys,
+                    prompt_tokens: keys.len() as u32 * 64,
+                },
+                now,
+            )
+            .expect("a pool");
+        let candidates = decision.candidates.expect("explained");
+        let c = candidates
+            .iter()
+            .find(|c| c.instance.0 == instance)
+            .expect("every instance is a candidate");
+        c.gpu_blocks.max(c.l1_blocks).max(c.l2_blocks)
+    }
+
+    /// Each router's observed holders are exactly what its views of the agents it follows
+    /// hold (the workload is over: nothing else changes them).
+    fn observed_match_views(run: &Run<'_>) {
+        for (r, replica) in run.replicas.iter().enumerate() {
+            let views: usize = run.feed.subscribers[r].iter().map(Subscriber::len).sum();
+            assert_eq!(replica.index_stats().observed_holders, views, "router {r}");
+        }
+    }
+
+    #[test]
+    fn lost_agents_expire_at_their_followers_and_come_back_from_the_replay() {
+        let w = distinct_prompts();
+        let c = four_routers("agents-lost@30s:0.25:for=10s:expiry=3s:resync=500ms");
+        let lost = Fault::hosts_lost(0.25, 8);
+        assert_eq!(lost, 2);
+        let followed = |run: &Run<'_>, h: u32| -> Vec<u32> {
+            (0..4)
+                .filter(|&r| run.feed.follows[r as usize][h as usize])
+                .collect()
+        };
+        // Before: every follower observes the engines of hosts 0 and 1.
+        let before = run_until(&c, &w, 29_000_000);
+        observed_match_views(&before);
+        for h in 0..lost {
+            assert_eq!(followed(&before, h).len(), 2);
+            for r in followed(&before, h) {
+                assert!(before.replicas[r as usize].instances()[h as usize].observed);
+                assert!(!before.feed.subscribers[r as usize][h as usize].is_empty());
+            }
+        }
+        // Silent for less than the expiry: still held.
+        let silent = run_until(&c, &w, 32_000_000);
+        for h in 0..lost {
+            for r in followed(&silent, h) {
+                assert!(!silent.feed.subscribers[r as usize][h as usize].is_empty());
+            }
+        }
+        // Past the expiry: the followers dropped what those agents reported, and only that.
+        let expired = run_until(&c, &w, 33_500_000);
+        observed_match_views(&expired);
+        for h in 0..c.instances {
+            for r in followed(&expired, h) {
+                let dead = h < lost;
+                assert_eq!(
+                    expired.replicas[r as usize].instances()[h as usize].observed,
+                    !dead,
+                    "router {r}, host {h}"
+                );
+                assert_eq!(
+                    expired.feed.subscribers[r as usize][h as usize].is_empty(),
+                    dead,
+                    "router {r}, host {h}"
+                );
+            }
+        }
+        // The engines kept their GPU caches.
+        for h in 0..lost {
+            assert!(!expired.engines[h as usize].gpu_keys().is_empty());
+        }
+        // Back at 40 s, connected at 40.5 s: a new epoch's snapshot of the engine's blocks.
+        let back = run_until(&c, &w, 40_600_000);
+        observed_match_views(&back);
+        for h in 0..lost {
+            let gpu = back.engines[h as usize].gpu_keys().len();
+            assert_eq!(back.feed.publishers[h as usize].len(), gpu);
+            for r in followed(&back, h) {
+                assert!(back.replicas[r as usize].instances()[h as usize].observed);
+                assert_eq!(back.feed.subscribers[r as usize][h as usize].len(), gpu);
+            }
+        }
+    }
+
+    #[test]
+    fn a_partition_holds_decisions_back_until_it_heals() {
+        let w = distinct_prompts();
+        // No feed: what a router holds is what was routed. Router 3 is cut off from 0..3
+        // from 2 s to 5 s; held-back decisions arrive 1 s after the heal.
+        let mut c = four_routers("partition@2s:0.25:for=3s:catch-up=1s");
+        c.agent_feed_delay_us = None;
+        let mut run = run_until(&c, &w, 4_500_000);
+        let (mut across, mut within) = (0, 0);
+        for (i, req) in w.requests.iter().enumerate() {
+            // Decided inside the partition, shared by now.
+            if !(2_000_000..4_400_000).contains(&req.arrival_us) {
+                continue;
+            }
+            let (from, inst) = (run.tracks[i].router, run.tracks[i].instance);
+            for o in (0..4).filter(|&o| o != from) {
+                let n = held(&mut run, o, inst, &req.keys, 4_500_000);
+                if (o == 3) != (from == 3) {
+                    assert_eq!(n, 0, "request {i} from router {from} reached {o}");
+                    across += 1;
+                } else {
+                    assert!(n > 0, "request {i} from router {from} missing at {o}");
+                    within += 1;
+                }
+            }
+        }
+        assert!(
+            across > 10 && within > 10,
+            "{across} across, {within} within"
+        );
+        // After the heal and its catch-up, every router has every decision.
+        let mut healed = run_until(&c, &w, 6_100_000);
+        for (i, req) in w.requests.iter().enumerate() {
+            if req.arrival_us >= 6_000_000 {
+                break;
+            }
+            let (from, inst) = (healed.tracks[i].router, healed.tracks[i].instance);
+            for o in (0..4).filter(|&o| o != from) {
+                assert!(
+                    held(&mut healed, o, inst, &req.keys, 6_100_000) > 0,
+                    "{i} at {o}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_restarted_router_starts_empty_and_catches_up() {
+        let w = distinct_prompts();
+        let c = four_routers("router-restart@30s:router=1:resync=300ms:catch-up=800ms");
+        let before = run_until(&c, &w, 29_000_000);
+        assert!(before.replicas[1].index_stats().holders > 0);
+        // Restarted: nothing in its index, nothing observed.
+        let restarted = run_until(&c, &w, 30_000_000);
+        let fresh = &restarted.replicas[1];
+        assert_eq!(fresh.index_stats().holders, 0);
+        assert!(fresh.instances().iter().all(|i| !i.observed));
+        assert_eq!(restarted.faulted.starts[1], 1);
+        // Its agents' snapshots (at 30.3 s, 10 ms on the way): observed again, no decision
+        // yet.
+        let resynced = run_until(&c, &w, 30_400_000);
+        observed_match_views(&resynced);
+        let r1 = &resynced.replicas[1];
+        assert!(r1.index_stats().observed_holders > 0);
+        assert_eq!(r1.index_stats().predicted_holders, 0);
+        for h in 0..c.instances {
+            assert_eq!(
+                r1.instances()[h as usize].observed,
+                resynced.feed.follows[1][h as usize]
+            );
+        }
+        // Caught up at 30.8 s: its peers' decisions, all of them still alive.
+        let mut caught_up = run_until(&c, &w, 30_900_000);
+        assert!(caught_up.replicas[1].index_stats().predicted_holders > 0);
+        let mut checked = 0;
+        for (i, req) in w.requests.iter().enumerate() {
+            let (from, inst) = (caught_up.tracks[i].router, caught_up.tracks[i].instance);
+            if from != 1 {
+                assert!(
+                    held(&mut caught_up, 1, inst, &req.keys, 30_900_000) > 0,
+                    "{i}"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 50, "{checked}");
+    }
+
+    #[test]
+    fn faults_report_a_timeline_and_their_cost_and_replay_the_same() {
+        let w = small(SyntheticKind::Conversation, 600);
+        let mut c = config(Strategy::KvAware, 8, 4, 400);
+        c.sharing = Sharing::Delayed(20_000);
+        c.residency_followers = Some(2);
+        c.timeline_us = Some(1_000_000);
+        c.faults = [
+            "agents-lost@20s:0.5:for=10s",
+            "router-restart@25s",
+            "partition@30s:0.25:for=5s",
+        ]
+        .iter()
+        .map(|f| f.parse().unwrap())
+        .collect();
+        let r = run(&c, &w);
+        assert_eq!(r, run(&c, &w));
+        let t = r.timeline.as_ref().expect("a timeline");
+        assert!(t.windows.len() >= 50, "{}", t.windows.len());
+        let prompt: u64 = t.windows.iter().map(|w| w.prompt_tokens).sum();
+        assert_eq!(
+            prompt,
+            w.requests
+                .iter()
+                .map(|r| u64::from(r.prompt_tokens))
+                .sum::<u64>()
+        );
+        assert_eq!(r.faults.len(), 3);
+        assert_eq!(r.faults[0].fault, "agents-lost@20s:0.5:for=10s");
+        assert!(r
+            .faults
+            .iter()
+            .all(|f| f.before.is_some() && f.dip.is_some()));
+        // Without faults or timeline the report is as before.
+        c.faults.clear();
+        c.timeline_us = None;
+        let plain = run(&c, &w);
+        assert!(plain.timeline.is_none() && plain.faults.is_empty());
+    }
+
+    #[test]
+    fn a_fault_that_does_not_fit_the_cluster_is_an_error() {
+        let w = small(SyntheticKind::Chat, 20);
+        let mut c = config(Strategy::KvAware, 2, 2, 1000);
+        c.faults = vec!["router-restart@1s:router=2".parse().unwrap()];
+        assert_eq!(
+            simulate(&c, &w, &mut |_| {}).unwrap_err(),
+            SimError::Fault(FaultError::NoSuchRouter {
+                router: 2,
+                routers: 2
+            })
         );
     }
 }

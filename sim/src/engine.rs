@@ -865,6 +865,21 @@ impl Engine {
         &self.stats
     }
 
+    /// The host's L1 is lost (its agent, which holds it, died) and replaced by an empty one
+    /// of `capacity_blocks` (0 while no agent runs). Nothing is reported: a dead agent
+    /// tells no one.
+    pub fn replace_l1(&mut self, capacity_blocks: u64) {
+        self.l1 = TierSet::lru(capacity_blocks);
+    }
+
+    /// Every block the GPU holds now, sorted: what the engine's KV-event replay gives an
+    /// agent that starts after it (each one announced by a `Stored` event and not removed).
+    pub fn gpu_keys(&self) -> Vec<BlockKey> {
+        let mut keys: Vec<BlockKey> = self.resident.keys().copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
     fn flush_rejects(&mut self, events: &mut Vec<EngineEvent>) {
         for (id, at_us) in self.rejects.drain(..) {
             events.push(EngineEvent::Rejected { id, at_us });

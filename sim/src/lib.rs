@@ -2,6 +2,7 @@
 pub mod bounds;
 pub mod cluster;
 pub mod engine;
+pub mod faults;
 pub mod stats;
 pub mod tiers;
 pub mod workload;
