@@ -434,9 +434,10 @@ pub struct FaultSummary {
     pub dip: Option<f64>,
     pub dip_at_s: Option<f64>,
     /// Seconds from the fault until the rolling hit rate (5 s) was back within 1 point of
-    /// the reference for good (the end of the last rolling span below it): the run without
-    /// the fault over the same span when given, else `before`. 0 when it never fell below;
-    /// `None` when it was still below at the end of the arrivals.
+    /// the reference for good (the end of the last rolling span below it, up to 30 s after
+    /// the fault is over): the run without the fault over the same span when given, else
+    /// `before`. 0 when it never fell below; `None` when it was still below 30 s after the
+    /// fault was over (or at the end of the arrivals).
     pub recovered_after_s: Option<f64>,
     /// Hit rate of the requests that arrived from the fault to its recovery (at least 5 s;
     /// to the end when it did not recover): `span_s` seconds.
@@ -456,16 +457,11 @@ pub fn summarize(fault: &Fault, timeline: &Timeline, without: Option<&Timeline>)
     let w = timeline.window_us;
     let before = timeline.hit_rate(at.saturating_sub(BEFORE_US), at);
     let first = at.div_ceil(w) as usize;
-    let n = timeline.windows.len();
+    // Windows from the fault until 30 s after it is over (or the end of the arrivals).
     let horizon = (fault.over_us().unwrap_or(at) + HORIZON_US).div_ceil(w) as usize;
+    let n = timeline.windows.len().min(horizon);
     let (mut dip, mut dip_at_s) = (None, None);
-    for (i, r) in timeline
-        .rates()
-        .iter()
-        .enumerate()
-        .take(horizon)
-        .skip(first)
-    {
+    for (i, r) in timeline.rates().iter().enumerate().take(n).skip(first) {
         if let Some(r) = *r {
             if dip.is_none_or(|d| r < d) {
                 dip = Some(r);
@@ -635,6 +631,14 @@ mod tests {
         assert_eq!(s.recovered_after_s, Some(8.0));
         let never = summarize(&fault, &timeline(&[0.8; 30]), None);
         assert_eq!(never.recovered_after_s, Some(0.0));
+        // A window below 30 s after the fault was over (13 s) is no longer its doing.
+        let mut late = rates.clone();
+        late.extend(vec![0.8; 30]);
+        late[50] = 0.5;
+        assert_eq!(late.len(), 64);
+        let s = summarize(&fault, &timeline(&late), None);
+        assert_eq!((s.dip, s.recovered_after_s), (Some(0.5), Some(8.0)));
+        assert_eq!(s.dip_at_s, Some(1.0));
         let still_down = summarize(
             &fault,
             &timeline(&[0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.5, 0.5]),
