@@ -565,13 +565,23 @@ fn faults_table(with: &[RunReport]) -> String {
         .map_or(1.0, |t| t.window_us as f64 / 1e6);
     let mut s = format!(
         "\nfaults: hit rate of the requests by arrival time; before: the 30 s before the fault; \
-         dip: the lowest {window_s} s window from the fault to 30 s after it is over; back: until the \
-         rolling 5 s hit rate stays within 1 point of the same run without the faults; during: \
-         the fault to that (at least 5 s), with and without the faults\n"
+         dip: the lowest {window_s} s window from the fault to 30 s after it is over; worst: the \
+         largest shortfall of a window against the same run without the faults, in points; back: \
+         until the rolling 5 s hit rate stays within 1 point of that run; during: the fault to \
+         that (at least 5 s), with and without the faults\n"
     );
     s += &format!(
-        "{:<13} {:<36} {:>7} {:>16} {:>8} {:>7} {:>7} {:>8} {:>7}\n",
-        "policy", "fault", "before", "dip (after)", "back", "span", "during", "without", "cost"
+        "{:<13} {:<36} {:>7} {:>16} {:>16} {:>8} {:>7} {:>7} {:>8} {:>7}\n",
+        "policy",
+        "fault",
+        "before",
+        "dip (after)",
+        "worst (after)",
+        "back",
+        "span",
+        "during",
+        "without",
+        "cost"
     );
     for r in with {
         for f in &r.faults {
@@ -580,7 +590,7 @@ fn faults_table(with: &[RunReport]) -> String {
                 _ => "-".to_string(),
             };
             s += &format!(
-                "{:<13} {:<36} {:>7} {:>16} {:>8} {:>7} {:>7} {:>8} {:>7}\n",
+                "{:<13} {:<36} {:>7} {:>16} {:>16} {:>8} {:>7} {:>7} {:>8} {:>7}\n",
                 r.policy,
                 f.fault,
                 pct(f.before),
@@ -589,6 +599,10 @@ fn faults_table(with: &[RunReport]) -> String {
                     pct(f.dip),
                     f.dip_at_s.map_or("-".to_string(), |t| format!("+{t:.0} s"))
                 ),
+                match (f.worst, f.worst_at_s) {
+                    (Some(d), Some(t)) => format!("{:.1} pt (+{t:.0} s)", d * 100.0),
+                    _ => "-".to_string(),
+                },
                 f.recovered_after_s
                     .map_or("not yet".to_string(), |t| format!("{t:.0} s")),
                 format!("{:.0} s", f.span_s),

@@ -443,6 +443,13 @@ pub struct FaultSummary {
     /// to the end when it did not recover): `span_s` seconds.
     pub during: Option<f64>,
     pub span_s: f64,
+    /// Against the run without the fault: the largest shortfall of one window (in hit
+    /// rate, 0.02 = 2 points) over the dip's windows, and when that window began (seconds
+    /// after the fault).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worst: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worst_at_s: Option<f64>,
     /// The run without the fault: its hit rate before and over the same span.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub without_before: Option<f64>,
@@ -461,6 +468,18 @@ pub fn summarize(fault: &Fault, timeline: &Timeline, without: Option<&Timeline>)
     let horizon = (fault.over_us().unwrap_or(at) + HORIZON_US).div_ceil(w) as usize;
     let n = timeline.windows.len().min(horizon);
     let (mut dip, mut dip_at_s) = (None, None);
+    let (mut worst, mut worst_at_s) = (None, None);
+    if let Some(b) = without {
+        for i in first..n {
+            let (lo, hi) = (i as u64 * w, (i as u64 + 1) * w);
+            if let (Some(x), Some(y)) = (timeline.hit_rate(lo, hi), b.hit_rate(lo, hi)) {
+                if worst.is_none_or(|d| y - x > d) {
+                    worst = Some(y - x);
+                    worst_at_s = Some(lo.saturating_sub(at) as f64 / 1e6);
+                }
+            }
+        }
+    }
     for (i, r) in timeline.rates().iter().enumerate().take(n).skip(first) {
         if let Some(r) = *r {
             if dip.is_none_or(|d| r < d) {
@@ -503,6 +522,8 @@ pub fn summarize(fault: &Fault, timeline: &Timeline, without: Option<&Timeline>)
         recovered_after_s,
         during: timeline.hit_rate(at, until),
         span_s: (until - at) as f64 / 1e6,
+        worst,
+        worst_at_s,
         without_before: without.and_then(|b| b.hit_rate(at.saturating_sub(BEFORE_US), at)),
         without_during: without.and_then(|b| b.hit_rate(at, until)),
     }
@@ -660,6 +681,11 @@ mod tests {
         assert_eq!(s.recovered_after_s, Some(6.0));
         assert_eq!((s.dip, s.dip_at_s), (Some(0.5), Some(0.0)));
         assert!(s.without_during.unwrap() - s.during.unwrap() > 0.05);
+        let worst = s.worst.unwrap();
+        assert!(
+            (worst - 0.2).abs() < 1e-9 && s.worst_at_s == Some(0.0),
+            "{s:?}"
+        );
         // Against `before` alone, the climb would hide it from 14 s on.
         let alone = summarize(&fault, &timeline(&hit), None);
         assert!(alone.recovered_after_s < s.recovered_after_s, "{alone:?}");
