@@ -59,12 +59,12 @@ pub const SHARE_EVERY: usize = 4;
 pub const SHARE_DENSE_BLOCKS: usize = SHARE_EVERY * SHARE_PRECISION;
 
 /// A shared key at depth `d` stands for its prefix to within about `d / SHARE_PRECISION`
-/// blocks (3%).
-pub const SHARE_PRECISION: usize = 32;
+/// blocks (1.6%).
+pub const SHARE_PRECISION: usize = 64;
 
 /// The stride of shared keys around depth `d` (0-based block index): [`SHARE_EVERY`] up to
 /// [`SHARE_DENSE_BLOCKS`], then the largest power of two at most `d / SHARE_PRECISION`, so
-/// each doubling of a prompt's length adds a constant number of shared keys (32) rather
+/// each doubling of a prompt's length adds a constant number of shared keys (64) rather
 /// than a quarter of its blocks.
 pub fn share_stride(d: usize) -> usize {
     if d < SHARE_DENSE_BLOCKS {
@@ -78,9 +78,9 @@ pub fn share_stride(d: usize) -> usize {
 /// where `d + 1` is a multiple of [`share_stride`]`(d)`, and the last. A key names its whole
 /// prefix and [`PrefixIndex::match_into`] credits a predicted key for all of it, so peers
 /// match a shared prefix to within `SHARE_EVERY − 1` blocks in its first
-/// [`SHARE_DENSE_BLOCKS`] and to within about 3% of its depth past them, while gossip
+/// [`SHARE_DENSE_BLOCKS`] and to within about 1.6% of its depth past them, while gossip
 /// carries a quarter of a short prompt's keys and O(log n) of a long one's (a 42,000-token
-/// document at 16-token blocks: 170 keys rather than 660).
+/// document at 16-token blocks: 275 keys rather than 660).
 pub fn sparse_keys(keys: &[BlockKey], known: usize) -> Vec<BlockKey> {
     let last = keys.len().saturating_sub(1);
     (known..keys.len())
@@ -1041,21 +1041,21 @@ mod tests {
         assert_eq!(sparse_keys(&keys(&[5]), 0), keys(&[5]));
         // Past the dense start the stride doubles with the depth.
         assert_eq!(share_stride(0), 4);
-        assert_eq!(share_stride(255), 4);
-        assert_eq!(share_stride(256), 8);
-        assert_eq!(share_stride(1024), 32);
-        assert_eq!(share_stride(2639), 64);
+        assert_eq!(share_stride(511), 4);
+        assert_eq!(share_stride(512), 8);
+        assert_eq!(share_stride(1024), 16);
+        assert_eq!(share_stride(2639), 32);
         let long: Vec<BlockKey> = (0..2640).map(BlockKey).collect();
         let shared = sparse_keys(&long, 0);
-        assert_eq!(shared.len(), 64 + 32 + 32 + 32 + 9 + 1);
+        assert_eq!(shared.len(), 128 + 64 + 64 + 19);
         assert_eq!(shared[..3], keys(&[3, 7, 11]));
-        assert!(shared.contains(&BlockKey(263)) && !shared.contains(&BlockKey(259)));
+        assert!(shared.contains(&BlockKey(519)) && !shared.contains(&BlockKey(515)));
         assert_eq!(shared.last(), Some(&BlockKey(2639)));
-        // Every shared key stands for its prefix to within 3% of its depth.
+        // Every shared key stands for its prefix to within 1.6% of its depth.
         for w in shared.windows(2) {
             let gap = w[1].0 - w[0].0;
             assert!(
-                gap <= 4 || gap as f64 <= w[1].0 as f64 / 32.0 + 1.0,
+                gap <= 4 || gap as f64 <= w[1].0 as f64 / 64.0 + 1.0,
                 "{w:?}"
             );
         }
