@@ -658,6 +658,51 @@ async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine()
     }
 }
 
+/// An engine-sim of 128 GPU blocks of 16 tokens (builtin words are one token each) and its
+/// agent with a 4 MiB L1: the stage of the tests of what a queued request finds.
+struct QueueBench {
+    _agent: Proc,
+    engine: Proc,
+    http: crate::router::HttpClient,
+}
+
+impl QueueBench {
+    fn start() -> QueueBench {
+        let (agent, addr) = agent(&["--l1-bytes", "4MiB"]);
+        let engine = crate::engine_sim(
+            "1",
+            &[
+                "--gpu-kv-tokens",
+                "2048",
+                "--agent",
+                &addr.to_string(),
+                "--agent-block-scale",
+                "0.001",
+            ],
+        );
+        QueueBench {
+            _agent: agent,
+            engine,
+            http: client(),
+        }
+    }
+
+    /// Sends a completion of `words` at once; the task answers its JSON body (a 200).
+    fn send(&self, words: String, max_tokens: u32) -> tokio::task::JoinHandle<Value> {
+        let (http, url) = (self.http.clone(), self.engine.url.clone());
+        tokio::spawn(async move {
+            let body = completion(&words, max_tokens, false);
+            let r = post(&http, &url, "/v1/completions", body, &[]).await;
+            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+            r.json()
+        })
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        engine_metric(&self.engine, name).await
+    }
+}
+
 /// Issue 24: engine-sim asks its agent for a request's blocks when it admits the request,
 /// not only when the request arrives. Prompt P is cached on the GPU, unreferenced, and
 /// nothing has been offloaded yet when B (P again) arrives and queues behind C2 (the GPU
@@ -668,33 +713,9 @@ async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine()
 /// evicting P, while the offload takes milliseconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_offloaded_while_a_request_waits_are_loaded_at_its_admission() {
-    let (_agent, addr) = agent(&["--l1-bytes", "4MiB"]);
-    // 128 GPU blocks of 16 tokens; builtin words are one token each.
-    let engine = crate::engine_sim(
-        "1",
-        &[
-            "--gpu-kv-tokens",
-            "2048",
-            "--agent",
-            &addr.to_string(),
-            "--agent-block-scale",
-            "0.001",
-        ],
-    );
-    let http = client();
-    let send = |words: String, max_tokens: u32| {
-        let (http, url) = (http.clone(), engine.url.clone());
-        tokio::spawn(async move {
-            let body = completion(&words, max_tokens, false);
-            let r = post(&http, &url, "/v1/completions", body, &[]).await;
-            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
-            r.json()
-        })
-    };
-    let gauge = |name: &'static str| {
-        let engine = &engine;
-        async move { engine_metric(engine, name).await }
-    };
+    let bench = QueueBench::start();
+    let send = |words: String, max_tokens: u32| bench.send(words, max_tokens);
+    let gauge = |name: &'static str| bench.metric(name);
     let offloaded = "warmpath_engine_agent_blocks_total{model_name=\"sim-llama\",op=\"offloaded\"}";
     // A computes P (37 blocks), which stays cached on the GPU.
     let p = warmpath_index::text::words(1, 600);
@@ -746,33 +767,9 @@ async fn blocks_offloaded_while_a_request_waits_are_loaded_at_its_admission() {
 /// milliseconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_request_is_looked_up_while_it_waits() {
-    let (_agent, addr) = agent(&["--l1-bytes", "4MiB"]);
-    // 128 GPU blocks of 16 tokens; builtin words are one token each.
-    let engine = crate::engine_sim(
-        "1",
-        &[
-            "--gpu-kv-tokens",
-            "2048",
-            "--agent",
-            &addr.to_string(),
-            "--agent-block-scale",
-            "0.001",
-        ],
-    );
-    let http = client();
-    let send = |words: String, max_tokens: u32| {
-        let (http, url) = (http.clone(), engine.url.clone());
-        tokio::spawn(async move {
-            let body = completion(&words, max_tokens, false);
-            let r = post(&http, &url, "/v1/completions", body, &[]).await;
-            assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
-            r.json()
-        })
-    };
-    let gauge = |name: &'static str| {
-        let engine = &engine;
-        async move { engine_metric(engine, name).await }
-    };
+    let bench = QueueBench::start();
+    let send = |words: String, max_tokens: u32| bench.send(words, max_tokens);
+    let gauge = |name: &'static str| bench.metric(name);
     let arrival = |outcome: &str| {
         format!("warmpath_engine_agent_arrival_lookups_total{{model_name=\"sim-llama\",outcome=\"{outcome}\"}}")
     };
@@ -793,11 +790,11 @@ async fn a_queued_request_is_looked_up_while_it_waits() {
         gauge("vllm:num_requests_waiting").await == 1.0
     })
     .await;
-    let asked = engine_metric(&engine, &arrival("asked")).await;
+    let asked = bench.metric(&arrival("asked")).await;
     let b = send(p, 1);
     eventually("B's lookup answered while it waits", || {
-        let (engine, name) = (&engine, arrival("in_time"));
-        async move { engine_metric(engine, &name).await >= 1.0 }
+        let (bench, name) = (&bench, arrival("in_time"));
+        async move { bench.metric(&name).await >= 1.0 }
     })
     .await;
     assert_eq!(
@@ -805,7 +802,7 @@ async fn a_queued_request_is_looked_up_while_it_waits() {
         2.0,
         "B still waits"
     );
-    assert_eq!(engine_metric(&engine, &arrival("asked")).await, asked + 1.0);
+    assert_eq!(bench.metric(&arrival("asked")).await, asked + 1.0);
     let b = b.await.unwrap();
     let (_, l1, l2) = tier_tokens(&b);
     assert!(
