@@ -161,6 +161,52 @@ async fn an_agent_serves_residency_to_router_certificates_only() {
     );
 }
 
+/// Issue 27: an agent serves residency to a bounded number of routers at once, whatever
+/// the cluster's size or configuration; a router past the bound is refused and counted, and
+/// follows once a place is free (its own reconnect, `net::follow`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_serves_a_bounded_number_of_routers() {
+    let dir = scratch_dir("tiers-agent-max-routers");
+    let certs = make_certs(
+        &dir,
+        &[
+            "--agent", "a1", "--router", "r1", "--router", "r2", "--router", "r3",
+        ],
+    );
+    let (_agent, quic, metrics) = residency_agent(&certs, "a1", &["--residency-max-routers", "2"]);
+    let target = format!("a1@{quic}");
+    let (mut r1, stop1) = follow_as(&certs, "r1", &target);
+    let (mut r2, _stop2) = follow_as(&certs, "r2", &target);
+    assert!(
+        snapshot_within(&mut r1, Duration::from_secs(10)).await,
+        "r1 served"
+    );
+    assert!(
+        snapshot_within(&mut r2, Duration::from_secs(10)).await,
+        "r2 served"
+    );
+    let (mut r3, _stop3) = follow_as(&certs, "r3", &target);
+    assert!(
+        !snapshot_within(&mut r3, Duration::from_secs(2)).await,
+        "a third router was served past the bound of 2"
+    );
+    let refused = "warmpath_agent_residency_routers_refused_total";
+    assert!(metric(&get_text(&metrics).await, refused) >= 1.0);
+    // r1 stops following: r3 gets its place.
+    drop(stop1);
+    assert!(
+        snapshot_within(&mut r3, Duration::from_secs(20)).await,
+        "r3 never served after r1 left"
+    );
+    assert_eq!(
+        metric(
+            &get_text(&metrics).await,
+            "warmpath_agent_residency_subscribers"
+        ),
+        2.0
+    );
+}
+
 /// Attack 9: a router following an agent by bare address took any cluster certificate
 /// there, a router's included (every certificate had the loopback names). Now the
 /// certificate must be an agent's, valid for the name followed; and no certificate has a

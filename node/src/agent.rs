@@ -83,6 +83,13 @@ pub struct AgentArgs {
     /// and --tls-name).
     #[arg(long)]
     pub residency_listen: Option<String>,
+    /// Most routers served residency at once; a router past it is refused (closed, counted
+    /// in warmpath_agent_residency_routers_refused_total) and retries after its back-off.
+    /// Routers follow an agent by a few each (`router --residency-followers`, default 4), so
+    /// the default leaves room for membership changes and bounds the agent's outbound
+    /// whatever the cluster's size.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub residency_max_routers: u32,
     /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.
     #[arg(long)]
     pub tls_dir: Option<PathBuf>,
@@ -223,7 +230,11 @@ pub fn run(args: AgentArgs) -> Result<()> {
             let addr: std::net::SocketAddr = at
                 .parse()
                 .with_context(|| format!("--residency-listen {at:?}: give IP:PORT"))?;
-            Some((addr, TlsFiles::in_dir(dir, name)))
+            Some(ResidencyServing {
+                addr,
+                tls: TlsFiles::in_dir(dir, name),
+                max_routers: args.residency_max_routers as usize,
+            })
         }
         None => None,
     };
@@ -234,10 +245,19 @@ pub fn run(args: AgentArgs) -> Result<()> {
     runtime.block_on(serve(config, residency, crate::shutdown_signal()))
 }
 
+/// Where and to whom an agent serves residency.
+#[derive(Debug)]
+pub struct ResidencyServing {
+    pub addr: std::net::SocketAddr,
+    pub tls: TlsFiles,
+    /// Most routers served at once (`--residency-max-routers`).
+    pub max_routers: usize,
+}
+
 /// Runs an agent until `shutdown`, printing where it listens.
 pub async fn serve(
     config: AgentConfig,
-    residency: Option<(std::net::SocketAddr, TlsFiles)>,
+    residency: Option<ResidencyServing>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let handle = crate::router::metrics_handle();
@@ -276,7 +296,12 @@ pub async fn serve(
         write = ?config.l2_write,
         "cache agent started"
     );
-    if let Some((addr, tls)) = residency {
+    if let Some(ResidencyServing {
+        addr,
+        tls,
+        max_routers,
+    }) = residency
+    {
         let server = tls.server_config().map_err(anyhow::Error::msg)?;
         let quic = warmpath_residency::net::endpoint(addr, Some(server), None)
             .map_err(anyhow::Error::msg)?;
@@ -296,6 +321,7 @@ pub async fn serve(
                 }),
                 prefetch: std::sync::Arc::new(move |_instance, keys| prefetcher.prefetch(keys)),
             },
+            max_routers,
         ));
     }
     if let Some(at) = &config.metrics_listen {

@@ -2,6 +2,8 @@
 //! The one place each name is written.
 
 pub const AGENT_RESIDENCY_REFUSED_TOTAL: &str = "warmpath_agent_residency_refused_total";
+pub const AGENT_RESIDENCY_ROUTERS_REFUSED_TOTAL: &str =
+    "warmpath_agent_residency_routers_refused_total";
 pub const AGENT_RESIDENCY_SNAPSHOTS_TOTAL: &str = "warmpath_agent_residency_snapshots_total";
 pub const AGENT_RESIDENCY_SUBSCRIBERS: &str = "warmpath_agent_residency_subscribers";
 pub const RESIDENCY_BYTES_TOTAL: &str = "warmpath_residency_bytes_total";
@@ -11,6 +13,7 @@ pub const ROUTER_RESIDENCY_RESYNCS_TOTAL: &str = "warmpath_router_residency_resy
 /// Every name above.
 pub const ALL: &[&str] = &[
     AGENT_RESIDENCY_REFUSED_TOTAL,
+    AGENT_RESIDENCY_ROUTERS_REFUSED_TOTAL,
     AGENT_RESIDENCY_SNAPSHOTS_TOTAL,
     AGENT_RESIDENCY_SUBSCRIBERS,
     RESIDENCY_BYTES_TOTAL,

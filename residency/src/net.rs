@@ -62,15 +62,24 @@ async fn read_msg(recv: &mut quinn::RecvStream) -> Result<Wire, String> {
     decode(&body).map_err(|e| format!("malformed residency message: {e}"))
 }
 
+/// QUIC application error code with which an agent closes a router's connection past its
+/// `max_routers`.
+pub const ROUTERS_FULL: u32 = 2;
+
 /// Serves residency on `endpoint` (a QUIC server endpoint with the agent's mTLS config)
-/// until the endpoint closes.
+/// until the endpoint closes, to at most `max_routers` routers at once: each agent is meant
+/// to be followed by a few routers (record 0111), so its outbound stays bounded however many
+/// routers a cluster runs or however they are configured; a router past the bound is closed
+/// with [`ROUTERS_FULL`] and counted, and follows again after its back-off.
 /// `from_routers` gets each tenant table and prefetch hint a router sends.
 pub async fn serve(
     endpoint: quinn::Endpoint,
     residency: Arc<Mutex<Publisher>>,
     changed: Arc<tokio::sync::Notify>,
     from_routers: FromRouters,
+    max_routers: usize,
 ) {
+    let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (tx, _) = broadcast::channel::<Arc<Msg>>(BACKLOG);
     {
         let (tx, residency) = (tx.clone(), residency.clone());
@@ -93,6 +102,7 @@ pub async fn serve(
     }
     while let Some(incoming) = endpoint.accept().await {
         let (tx, residency, from_routers) = (tx.clone(), residency.clone(), from_routers.clone());
+        let live = live.clone();
         tokio::spawn(async move {
             let conn = match incoming.await {
                 Ok(c) => c,
@@ -104,11 +114,26 @@ pub async fn serve(
                     return;
                 }
             };
+            if live.fetch_add(1, Ordering::AcqRel) >= max_routers {
+                live.fetch_sub(1, Ordering::AcqRel);
+                metrics::counter!(crate::metric_names::AGENT_RESIDENCY_ROUTERS_REFUSED_TOTAL)
+                    .increment(1);
+                tracing::warn!(
+                    max_routers,
+                    "a router was refused residency: this agent serves at most {max_routers} routers (--residency-max-routers)"
+                );
+                conn.close(
+                    ROUTERS_FULL.into(),
+                    b"this agent serves its maximum number of routers",
+                );
+                return;
+            }
             metrics::gauge!(crate::metric_names::AGENT_RESIDENCY_SUBSCRIBERS).increment(1.0);
             if let Err(e) = session(conn, &tx, &residency, from_routers).await {
                 tracing::debug!(error = %e, "residency session ended");
             }
             metrics::gauge!(crate::metric_names::AGENT_RESIDENCY_SUBSCRIBERS).decrement(1.0);
+            live.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
