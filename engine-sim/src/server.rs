@@ -580,19 +580,12 @@ impl EngineLoop {
         if self.early.len() >= MAX_EARLY_LOOKUPS {
             return;
         }
-        let engine = &self.engine;
-        let bt = engine.config().block_tokens.max(1);
-        // As admission counts: the last prompt token is always computed.
-        let max_hit = req
-            .keys
-            .len()
-            .min(((req.prompt_tokens.max(1) - 1) / bt) as usize);
-        let held =
-            |k: &BlockKey| engine.holds(*k) || engine.l1().contains(*k) || self.l2.contains(*k);
-        let from = req.keys[..max_hit].iter().take_while(|k| held(k)).count();
-        let to = (from..max_hit)
-            .find(|&i| engine.holds(req.keys[i]))
-            .unwrap_or(max_hit);
+        let std::ops::Range {
+            start: from,
+            end: to,
+        } = self
+            .engine
+            .outside_range(&req.keys, req.prompt_tokens, &self.l2);
         if from >= to {
             return;
         }

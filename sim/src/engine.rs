@@ -233,6 +233,18 @@ struct Pending {
     first: bool,
 }
 
+/// What admission would take of a request's blocks ([`Engine::plan_hits`]).
+#[derive(Clone, Copy, Debug)]
+struct HitPlan {
+    /// Blocks that can hit: those ending before the last prompt token.
+    max_hit: usize,
+    /// Leading blocks the GPU holds, of which `evictable_hits` unreferenced.
+    gpu: usize,
+    evictable_hits: u64,
+    /// Past `gpu`, blocks the engine's own tiers hold or an outside store offered.
+    loaded: usize,
+}
+
 /// What the engine reports; times are virtual microseconds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineEvent {
@@ -896,6 +908,75 @@ impl Engine {
         self.free_blocks + self.evictable.len() as u64
     }
 
+    /// The blocks of `keys` a request of `prefill_len` tokens would take at admission now:
+    /// from the GPU, then from the engine's own tiers or what an outside store `offered`
+    /// (`keys[offered_from..]`), up to the first block none of them has.
+    fn plan_hits(
+        &self,
+        keys: &[BlockKey],
+        prefill_len: u64,
+        l2: &TierSet,
+        offered: &[Tier],
+        offered_from: usize,
+    ) -> HitPlan {
+        let bt = u64::from(self.config.block_tokens);
+        // The last token is always computed: only blocks ending before it may hit.
+        let max_hit = keys
+            .len()
+            .min(usize::try_from(prefill_len.saturating_sub(1) / bt).unwrap_or(usize::MAX));
+        let mut gpu = 0;
+        let mut evictable_hits = 0u64;
+        while gpu < max_hit {
+            match self.resident.get(&keys[gpu]) {
+                Some(&refs) => evictable_hits += u64::from(refs == 0),
+                None => break,
+            }
+            gpu += 1;
+        }
+        let mut loaded = gpu;
+        while loaded < max_hit {
+            let key = keys[loaded];
+            let offer = loaded
+                .checked_sub(offered_from)
+                .and_then(|i| offered.get(i));
+            if self.resident.contains_key(&key)
+                || !(self.l1.contains(key) || l2.contains(key) || offer.is_some())
+            {
+                break;
+            }
+            loaded += 1;
+        }
+        HitPlan {
+            max_hit,
+            gpu,
+            evictable_hits,
+            loaded,
+        }
+    }
+
+    /// Where an outside lookup from `loaded` ends: as for the engine's own tiers, a block
+    /// the GPU holds after the gap ends the run, else the last block that can hit.
+    fn outside_end(&self, keys: &[BlockKey], loaded: usize, max_hit: usize) -> usize {
+        (loaded..max_hit)
+            .find(|&i| self.resident.contains_key(&keys[i]))
+            .unwrap_or(max_hit)
+    }
+
+    /// The keys of a request (`keys`, `prompt_tokens`) that admission would ask an outside
+    /// store for if it were admitted now (see "Outside lookups"): past what the GPU and the
+    /// engine's own tiers (and `l2`) hold, up to the last that can hit or the first the GPU
+    /// holds after the gap. Empty when nothing could hit. What a caller asks the store
+    /// before admission, to hand the answer over with [`Engine::offer`].
+    pub fn outside_range(
+        &self,
+        keys: &[BlockKey],
+        prompt_tokens: u32,
+        l2: &TierSet,
+    ) -> std::ops::Range<usize> {
+        let plan = self.plan_hits(keys, u64::from(prompt_tokens.max(1)), l2, &[], 0);
+        plan.loaded..self.outside_end(keys, plan.loaded, plan.max_hit)
+    }
+
     /// Tries to admit the head of the waiting queue; on success pushes it onto `running`
     /// and returns the milliseconds of its tier loads.
     fn try_admit(
@@ -908,33 +989,18 @@ impl Engine {
         let head = self.waiting.front()?;
         let prefill_len = head.prompt_tokens + head.generated;
         let total = prefill_len.div_ceil(bt);
-        // The last token is always computed: only blocks ending before it may hit.
-        let max_hit = head
-            .keys
-            .len()
-            .min(usize::try_from((prefill_len - 1) / bt).unwrap_or(usize::MAX));
-        let mut gpu = 0;
-        let mut evictable_hits = 0u64;
-        while gpu < max_hit {
-            match self.resident.get(&head.keys[gpu]) {
-                Some(&refs) => evictable_hits += u64::from(refs == 0),
-                None => break,
-            }
-            gpu += 1;
-        }
-        let mut loaded = gpu;
-        while loaded < max_hit {
-            let key = head.keys[loaded];
-            let offered = loaded
-                .checked_sub(head.offered_from)
-                .and_then(|i| head.offered.get(i));
-            if self.resident.contains_key(&key)
-                || !(self.l1.contains(key) || l2.contains(key) || offered.is_some())
-            {
-                break;
-            }
-            loaded += 1;
-        }
+        let HitPlan {
+            max_hit,
+            gpu,
+            evictable_hits,
+            loaded,
+        } = self.plan_hits(
+            &head.keys,
+            prefill_len,
+            l2,
+            &head.offered,
+            head.offered_from,
+        );
         let new_blocks = total - gpu as u64;
         if new_blocks + 1 > self.available().saturating_sub(evictable_hits) {
             return None;
@@ -983,11 +1049,8 @@ impl Engine {
             self.stats.l2_hit_tokens += u64::from(hits[2]);
             seq.first_hits = Some(hits);
         }
-        // As for the engine's own tiers, a block the GPU holds after the gap ends the run.
         let to = match self.outside {
-            true => (loaded..max_hit)
-                .find(|&i| self.resident.contains_key(&seq.keys[i]))
-                .unwrap_or(max_hit),
+            true => self.outside_end(&seq.keys, loaded, max_hit),
             false => loaded,
         };
         // What the store already answered for this request needs no second asking.
