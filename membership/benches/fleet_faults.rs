@@ -47,13 +47,12 @@ use std::time::Duration;
 
 use fleet_common::{
     env_f64, env_list, gossip_config, kb, lag_bucket, load_average, machine, paused_runtime,
-    quantile, random_decision, start_routers, workload, Workload, BUCKETS, DECISION_TTL, TICK,
+    publish_tick, quantile, start_routers, workload, Workload, BUCKETS, DECISION_TTL, TICK,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use warmpath_membership::decisions::{encode, BatchWire, Decision};
 use warmpath_membership::gossip::{Cursor, Gossip, GossipStats, DEFAULT_GOSSIP_INTERVAL};
 
 const CLUSTER: &str = "fleet-faults";
@@ -227,26 +226,15 @@ async fn router(
             break;
         }
         if !shared.stop_publishing.load(Ordering::Relaxed) {
-            owed += per_tick;
-            let n = owed as usize;
-            owed -= n as f64;
-            if n > 0 {
-                let decisions: Vec<Decision> =
-                    (0..n).map(|_| random_decision(&mut rng, keys)).collect();
-                let bytes = encode(&BatchWire::V1 {
-                    made_at_ms: 1_764_000_000_000,
-                    decisions: decisions.clone(),
-                })
-                .len() as u64;
-                let before = me.published_seq();
-                let at = shared.now_us();
-                let last = me.publish_decisions(at / 1000, decisions).await;
+            let at = shared.now_us();
+            if let Some(p) = publish_tick(&me, &mut rng, keys, &mut owed, per_tick, at).await {
                 let mut book = shared.book();
                 let o = &mut book.list[mine];
                 let base = o.cum_bytes.last().copied().unwrap_or(0);
-                for seq in before + 1..=last {
+                for seq in p.first..=p.last {
                     o.published.push(at);
-                    o.cum_bytes.push(base + if seq == last { bytes } else { 0 });
+                    o.cum_bytes
+                        .push(base + if seq == p.last { p.bytes } else { 0 });
                 }
             }
         }

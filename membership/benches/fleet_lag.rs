@@ -45,13 +45,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fleet_common::{
-    cpu_s, env_f64, env_list, kb, lag_bucket, machine, paused_runtime, quantile, random_decision,
+    cpu_s, env_f64, env_list, kb, lag_bucket, machine, paused_runtime, publish_tick, quantile,
     rss_mb, start_routers, workload, Workload, BUCKETS, DECISION_TTL, TICK,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::time::Instant;
-use warmpath_membership::decisions::{encode, BatchWire, Decision};
 use warmpath_membership::gossip::{Cursor, Gossip, GossipStats, DEFAULT_GOSSIP_INTERVAL};
 
 /// The decision TTL: the router's default, or `FLEET_LAG_TTL` seconds.
@@ -118,24 +117,12 @@ async fn router(
     while !shared.stop.load(Ordering::Relaxed) {
         ticker.tick().await;
         if !shared.stop_publishing.load(Ordering::Relaxed) {
-            owed += per_tick;
-            let n = owed as usize;
-            owed -= n as f64;
-            if n > 0 {
-                let decisions: Vec<Decision> =
-                    (0..n).map(|_| random_decision(&mut rng, keys)).collect();
-                let bytes = encode(&BatchWire::V1 {
-                    made_at_ms: 1_764_000_000_000,
-                    decisions: decisions.clone(),
-                })
-                .len() as u64;
-                let before = me.published_seq();
-                let at = shared.now_us();
-                let last = me.publish_decisions(at / 1000, decisions).await;
+            let at = shared.now_us();
+            if let Some(p) = publish_tick(me, &mut rng, keys, &mut owed, per_tick, at).await {
                 let mut book = shared.book();
-                book.published[i].extend((before + 1..=last).map(|_| at));
-                book.batch_bytes += bytes;
-                book.decisions += n as u64;
+                book.published[i].extend((p.first..=p.last).map(|_| at));
+                book.batch_bytes += p.bytes;
+                book.decisions += p.n as u64;
             }
         }
         let polled = std::time::Instant::now();

@@ -12,7 +12,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use tokio::time::Instant;
 use warmpath_index::keys::BlockKey;
-use warmpath_membership::decisions::Decision;
+use warmpath_membership::decisions::{encode, BatchWire, Decision};
 use warmpath_membership::gossip::{Gossip, GossipConfig, DEFAULT_GOSSIP_INTERVAL};
 
 /// The router's cluster tick (`node/src/router/mod.rs`: `cluster::run(.., 25 ms, ..)`).
@@ -82,6 +82,48 @@ pub fn random_decision(rng: &mut StdRng, keys: usize) -> Decision {
         instance: rng.gen(),
         keys: (0..keys).map(|_| BlockKey(rng.gen())).collect(),
     }
+}
+
+/// What one tick of a router's publishing sent: decisions `first..=last` of its own
+/// sequence, `n` of them, in one batch of `bytes` encoded.
+pub struct Published {
+    pub n: usize,
+    pub first: u64,
+    pub last: u64,
+    pub bytes: u64,
+}
+
+/// One tick of a router's publishing at `per_tick` decisions a tick (the fraction carried
+/// in `owed`): the decisions it owes, random over `keys` keys, published as one batch made
+/// at `at_us`. None when it owes none this tick.
+pub async fn publish_tick(
+    me: &Gossip,
+    rng: &mut StdRng,
+    keys: usize,
+    owed: &mut f64,
+    per_tick: f64,
+    at_us: u64,
+) -> Option<Published> {
+    *owed += per_tick;
+    let n = *owed as usize;
+    *owed -= n as f64;
+    if n == 0 {
+        return None;
+    }
+    let decisions: Vec<Decision> = (0..n).map(|_| random_decision(rng, keys)).collect();
+    let bytes = encode(&BatchWire::V1 {
+        made_at_ms: 1_764_000_000_000,
+        decisions: decisions.clone(),
+    })
+    .len() as u64;
+    let first = me.published_seq() + 1;
+    let last = me.publish_decisions(at_us / 1000, decisions).await;
+    Some(Published {
+        n,
+        first,
+        last,
+        bytes,
+    })
 }
 
 /// Router `i`'s gossip configuration, as production builds it: a cluster secret (so every
