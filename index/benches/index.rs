@@ -31,6 +31,7 @@ fn build() -> Fixture {
     let mut index = PrefixIndex::new(IndexConfig {
         capacity_blocks: 1 << 20,
         predicted_ttl_us: u64::MAX / 2,
+        ..IndexConfig::default()
     });
     let mut rng = Rng::new(2);
     for keys in &prompts {

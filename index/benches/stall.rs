@@ -44,6 +44,7 @@ fn main() {
             index: IndexConfig {
                 capacity_blocks: PROMPTS * BLOCKS,
                 predicted_ttl_us: 3_600_000_000,
+                ..IndexConfig::default()
             },
             ..CoreConfig::default()
         },

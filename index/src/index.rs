@@ -96,6 +96,10 @@ pub struct IndexConfig {
     pub capacity_blocks: usize,
     /// How long a routing decision's prediction lasts without an agent's confirmation.
     pub predicted_ttl_us: u64,
+    /// Agents report one key in this many ([`crate::keys::reported`]); an observed run is
+    /// credited from one reported key to the next (see [`PrefixIndex::match_into`]). 1:
+    /// every key is reported, and an observed run needs every block.
+    pub report_every: u32,
 }
 
 impl Default for IndexConfig {
@@ -103,6 +107,7 @@ impl Default for IndexConfig {
         IndexConfig {
             capacity_blocks: 1 << 20,
             predicted_ttl_us: 120_000_000,
+            report_every: crate::keys::REPORT_EVERY,
         }
     }
 }
@@ -355,8 +360,10 @@ pub struct MatchScratch {
     /// Position in `result.instances` of each instance's candidate, by instance id;
     /// `NONE` if absent.
     slot_of: Vec<u32>,
-    /// `(depth, slot)` of the query's keys found in the index, in depth order.
-    path: Vec<(u32, u32)>,
+    /// `(depth, slot, from)` of the query's keys found in the index, in depth order;
+    /// `from`: the depth a run must reach for the key to extend it (see
+    /// [`PrefixIndex::match_into`]).
+    path: Vec<(u32, u32, u32)>,
     pub result: MatchResult,
 }
 
@@ -680,10 +687,17 @@ impl PrefixIndex {
 
     /// Per-instance matched depths of `keys` at `now`, into `scratch.result`.
     ///
-    /// Observed blocks count only as a contiguous run from the first block. A predicted
-    /// block counts for its whole prefix: the instance was sent a prompt with that prefix,
-    /// and a key names its whole prefix. So predictions may be sparse (peers share only
-    /// some keys of each decision) and still match: the walk goes on past missing keys.
+    /// Observed blocks count only as a run from the first block, and agents report one key
+    /// in [`IndexConfig::report_every`] (record 0115): a block whose key is reported
+    /// extends an instance's run when the run reaches the end of the query's previous
+    /// reported key (or the query's start), so it is credited for the unreported blocks
+    /// before it; any other observed block extends a run that reaches it. A reported key
+    /// that is missing breaks the run. With every key reported this is a contiguous run,
+    /// and an agent that reports every block (one predating 0115, or `--residency-full`)
+    /// is matched as one that samples. A predicted block counts for its whole prefix: the
+    /// instance was sent a prompt with that prefix, and a key names its whole prefix. So
+    /// predictions may be sparse (peers share only some keys of each decision) and still
+    /// match: the walk goes on past missing keys.
     pub fn match_into(&self, keys: &[BlockKey], now: u64, scratch: &mut MatchScratch) {
         let MatchScratch {
             slot_of,
@@ -701,20 +715,28 @@ impl PrefixIndex {
         // Resolve the path first: the lookups are independent, so the CPU overlaps their
         // cache misses instead of taking them one walk step at a time.
         path.clear();
-        path.extend(
-            keys.iter()
-                .enumerate()
-                .filter_map(|(d, &k)| self.slot(k).map(|slot| (d as u32, slot))),
-        );
+        let every = self.config.report_every;
+        // The end of the previous reported key of the query (0 before the first).
+        let mut reported_end = 0;
+        path.extend(keys.iter().enumerate().filter_map(|(d, &k)| {
+            let d = d as u32;
+            let from = if crate::keys::reported(k, every) {
+                std::mem::replace(&mut reported_end, d + 1)
+            } else {
+                d
+            };
+            self.slot(k).map(|slot| (d, slot, from))
+        }));
         // Likewise load the overflow holder lists (hot prefixes have many holders) together.
-        let warm = path.iter().fold(0, |acc, &(_, i)| {
+        let warm = path.iter().fold(0, |acc, &(_, i, _)| {
             acc ^ self.nodes[i as usize]
                 .more
                 .first()
                 .map_or(0, |h| h.instance)
         });
         std::hint::black_box(warm);
-        for &(d, idx) in path.iter() {
+        // A run (every depth below is at most `d` here) that reaches `from` extends to d + 1.
+        for &(d, idx, from) in path.iter() {
             let node = &self.nodes[idx as usize];
             if node.children >= 2 {
                 result.shared = d + 1;
@@ -733,7 +755,11 @@ impl PrefixIndex {
                     NONE => {
                         slot_of[inst] = result.instances.len() as u32;
                         // A newcomer after the first block continues a run only through L2.
-                        let l2 = if result.global_l2 == d { d } else { 0 };
+                        let l2 = if result.global_l2 >= from {
+                            result.global_l2
+                        } else {
+                            0
+                        };
                         result.instances.push(InstanceMatch {
                             instance: InstanceId(h.instance),
                             l2,
@@ -744,7 +770,7 @@ impl PrefixIndex {
                     slot => slot as usize,
                 };
                 let m = &mut result.instances[pos];
-                if h.observed & GPU != 0 && m.observed_gpu == d {
+                if h.observed & GPU != 0 && m.observed_gpu >= from {
                     m.observed_gpu = d + 1;
                 }
                 if meta.predicts(h, now) {
@@ -754,24 +780,24 @@ impl PrefixIndex {
                     m.l2 = m.l2.max(d + 1);
                     continue;
                 }
-                if tiers & GPU != 0 && m.gpu == d {
+                if tiers & GPU != 0 && m.gpu >= from {
                     m.gpu = d + 1;
                 }
-                if m.l1 == d {
+                if m.l1 >= from {
                     m.l1 = d + 1;
                 }
-                if m.l2 == d {
+                if m.l2 >= from {
                     m.l2 = d + 1;
                 }
             }
             if node.in_l2 {
                 // Any instance can load this block from L2: it extends every run at `d`.
                 for m in result.instances.iter_mut() {
-                    if m.l2 == d {
+                    if m.l2 >= from {
                         m.l2 = d + 1;
                     }
                 }
-                if result.global_l2 == d {
+                if result.global_l2 >= from {
                     result.global_l2 = d + 1;
                 }
             }
@@ -1005,6 +1031,9 @@ mod tests {
         let mut index = PrefixIndex::new(IndexConfig {
             capacity_blocks: 100,
             predicted_ttl_us: 1000,
+            // Every key reported: these cases are written for contiguous runs (sampled
+            // runs have their own cases below).
+            report_every: 1,
         });
         for op in ops {
             match *op {
@@ -1172,8 +1201,13 @@ mod tests {
         );
         let m = idx.match_prefix(&keys, 1).of(InstanceId(0));
         assert_eq!((m.gpu, m.observed_gpu), (4, 2));
-        // Observed only: a gap stops the observed run.
-        let mut idx = PrefixIndex::new(IndexConfig::default());
+        // Observed only: a gap stops the observed run. (With every key reported: where one
+        // in `report_every` is, a reported key after a gap vouches for the prefix it names,
+        // and key 3 is reported; see `a_sampled_run_is_credited_from_one_reported_key_to_the_next`.)
+        let mut idx = PrefixIndex::new(IndexConfig {
+            report_every: 1,
+            ..IndexConfig::default()
+        });
         idx.observe(InstanceId(1), BlockKey(1), None, Tier::Gpu, true, 0);
         idx.observe(
             InstanceId(1),
@@ -1185,6 +1219,153 @@ mod tests {
         );
         let m = idx.match_prefix(&keys, 1).of(InstanceId(1));
         assert_eq!((m.gpu, m.observed_gpu), (1, 1));
+    }
+
+    /// An index whose agents report one key in `every`.
+    fn reporting_every(every: u32) -> PrefixIndex {
+        PrefixIndex::new(IndexConfig {
+            report_every: every,
+            ..IndexConfig::default()
+        })
+    }
+
+    /// A chain of `n` keys and the depths of those reported at one in `every`.
+    fn reported_chain(n: u64, every: u32) -> (Vec<BlockKey>, Vec<usize>) {
+        let chain: Vec<BlockKey> = (1000..1000 + n).map(k).collect();
+        let at = (0..chain.len())
+            .filter(|&d| crate::keys::reported(chain[d], every))
+            .collect();
+        (chain, at)
+    }
+
+    #[test]
+    fn a_sampled_run_is_credited_from_one_reported_key_to_the_next() {
+        use crate::cost::Tier;
+        let (chain, at) = reported_chain(64, 4);
+        assert!(at.len() >= 6 && at[0] > 0, "{at:?}");
+        let mut idx = reporting_every(4);
+        // The agent reports the reported keys only, each under the previous one.
+        let mut parent = None;
+        for &d in &at[..5] {
+            idx.observe(InstanceId(0), chain[d], parent, Tier::Gpu, true, 0);
+            idx.observe(InstanceId(0), chain[d], parent, Tier::L1, true, 0);
+            parent = Some(chain[d]);
+        }
+        let m = idx.match_prefix(&chain, 1).of(InstanceId(0));
+        let run = at[4] as u32 + 1;
+        assert_eq!((m.gpu, m.observed_gpu, m.l1, m.l2), (run, run, run, run));
+        // A query that stops between reported keys is rounded down to the last one.
+        let m = idx.match_prefix(&chain[..at[3]], 1).of(InstanceId(0));
+        assert_eq!(m.observed_gpu, at[2] as u32 + 1);
+        // The global L2, reported the same way, extends every run and its own.
+        let mut idx = reporting_every(4);
+        for &d in &at[..3] {
+            idx.observe_l2(chain[d], None, true);
+        }
+        idx.observe(InstanceId(1), chain[at[3]], None, Tier::Gpu, true, 0);
+        let got = idx.match_prefix(&chain, 1);
+        assert_eq!(got.global_l2, at[2] as u32 + 1);
+        let m = got.of(InstanceId(1));
+        assert_eq!((m.gpu, m.l2), (0, at[3] as u32 + 1));
+    }
+
+    #[test]
+    fn a_missing_reported_key_breaks_the_run() {
+        use crate::cost::Tier;
+        let (chain, at) = reported_chain(64, 4);
+        let mut idx = reporting_every(4);
+        for &d in at[..5].iter().filter(|&&d| d != at[2]) {
+            idx.observe(InstanceId(0), chain[d], None, Tier::Gpu, true, 0);
+        }
+        // Another instance's report puts the missing key in the index: still missing here.
+        idx.observe(InstanceId(1), chain[at[2]], None, Tier::Gpu, true, 0);
+        let got = idx.match_prefix(&chain, 1);
+        assert_eq!(got.of(InstanceId(0)).observed_gpu, at[1] as u32 + 1);
+        // Instance 1 holds nothing before its one key: not a run.
+        assert_eq!(got.of(InstanceId(1)).gpu, 0);
+        // An unreported block observed past a run's end does not extend it either.
+        let past = (at[1] + 2..).find(|d| !at.contains(d)).expect("unreported");
+        idx.observe(InstanceId(0), chain[past], None, Tier::Gpu, true, 0);
+        assert_eq!(
+            idx.match_prefix(&chain, 1).of(InstanceId(0)).gpu,
+            at[1] as u32 + 1
+        );
+    }
+
+    #[test]
+    fn an_agent_that_reports_every_block_is_matched_as_before() {
+        use crate::cost::Tier;
+        let (chain, at) = reported_chain(40, 4);
+        // An unreported depth with a reported one after it, before 30.
+        let hole = (1..30)
+            .find(|d| !at.contains(d) && at.iter().any(|&r| r > *d && r < 30))
+            .expect("a hole");
+        for every in [1, 4] {
+            let mut idx = reporting_every(every);
+            for d in 0..30usize {
+                let parent = d.checked_sub(1).map(|p| chain[p]);
+                idx.observe(InstanceId(0), chain[d], parent, Tier::Gpu, true, 0);
+            }
+            assert_eq!(idx.match_prefix(&chain, 1).of(InstanceId(0)).gpu, 30);
+            // A hole at an unreported block ends the run when every key is reported; when
+            // one in four is, the next reported key vouches for the prefix it names (an
+            // agent that samples would not have reported the hole's block either).
+            idx.observe(InstanceId(0), chain[hole], None, Tier::Gpu, false, 0);
+            let want = if every == 1 { hole } else { 30 };
+            assert_eq!(
+                idx.match_prefix(&chain, 1).of(InstanceId(0)).gpu,
+                want as u32,
+                "every {every}"
+            );
+        }
+    }
+
+    /// The observed GPU run of `observed` (depths of `chain`) on a query of `chain`, by
+    /// definition: it ends after the deepest observed block `d` such that every reported
+    /// block before `d` is observed and, if `d` is not reported, so is every block since
+    /// the last reported one before it.
+    fn reference_run(chain: &[BlockKey], observed: &[bool], every: u32) -> u32 {
+        let rep = |d: usize| crate::keys::reported(chain[d], every);
+        (0..chain.len())
+            .filter(|&d| observed[d])
+            .filter(|&d| (0..d).filter(|&r| rep(r)).all(|r| observed[r]))
+            .filter(|&d| {
+                rep(d) || {
+                    let last = (0..d).rev().find(|&r| rep(r)).map_or(0, |r| r + 1);
+                    (last..d).all(|u| observed[u])
+                }
+            })
+            .map(|d| d as u32 + 1)
+            .max()
+            .unwrap_or(0)
+    }
+
+    proptest! {
+        /// The index's observed run is the reference's, reported one key in 1, 2 or 4, for
+        /// any set of observed blocks (an agent that samples, one that reports every block,
+        /// one with holes); with every key reported, it is the contiguous run.
+        #[test]
+        fn observed_runs_match_the_reference(
+            observed in prop::collection::vec(prop::collection::vec(proptest::bool::ANY, 24), 1..4),
+            every in prop::sample::select(vec![1u32, 2, 4]),
+        ) {
+            let chain: Vec<BlockKey> = (500..524).map(k).collect();
+            let mut idx = reporting_every(every);
+            for (i, obs) in observed.iter().enumerate() {
+                for d in (0..chain.len()).filter(|&d| obs[d]) {
+                    idx.observe(InstanceId(i as u32), chain[d], None, Tier::Gpu, true, 0);
+                }
+            }
+            let got = idx.match_prefix(&chain, 1);
+            for (i, obs) in observed.iter().enumerate() {
+                let m = got.of(InstanceId(i as u32));
+                let want = reference_run(&chain, obs, every);
+                prop_assert_eq!((m.gpu, m.observed_gpu), (want, want));
+                if every == 1 {
+                    prop_assert_eq!(want as usize, obs.iter().take_while(|&&o| o).count());
+                }
+            }
+        }
     }
 
     #[test]
@@ -1232,6 +1413,7 @@ mod tests {
         let mut index = PrefixIndex::new(IndexConfig {
             capacity_blocks: 100,
             predicted_ttl_us: 1000,
+            ..IndexConfig::default()
         });
         let i = InstanceId(0);
         assert_eq!(index.record_route(&keys(&[1, 2, 3]), i, 0), 0);
@@ -1248,6 +1430,7 @@ mod tests {
         let mut index = PrefixIndex::new(IndexConfig {
             capacity_blocks: 4,
             predicted_ttl_us: 1000,
+            ..IndexConfig::default()
         });
         index.record_route(&keys(&[1, 2, 3]), InstanceId(0), 0);
         index.record_route(&keys(&[7]), InstanceId(1), 0);
@@ -1333,6 +1516,7 @@ mod tests {
         let mut index = PrefixIndex::new(IndexConfig {
             capacity_blocks: 100,
             predicted_ttl_us: 1000,
+            ..IndexConfig::default()
         });
         let a = InstanceId(0);
         index.record_route(&keys(&[1, 2, 3]), a, 0);
@@ -1387,6 +1571,7 @@ mod tests {
         let mut index = PrefixIndex::new(IndexConfig {
             capacity_blocks: 100,
             predicted_ttl_us: 1000,
+            ..IndexConfig::default()
         });
         let a = InstanceId(0);
         index.record_route(&keys(&[1, 2]), a, 10);
@@ -1418,7 +1603,7 @@ mod tests {
         /// removing an instance leaves no trace of it.
         #[test]
         fn index_properties(ops in prop::collection::vec(op_strategy(), 1..60), cap in 1usize..12) {
-            let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: cap, predicted_ttl_us: 1000 });
+            let mut index = PrefixIndex::new(IndexConfig { capacity_blocks: cap, predicted_ttl_us: 1000, ..IndexConfig::default() });
             // A key names its whole prefix (base-7 digits of the choices so far), as real keys do.
             let chain = |c: &[u64]| -> Vec<BlockKey> {
                 c.iter().scan(0u64, |acc, x| { *acc = *acc * 7 + x + 1; Some(k(*acc)) }).collect()

@@ -32,6 +32,26 @@ pub const TENANT_KEY_CONTEXT: &str = "warmpath 2026-11 tenant key v1";
 /// changes every adapter's keys.
 pub const ADAPTER_KEY_CONTEXT: &str = "warmpath 2026-12 adapter key v1";
 
+/// Agents report a chain's blocks to routers at about one key in `REPORT_EVERY` (coarse
+/// residency, record 0115): a block is reported iff [`reported`] says so for its key. A
+/// protocol constant that agents and routers of one build share; a power of two.
+pub const REPORT_EVERY: u32 = 16;
+
+/// Whether a block of key `key` is one agents report when they report one key in `every`
+/// (rounded up to a power of two; 0 and 1: every key). A pure function of the key, so an
+/// L1 or L2 put (which names a block, not its depth in a chain) is sampled like a GPU
+/// block, and any two parties agree on which keys of a prompt are reported. The key is
+/// mixed first (splitmix64's finaliser): keys are uniform hashes in production but small
+/// integers in traces and tests, and the index's own table hashes the low bits.
+pub fn reported(key: BlockKey, every: u32) -> bool {
+    let mask = u64::from(every.max(1).next_power_of_two()) - 1;
+    let mut x = key.0;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    x & mask == 0
+}
+
 /// A prefix key: names the whole prompt prefix up to and including one block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BlockKey(pub u64);
@@ -212,6 +232,27 @@ mod tests {
                 16
             )
         );
+    }
+
+    #[test]
+    fn about_one_key_in_every_is_reported_and_one_in_one_is_every_key() {
+        for every in [2u32, 4, 16] {
+            let n = (0..64_000u64)
+                .filter(|&k| reported(BlockKey(k), every))
+                .count();
+            let want = 64_000 / every as usize;
+            assert!(n.abs_diff(want) < want / 10, "{n} of 64,000 at {every}");
+        }
+        assert!((0..1000u64).all(|k| reported(BlockKey(k), 1) && reported(BlockKey(k), 0)));
+        // Not a power of two: the next one up.
+        let at = |every| {
+            (0..1000u64)
+                .filter(|&k| reported(BlockKey(k), every))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(at(12), at(16));
+        // Fixed: agents and routers of one protocol agree on which keys are reported.
+        assert_eq!(&at(REPORT_EVERY)[..4], [0, 3, 50, 69]);
     }
 
     #[test]

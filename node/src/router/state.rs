@@ -61,6 +61,7 @@ impl RouterState {
                 index: IndexConfig {
                     capacity_blocks: config.index_capacity_blocks,
                     predicted_ttl_us: config.predicted_ttl.as_micros() as u64,
+                    ..IndexConfig::default()
                 },
                 eject_base_us: config.eject_base.as_micros() as u64,
                 eject_max_us: config.eject_max.as_micros() as u64,
