@@ -155,10 +155,13 @@ impl Agent {
         };
         let counters = Arc::new(Counters::default());
         let report = Arc::new(Report {
-            residency: Arc::new(Mutex::new(Publisher::new(
-                new_epoch(),
-                config.kv_events.iter().map(|(n, _)| n.clone()).collect(),
-            ))),
+            residency: Arc::new(Mutex::new(
+                Publisher::new(
+                    new_epoch(),
+                    config.kv_events.iter().map(|(n, _)| n.clone()).collect(),
+                )
+                .reporting_every(config.residency_report_every),
+            )),
             l2: Mutex::new(L2Window::new(config.residency_l2_blocks)),
             changed: Arc::new(tokio::sync::Notify::new()),
         });

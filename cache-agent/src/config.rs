@@ -174,6 +174,9 @@ pub struct AgentConfig {
     /// L2 blocks reported to routers at most: the latest this agent wrote or read (see
     /// [`warmpath_residency::L2Window`]); 0 reports none.
     pub residency_l2_blocks: usize,
+    /// Residency reports one block key in this many (record 0115): the protocol's
+    /// [`warmpath_index::keys::REPORT_EVERY`], or 1 for every block (`--residency-every-block`).
+    pub residency_report_every: u32,
     pub max_block_bytes: u64,
     /// Keys per request at most.
     pub max_keys: usize,
@@ -226,6 +229,7 @@ impl Default for AgentConfig {
             l2_key: None,
             l2_write_queue: 4096,
             residency_l2_blocks: 1_000_000,
+            residency_report_every: warmpath_index::keys::REPORT_EVERY,
             max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
             max_keys: 4096,
             max_lease: Duration::from_secs(30),

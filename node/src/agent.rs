@@ -90,6 +90,11 @@ pub struct AgentArgs {
     /// whatever the cluster's size.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub residency_max_routers: u32,
+    /// Report every block to routers, not one key in 16 (record 0115's coarse residency):
+    /// for comparing with full residency. Routers of any build take it; it costs 16 times
+    /// the residency bandwidth.
+    #[arg(long)]
+    pub residency_every_block: bool,
     /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.
     #[arg(long)]
     pub tls_dir: Option<PathBuf>,
@@ -188,6 +193,9 @@ impl AgentArgs {
         }
         if let Some(v) = self.kv_block_tokens {
             c.kv_block_tokens = v;
+        }
+        if self.residency_every_block {
+            c.residency_report_every = 1;
         }
         let hyperpod_flags = self.hyperpod_shm_name.is_some()
             || self.hyperpod_shm_bytes.is_some()

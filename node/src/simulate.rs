@@ -72,6 +72,11 @@ pub struct SimulateArgs {
     /// router follows every agent.
     #[arg(long)]
     pub residency_followers: Option<u32>,
+    /// Agents report one block key in this many and routers credit each reported key for
+    /// the blocks before it (record 0115, coarse residency; a power of two, else the next
+    /// one up); 1: every block, as before 0115.
+    #[arg(long, default_value_t = warmpath_index::keys::REPORT_EVERY)]
+    pub residency_report_every: u32,
     /// Tier loads stall the step that admits them, instead of running beside the batch as
     /// vLLM's KV connectors load (the model before issue 24).
     #[arg(long)]
@@ -174,6 +179,8 @@ pub struct ClusterSummary {
     pub agent_feed_ms: Option<f64>,
     /// Routers following each agent; None: all.
     pub residency_followers: Option<u32>,
+    /// Agents report one key in this many (1: every block).
+    pub residency_report_every: u32,
     pub gpu_kv_tokens_per_instance: u64,
     pub l1_kv_tokens_per_host: u64,
     pub l2_kv_tokens: u64,
@@ -300,7 +307,10 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
                 temperature: args.temperature,
                 ..PolicyConfig::new(s, bt)
             },
-            index: IndexConfig::default(),
+            index: IndexConfig {
+                report_every: args.residency_report_every,
+                ..IndexConfig::default()
+            },
             l2_blocks: args.l2_kv_tokens / u64::from(bt),
             max_prompt_tokens: args.max_prompt_tokens,
             seed: args.seed,
@@ -359,6 +369,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             sharing,
             agent_feed_ms: (!args.no_agent_feed).then_some(args.agent_feed_ms),
             residency_followers: args.residency_followers,
+            residency_report_every: args.residency_report_every,
             gpu_kv_tokens_per_instance: u64::from(gpu_blocks) * u64::from(bt),
             l1_kv_tokens_per_host: args.l1_kv_tokens,
             l2_kv_tokens: args.l2_kv_tokens,
@@ -494,8 +505,11 @@ pub fn render_table(out: &SimulationOutput) -> String {
         },
         match (c.agent_feed_ms, c.residency_followers) {
             (None, _) => "off".to_string(),
-            (Some(ms), None) => format!("{ms} ms"),
-            (Some(ms), Some(f)) => format!("{ms} ms, {f} router(s) per agent"),
+            (Some(ms), None) => format!("{ms} ms, 1 key in {}", c.residency_report_every),
+            (Some(ms), Some(f)) => format!(
+                "{ms} ms, 1 key in {}, {f} router(s) per agent",
+                c.residency_report_every
+            ),
         },
         c.profile,
         c.concurrency_threshold,

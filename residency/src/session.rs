@@ -18,10 +18,19 @@
 //! What a change names: a block key (with its parent, so the index can keep chains) in a
 //! scope: one engine's GPU (by its index in the snapshot's instance list), the host's L1
 //! (every engine on the host can load from it), or the global L2.
+//!
+//! **Coarse residency** (record 0115): a publisher sends only the blocks whose keys
+//! [`warmpath_index::keys::reported`] picks, about one in
+//! [`warmpath_index::keys::REPORT_EVERY`], in deltas and snapshots alike; a reported
+//! block's parent is the reported key before it in its chain, where the publisher knows
+//! the chain (it saw the blocks between, in the same scope), else none. Routers credit a
+//! reported key for the unreported blocks before it. [`Publisher::reporting_every`]`(1)`
+//! reports every block, as publishers did before.
 
 use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
+use warmpath_index::keys::{reported, BlockKey, REPORT_EVERY};
 
 /// Where a block is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -121,8 +130,12 @@ pub struct Publisher {
     epoch: u64,
     seq: u64,
     instances: Vec<String>,
-    /// What every tier holds now, with parents.
+    /// One key in this many is reported ([`warmpath_index::keys::reported`]).
+    every: u32,
+    /// What every tier holds now, reported or not, each with the reported key before it in
+    /// its chain (a reported block's parent on the wire), if known.
     held: HashMap<(Scope, u64), Option<u64>>,
+    /// Changes of reported blocks not sent yet.
     pending: Vec<Change>,
 }
 
@@ -134,26 +147,49 @@ impl Publisher {
             epoch,
             seq: 0,
             instances,
+            every: REPORT_EVERY,
             held: HashMap::new(),
             pending: Vec::new(),
         }
+    }
+
+    /// This publisher reports one key in `every` (1: every block; agents and routers of
+    /// one build use [`REPORT_EVERY`], and a router takes any publisher that reports at
+    /// least its keys). Set before anything is recorded.
+    pub fn reporting_every(mut self, every: u32) -> Self {
+        debug_assert!(self.held.is_empty(), "set before recording");
+        self.every = every;
+        self
+    }
+
+    fn reported(&self, key: u64) -> bool {
+        reported(BlockKey(key), self.every)
     }
 
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
 
-    /// Records a change; repeated or contradicting changes of one block before the next
-    /// delta are all sent, in order (the subscriber applies them in order).
+    /// Records a change (`parent`: the block before it in its chain, if known); repeated
+    /// or contradicting changes of one reported block before the next delta are all sent,
+    /// in order (the subscriber applies them in order). A block that is not reported is
+    /// only remembered, for the chains of the blocks after it.
     pub fn record(&mut self, change: Change) {
         let k = (change.scope, change.key);
         let was = self.held.contains_key(&k);
+        let mut change = change;
         if change.present {
-            self.held.insert(k, change.parent);
+            // The reported key before it: its parent, or the one before its parent.
+            let up = change.parent.and_then(|p| match self.reported(p) {
+                true => Some(p),
+                false => self.held.get(&(change.scope, p)).copied().flatten(),
+            });
+            self.held.insert(k, up);
+            change.parent = up;
         } else {
             self.held.remove(&k);
         }
-        if was != change.present {
+        if was != change.present && self.reported(change.key) {
             self.pending.push(change);
         }
     }
@@ -217,8 +253,12 @@ impl Publisher {
     /// [`next`]: Publisher::next
     pub fn snapshot(&self) -> Vec<Msg> {
         debug_assert!(self.pending.is_empty(), "flush pending changes first");
-        let mut blocks: Vec<(Scope, u64, Option<u64>)> =
-            self.held.iter().map(|(&(s, k), &p)| (s, k, p)).collect();
+        let mut blocks: Vec<(Scope, u64, Option<u64>)> = self
+            .held
+            .iter()
+            .filter(|(&(_, k), _)| self.reported(k))
+            .map(|(&(s, k), &p)| (s, k, p))
+            .collect();
         blocks.sort_unstable();
         let mut chunks: Vec<Msg> = blocks
             .chunks(SNAPSHOT_CHUNK)
@@ -245,7 +285,7 @@ impl Publisher {
         chunks
     }
 
-    /// Blocks held now (for metrics and tests).
+    /// Blocks held now, reported or not (for metrics and tests).
     pub fn len(&self) -> usize {
         self.held.len()
     }
@@ -570,13 +610,103 @@ mod tests {
         matches!(o, Outcome::Reset { resync: true, .. })
     }
 
+    /// What a router should hold: the reported blocks the publisher holds.
     fn truth(p: &Publisher) -> HashSet<(Scope, u64)> {
-        p.held.keys().copied().collect()
+        p.held
+            .keys()
+            .filter(|(_, k)| p.reported(*k))
+            .copied()
+            .collect()
+    }
+
+    /// A publisher that reports every block: the session's mechanics, whatever is sampled.
+    fn full(epoch: u64, instances: Vec<String>) -> Publisher {
+        Publisher::new(epoch, instances).reporting_every(1)
+    }
+
+    #[test]
+    fn a_publisher_reports_reported_keys_only_each_under_the_reported_key_before_it() {
+        let chain: Vec<u64> = (1000..1064).collect();
+        let at: Vec<u64> = chain
+            .iter()
+            .copied()
+            .filter(|&k| reported(BlockKey(k), 4))
+            .collect();
+        assert!(at.len() >= 8 && at[0] != chain[0], "{at:?}");
+        let mut p = Publisher::new(1, vec!["e0".into()]).reporting_every(4);
+        for (d, &key) in chain.iter().enumerate() {
+            let parent = d.checked_sub(1).map(|d| chain[d]);
+            p.record(add(Scope::Gpu(0), key, parent));
+            // A put names a block, not its chain: reported or not, without a parent.
+            p.record(add(Scope::L1, key, None));
+        }
+        let want: Vec<Change> = at
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &k)| {
+                let up = i.checked_sub(1).map(|i| at[i]);
+                [add(Scope::Gpu(0), k, up), add(Scope::L1, k, None)]
+            })
+            .collect();
+        let Some(Msg::Delta { changes, .. }) = p.next(false, 0) else {
+            panic!("a delta");
+        };
+        assert_eq!(changes, want);
+        assert_eq!(p.len(), 2 * chain.len(), "every block is remembered");
+        // The snapshot carries the same blocks and parents.
+        let mut snap: Vec<Change> = p
+            .snapshot()
+            .into_iter()
+            .flat_map(|m| match m {
+                Msg::Snapshot { blocks, .. } => blocks,
+                _ => Vec::new(),
+            })
+            .map(|(scope, key, parent)| Change {
+                scope,
+                key,
+                parent,
+                present: true,
+            })
+            .collect();
+        let mut want = want;
+        snap.sort_unstable_by_key(|c| (c.scope, c.key));
+        want.sort_unstable_by_key(|c| (c.scope, c.key));
+        assert_eq!(snap, want);
+        // Removing an unreported block sends nothing; a reported one, its removal.
+        let unreported = *chain.iter().find(|k| !at.contains(k)).expect("one");
+        p.record(del(Scope::Gpu(0), unreported));
+        assert_eq!(p.next(false, 0), None);
+        p.record(del(Scope::Gpu(0), at[1]));
+        assert!(
+            matches!(p.next(false, 0), Some(Msg::Delta { changes, .. }) if changes == [del(Scope::Gpu(0), at[1])])
+        );
+        // A clear withdraws the reported blocks only.
+        p.clear(Scope::L1);
+        let Some(Msg::Delta { changes, .. }) = p.next(false, 0) else {
+            panic!("a delta");
+        };
+        let mut gone: Vec<u64> = changes.iter().map(|c| c.key).collect();
+        gone.sort_unstable();
+        assert_eq!(gone, at);
+        // Every block reported, as before: each under its own parent.
+        let mut p = full(2, vec!["e0".into()]);
+        p.record(add(Scope::Gpu(0), chain[0], None));
+        p.record(add(Scope::Gpu(0), chain[1], Some(chain[0])));
+        let Some(Msg::Delta { changes, .. }) = p.next(false, 0) else {
+            panic!("a delta");
+        };
+        assert_eq!(
+            changes,
+            [
+                add(Scope::Gpu(0), chain[0], None),
+                add(Scope::Gpu(0), chain[1], Some(chain[0]))
+            ]
+        );
     }
 
     #[test]
     fn a_large_delta_is_split_within_what_a_router_reads() {
-        let mut p = Publisher::new(7, vec!["e0".into()]);
+        let mut p = full(7, vec!["e0".into()]);
         let mut s = Subscriber::new(1_000_000);
         let mut view = HashSet::new();
         for m in p.snapshot() {
@@ -615,7 +745,7 @@ mod tests {
 
     #[test]
     fn snapshot_then_deltas_converge() {
-        let mut p = Publisher::new(7, vec!["e0".into()]);
+        let mut p = full(7, vec!["e0".into()]);
         p.record(add(Scope::Gpu(0), 1, None));
         p.record(add(Scope::L1, 1, None));
         let mut s = Subscriber::new(1_000_000);
@@ -642,7 +772,7 @@ mod tests {
 
     #[test]
     fn a_gap_or_a_new_epoch_resyncs() {
-        let mut p = Publisher::new(1, vec!["e0".into()]);
+        let mut p = full(1, vec!["e0".into()]);
         let mut s = Subscriber::new(1_000_000);
         let mut view = HashSet::new();
         for m in p.snapshot() {
@@ -661,7 +791,7 @@ mod tests {
         }
         assert_eq!(view, truth(&p));
         // The agent restarts: a new epoch's delta resyncs too.
-        let mut p2 = Publisher::new(2, vec!["e0".into()]);
+        let mut p2 = full(2, vec!["e0".into()]);
         p2.record(add(Scope::L1, 5, None));
         assert!(apply(&mut view, &s.handle(7, p2.next(false, 0).unwrap())));
         for m in p2.snapshot() {
@@ -679,7 +809,7 @@ mod tests {
 
     #[test]
     fn chunked_snapshots_and_clears() {
-        let mut p = Publisher::new(3, vec!["a".into(), "b".into()]);
+        let mut p = full(3, vec!["a".into(), "b".into()]);
         for k in 0..(SNAPSHOT_CHUNK as u64 * 2 + 5) {
             p.record(add(Scope::Gpu((k % 2) as u16), k, k.checked_sub(2)));
         }
@@ -702,7 +832,7 @@ mod tests {
 
     #[test]
     fn silence_expires_the_agent() {
-        let mut p = Publisher::new(1, vec!["e0".into()]);
+        let mut p = full(1, vec!["e0".into()]);
         p.record(add(Scope::Gpu(0), 1, None));
         p.next(false, 0);
         let mut s = Subscriber::new(500);
@@ -728,9 +858,10 @@ mod tests {
         /// with snapshots ends with exactly what the agent holds.
         #[test]
         fn lossy_links_converge(
-            steps in proptest::collection::vec((0u8..3, 0u64..20, proptest::bool::ANY, 0u8..10), 1..200)
+            steps in proptest::collection::vec((0u8..3, 0u64..20, proptest::bool::ANY, 0u8..10), 1..200),
+            every in proptest::sample::select(vec![1u32, 4]),
         ) {
-            let mut p = Publisher::new(9, vec!["e0".into()]);
+            let mut p = Publisher::new(9, vec!["e0".into()]).reporting_every(every);
             let mut s = Subscriber::new(u64::MAX);
             let mut view = HashSet::new();
             let mut last_sent: Option<Msg> = None;

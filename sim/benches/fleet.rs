@@ -4,7 +4,9 @@
 //! Run with `cargo bench -p warmpath --bench fleet` (environment: `FLEET_WORKLOADS`, a
 //! comma-separated list of synthetic workloads, default `chat,conversation,longdoc`;
 //! `FLEET_SECONDS`, simulated seconds of arrivals per host sample, default 10;
-//! `FLEET_REPS`, repetitions of the latency measurements, default 3).
+//! `FLEET_REPS`, repetitions of the latency measurements, default 3;
+//! `FLEET_REPORT_EVERY`, the agent reports one block key in this many, default
+//! [`REPORT_EVERY`] (record 0115; 1: every block, as before it)).
 //!
 //! What is measured, and what is multiplied:
 //!
@@ -15,11 +17,14 @@
 //!    block event goes into the production residency [`Publisher`] as the agent records
 //!    it, one delta per engine step (the agent sends a delta as soon as its engines report
 //!    a batch), each encoded with [`warmpath_residency::encode`] as the QUIC stream carries
-//!    it. Measured: block events/s, deltas/s and encoded bytes/s of one agent's stream,
-//!    and the blocks the host holds at the end.
-//! 2. **Residency, multiplied**: every router follows every agent today, so a router's
-//!    inbound = hosts × one agent's stream, its events applied/s = hosts × events/s, and
-//!    an agent's outbound = routers × its stream (the same bytes on each link).
+//!    it. Measured: block events/s, the changes the publisher reports of them (one key in
+//!    `FLEET_REPORT_EVERY`), deltas/s and encoded bytes/s of one agent's stream, and the
+//!    blocks the host holds at the end.
+//! 2. **Residency, multiplied**: with every router following every agent, a router's
+//!    inbound = hosts × one agent's stream, its changes applied/s = hosts × reported
+//!    changes/s, and an agent's outbound = routers × its stream (the same bytes on each
+//!    link); with each agent followed by 4 routers (record 0111, the default), a router's
+//!    inbound is that × 4 / routers and an agent's outbound 4 streams.
 //! 3. **Gossip**: one production [`RouterCore`] with sharing on routes the workload; its
 //!    outbox, every 50 ms of simulated time, goes through the production [`Batcher`]
 //!    (8 KiB batches) and [`BatchWire`] encoding (postcard + base64, as stored in
@@ -49,12 +54,12 @@ use std::time::Instant;
 use std::io::Write as _;
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
-use warmpath_index::keys::BlockKey;
+use warmpath_index::keys::{BlockKey, REPORT_EVERY};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
 use warmpath_index::InstanceId;
-use warmpath_residency::{encode, Change, Publisher, Scope, Wire};
+use warmpath_residency::{encode, Change, Msg, Publisher, Scope, Wire};
 use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use warmpath_sim::tiers::TierSet;
 use warmpath_sim::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
@@ -66,6 +71,8 @@ const ROUTERS: [u64; 4] = [8, 32, 64, 128];
 const HOSTS: [u64; 3] = [100, 300, 1000];
 const FLEET_RATES: [f64; 2] = [10_000.0, 100_000.0];
 const MODEL: &str = "m";
+/// Routers following each agent (record 0111's default).
+const FOLLOWERS: f64 = 4.0;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -140,16 +147,19 @@ struct HostSample {
     completed: u64,
     stored_per_s: f64,
     removed_per_s: f64,
+    /// Of the block events, the changes the publisher reported (stores, removals).
+    reported_stored_per_s: f64,
+    reported_removed_per_s: f64,
     deltas_per_s: f64,
     bytes_per_s: f64,
-    /// Bytes per change, deltas' headers included.
+    /// Bytes per reported change, deltas' headers included.
     bytes_per_event: f64,
     /// Blocks the host's engines hold at the end.
     held: usize,
 }
 
 /// Runs one host's engines on `w` for `seconds` of simulated time.
-fn sample_host(w: &Workload, host_rate: f64, seconds: f64) -> HostSample {
+fn sample_host(w: &Workload, host_rate: f64, seconds: f64, every: u32) -> HostSample {
     let cfg = EngineConfig::default();
     let profile = ModelProfile::dynamo_default();
     let mut engines: Vec<Engine> = (0..ENGINES_PER_HOST)
@@ -157,7 +167,8 @@ fn sample_host(w: &Workload, host_rate: f64, seconds: f64) -> HostSample {
         .collect();
     let mut router = core(ENGINES_PER_HOST, false);
     let mut l2 = TierSet::lru(0);
-    let mut publisher = Publisher::new(1, (0..ENGINES_PER_HOST).map(|i| format!("i{i}")).collect());
+    let mut publisher = Publisher::new(1, (0..ENGINES_PER_HOST).map(|i| format!("i{i}")).collect())
+        .reporting_every(every);
     let parents: std::collections::HashMap<BlockKey, BlockKey> = w
         .requests
         .iter()
@@ -171,6 +182,7 @@ fn sample_host(w: &Workload, host_rate: f64, seconds: f64) -> HostSample {
     let mut pending: Vec<(u32, u32, u64)> = vec![(0, 0, 0); w.requests.len()];
     let (mut stored, mut removed, mut deltas, mut bytes, mut completed) =
         (0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut reported_stored, mut reported_removed) = (0u64, 0u64);
     loop {
         let arrival = w.requests.get(next_arrival).map(|r| r.arrival_us);
         let step = steps.peek().map(|Reverse((t, _))| *t);
@@ -276,6 +288,11 @@ fn sample_host(w: &Workload, host_rate: f64, seconds: f64) -> HostSample {
         }
         if changed {
             for m in publisher.next_all(false, now / 1000) {
+                if let Msg::Delta { changes, .. } = &m {
+                    let n = changes.iter().filter(|c| c.present).count() as u64;
+                    reported_stored += n;
+                    reported_removed += changes.len() as u64 - n;
+                }
                 deltas += 1;
                 bytes += encode(&Wire::V1Msg(m)).len() as u64;
             }
@@ -286,9 +303,11 @@ fn sample_host(w: &Workload, host_rate: f64, seconds: f64) -> HostSample {
         completed,
         stored_per_s: stored as f64 / seconds,
         removed_per_s: removed as f64 / seconds,
+        reported_stored_per_s: reported_stored as f64 / seconds,
+        reported_removed_per_s: reported_removed as f64 / seconds,
         deltas_per_s: deltas as f64 / seconds,
         bytes_per_s: bytes as f64 / seconds,
-        bytes_per_event: bytes as f64 / (stored + removed).max(1) as f64,
+        bytes_per_event: bytes as f64 / (reported_stored + reported_removed).max(1) as f64,
         held: publisher.len(),
     }
 }
@@ -423,6 +442,7 @@ fn main() {
     let workloads: String = env_or("FLEET_WORKLOADS", "chat,conversation,longdoc".to_string());
     let seconds: f64 = env_or("FLEET_SECONDS", 10.0);
     let reps: usize = env_or("FLEET_REPS", 3);
+    let every: u32 = env_or("FLEET_REPORT_EVERY", REPORT_EVERY);
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "fleet bench: {cores} CPUs visible, load average {}, {} simulated s per host sample, {reps} latency repetitions",
@@ -435,7 +455,7 @@ fn main() {
         seconds
     );
     println!(
-        "engine model: {ENGINES_PER_HOST} engines per host, vLLM defaults ({BLOCK_TOKENS}-token blocks, 25,600 GPU blocks, no L1), kv-aware placement inside the host"
+        "engine model: {ENGINES_PER_HOST} engines per host, vLLM defaults ({BLOCK_TOKENS}-token blocks, 25,600 GPU blocks, no L1), kv-aware placement inside the host; agents report one key in {every}"
     );
     let mut rng = Rng::new(11);
     let mut lat_workload = None;
@@ -452,17 +472,19 @@ fn main() {
         host_rates.dedup_by(|a, b| (*a - *b).abs() < 1e-9);
         let mut samples = Vec::new();
         println!("\n### one agent (8 engines), measured");
-        println!("| host req/s | completed | stored/s | removed/s | deltas/s | bytes/s | B/event | blocks held | wall s |");
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| host req/s | completed | stored/s | removed/s | reported stored/s | reported removed/s | deltas/s | bytes/s | B/reported | blocks held | wall s |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for &hr in &host_rates {
             let w = workload(kind, hr, seconds, 5);
             let t = Instant::now();
-            let s = sample_host(&w, hr, seconds);
+            let s = sample_host(&w, hr, seconds, every);
             println!(
-                "| {hr:.0} | {} | {:.0} | {:.0} | {:.0} | {} | {:.1} | {} | {:.1} |",
+                "| {hr:.0} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {:.1} | {} | {:.1} |",
                 s.completed,
                 s.stored_per_s,
                 s.removed_per_s,
+                s.reported_stored_per_s,
+                s.reported_removed_per_s,
                 s.deltas_per_s,
                 kb(s.bytes_per_s),
                 s.bytes_per_event,
@@ -498,7 +520,8 @@ fn main() {
                     // Steady state: every block stored is removed again, so a host's events
                     // are at least twice its stores (the short sample fills caches that
                     // have not begun to evict).
-                    let host_events = (s.stored_per_s + s.removed_per_s).max(2.0 * s.stored_per_s);
+                    let host_events = (s.reported_stored_per_s + s.reported_removed_per_s)
+                        .max(2.0 * s.reported_stored_per_s);
                     let host_bytes = host_events * s.bytes_per_event;
                     let res_in = hosts as f64 * host_bytes;
                     let events = hosts as f64 * host_events;
@@ -524,6 +547,33 @@ fn main() {
                         ));
                     }
                 }
+            }
+        }
+        println!(
+            "\n### residency with each agent followed by {FOLLOWERS} routers (record 0111's default), multiplied out"
+        );
+        println!("| fleet req/s | hosts | in / router at 8 · 32 · 64 · 128 routers | changes applied/s / router at 128 | agent out (any router count) |");
+        println!("|---:|---:|---|---:|---:|");
+        for &rate in &FLEET_RATES {
+            for &hosts in &HOSTS {
+                let s = *samples
+                    .iter()
+                    .find(|s| (s.host_rate - rate / hosts as f64).abs() < 1e-9)
+                    .expect("sampled");
+                let host_events = (s.reported_stored_per_s + s.reported_removed_per_s)
+                    .max(2.0 * s.reported_stored_per_s);
+                let host_bytes = host_events * s.bytes_per_event;
+                let share = |routers: u64| hosts as f64 * FOLLOWERS / routers as f64;
+                let ins: Vec<String> = ROUTERS
+                    .iter()
+                    .map(|&r| format!("{:.2} MB/s", share(r) * host_bytes / 1e6))
+                    .collect();
+                println!(
+                    "| {rate:.0} | {hosts} | {} | {:.3} M | {}/s |",
+                    ins.join(" · "),
+                    share(128) * host_events / 1e6,
+                    kb(FOLLOWERS * host_bytes)
+                );
             }
         }
         let s = samples.last().copied().unwrap_or_default();

@@ -380,7 +380,10 @@ impl Feed {
     /// nothing is lost on the way, so an agent expires only when a fault kills it.
     fn new(config: &ClusterConfig, workload: &Workload, follows: Vec<Vec<bool>>) -> Self {
         let publishers: Vec<Publisher> = (0..config.instances)
-            .map(|i| Publisher::new(u64::from(i) + 1, vec![format!("i{i}")]))
+            .map(|i| {
+                Publisher::new(u64::from(i) + 1, vec![format!("i{i}")])
+                    .reporting_every(config.index.report_every)
+            })
             .collect();
         let expiry_us = config
             .faults
@@ -950,7 +953,8 @@ impl<'a> Run<'a> {
             self.engines[h as usize].replace_l1(self.config.engine.l1_blocks);
             self.feed.starts += 1;
             let epoch = (self.feed.starts << 32) | (u64::from(h) + 1);
-            let mut publisher = Publisher::new(epoch, vec![format!("i{h}")]);
+            let mut publisher = Publisher::new(epoch, vec![format!("i{h}")])
+                .reporting_every(self.config.index.report_every);
             for key in self.engines[h as usize].gpu_keys() {
                 publisher.record(Change {
                     scope: Scope::Gpu(0),
@@ -1587,6 +1591,7 @@ mod tests {
     use crate::bounds::ideal_hit_rate;
     use crate::workload::azure::{azure_workload, AzureRow};
     use crate::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
+    use warmpath_index::keys::reported;
     use warmpath_index::policy::Strategy;
 
     fn config(strategy: Strategy, instances: u32, routers: u32, gpu_blocks: u32) -> ClusterConfig {
@@ -1872,15 +1877,28 @@ mod tests {
         for h in 0..lost {
             assert!(!expired.engines[h as usize].gpu_keys().is_empty());
         }
-        // Back at 40 s, connected at 40.5 s: a new epoch's snapshot of the engine's blocks.
+        // Back at 40 s, connected at 40.5 s: a new epoch's snapshot of the engine's blocks
+        // (the agent remembers each, and reports those of reported keys, record 0115).
         let back = run_until(&c, &w, 40_600_000);
         observed_match_views(&back);
         for h in 0..lost {
-            let gpu = back.engines[h as usize].gpu_keys().len();
-            assert_eq!(back.feed.publishers[h as usize].len(), gpu);
+            let gpu = back.engines[h as usize].gpu_keys();
+            let reported = gpu
+                .iter()
+                .filter(|&&k| reported(k, c.index.report_every))
+                .count();
+            assert!(
+                reported > 0 && reported < gpu.len() / 4,
+                "{reported} of {}",
+                gpu.len()
+            );
+            assert_eq!(back.feed.publishers[h as usize].len(), gpu.len());
             for r in followed(&back, h) {
                 assert!(back.replicas[r as usize].instances()[h as usize].observed);
-                assert_eq!(back.feed.subscribers[r as usize][h as usize].len(), gpu);
+                assert_eq!(
+                    back.feed.subscribers[r as usize][h as usize].len(),
+                    reported
+                );
             }
         }
     }
