@@ -876,7 +876,13 @@ fn prompt_tokens(v: &Value) -> u64 {
 async fn the_agent_follows_an_engines_kv_events() {
     let kv = format!("tcp://{}", crate::free_addr());
     let engine = crate::engine_sim("50", &["--kv-events", &kv]);
-    let (_agent, addr) = agent(&["--kv-events", &format!("e0={kv}")]);
+    // Every block reported: the agent must hold exactly the prompts' blocks (what it reports
+    // of them, one key in REPORT_EVERY, is `a_router_learns_a_sampled_chain_…`'s subject).
+    let (_agent, addr) = agent(&[
+        "--kv-events",
+        &format!("e0={kv}"),
+        "--residency-every-block",
+    ]);
     let c = connect(&addr).await;
     let http = client();
     // A publisher drops what it sends before a subscriber has joined: warm up with fresh
@@ -930,7 +936,12 @@ async fn bad_kv_events_are_counted_and_gaps_drop_the_view() {
     let kv = format!("tcp://{}", crate::free_addr());
     let mut publisher = zeromq::PubSocket::new();
     publisher.bind(&kv).await.unwrap();
-    let (mut agent_proc, addr) = agent(&["--kv-events", &format!("e0={kv}")]);
+    // Every block reported: one block stored is one block counted.
+    let (mut agent_proc, addr) = agent(&[
+        "--kv-events",
+        &format!("e0={kv}"),
+        "--residency-every-block",
+    ]);
     let c = connect(&addr).await;
     let (stored, frames) = (stored_event, kv_message);
     // The subscription takes a moment: publish until the first good batch lands.
@@ -1088,7 +1099,12 @@ async fn kv_event_gaps_are_filled_from_the_replay_socket() {
             }
         }
     });
-    let (_agent, addr) = agent(&["--kv-events", &format!("e0={kv},{replay}")]);
+    // Every block reported: one block stored is one block counted.
+    let (_agent, addr) = agent(&[
+        "--kv-events",
+        &format!("e0={kv},{replay}"),
+        "--residency-every-block",
+    ]);
     let c = connect(&addr).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while c.stats().await.unwrap().residency_blocks != 1 {
@@ -1541,7 +1557,13 @@ async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_miss
 /// router that never saw the prompts matches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_reports_again_what_its_serving_engine_holds() {
-    let mut r = Residency::start_replaying("residency-restart", &["--block-tokens", "64"], &[]);
+    // Every block reported: the first prompt seen must give the new router a run of two
+    // blocks or more, which a prompt of 11 blocks with one key in 16 reported need not.
+    let mut r = Residency::start_replaying(
+        "residency-restart",
+        &["--block-tokens", "64"],
+        &["--residency-every-block"],
+    );
     let router = r.router(&["--residency-expiry-ms", "1000", "--allow-explain"]);
     let http = client();
     let c = connect(&r.addr).await;
@@ -1645,7 +1667,15 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     let r = Residency::start(
         "residency-exact",
         &["--block-tokens", "64", "--tokenizer", "tiktoken:o200k_base"],
-        &["--l2", &l2_arg, "--l2-write", "through"],
+        // Every block reported: the three blocks put and the prompt's are counted one by
+        // one (coarse residency: `a_router_learns_a_sampled_chain_…`).
+        &[
+            "--l2",
+            &l2_arg,
+            "--l2-write",
+            "through",
+            "--residency-every-block",
+        ],
     );
     let addr = &r.addr;
     let config = r.dir.join("router.toml");
@@ -1702,12 +1732,103 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     assert_eq!(s.kv_unresolved, 0, "{s:?}");
 }
 
+/// Record 0115, coarse residency: an agent in its default mode reports one key in
+/// `REPORT_EVERY` of what its engine stores, and a router that never saw the prompt credits
+/// each reported key for the blocks before it: it matches the prompt's stored chain (to
+/// its last reported key), all of it observed, far deeper than the blocks it was told of,
+/// and routes the prompt to that engine rather than to the other one of the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
+    let engine_args = ["--block-tokens", "64", "--tokenizer", "tiktoken:o200k_base"];
+    let r = Residency::start("residency-sampled", &engine_args, &[]);
+    let other = crate::engine_sim("50", &engine_args);
+    let config = r.dir.join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\n\
+             instances = [\"{}\", \"{}\"]\nagents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
+            r.engine.url, other.url, r.quic
+        ),
+    )
+    .unwrap();
+    // A router whose pool is the agent's engine alone feeds it prompts (a router adds the
+    // tenant's cache salt, by which the agent knows whose blocks they are).
+    let feeder_config = r.dir.join("feeder.toml");
+    std::fs::write(
+        &feeder_config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\n\
+             instances = [\"{}\"]\nagents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
+            r.engine.url, r.quic
+        ),
+    )
+    .unwrap();
+    let feeder = crate::router_from_config(&feeder_config, &r.certs);
+    let router = crate::router_from_config(&config, &r.certs);
+    let c = connect(&r.addr).await;
+    let http = client();
+    // Long prompts to the agent's engine through the feeder (the router under test sees
+    // none) until the agent reports blocks of one: the prompt's reported blocks are what
+    // its count grew by.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (prompt, blocks, reported) = 'found: {
+        for seed in 1100.. {
+            let prompt = warmpath_index::text::words(seed, 4000);
+            let before = c.stats().await.unwrap().residency_blocks;
+            let body = completion(&prompt, 1, false);
+            let done = post(&http, &feeder.url, "/v1/completions", body, &[]).await;
+            assert_eq!(done.status, 200);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let after = c.stats().await.unwrap().residency_blocks;
+            if after > before {
+                break 'found (prompt, prompt_tokens(&done.json()) / 64, after - before);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent never reported a store: {:?}",
+                c.stats().await.unwrap()
+            );
+        }
+        unreachable!()
+    };
+    // One key in REPORT_EVERY: far fewer blocks reported than the engine stored.
+    assert!(blocks >= 32, "{blocks} blocks");
+    assert!(
+        reported * 4 < blocks,
+        "{reported} of {blocks} blocks reported"
+    );
+    eventually("the router to observe what the agent reports", || async {
+        let held = c.stats().await.unwrap().residency_blocks as f64;
+        observed_holders(&router.url).await == held
+    })
+    .await;
+    let e = explained(&http, &router.url, &prompt).await;
+    assert_eq!(e["instance"], r.engine.url.as_str(), "{e}");
+    let gpu = e["matched"]["gpu"].as_u64().unwrap_or(0);
+    assert_eq!(e["matched"]["gpu_observed"].as_u64(), Some(gpu), "{e}");
+    // Credited for the unreported blocks before each reported key: the run is many times
+    // the blocks reported, and never past what the engine stored.
+    assert!(
+        gpu > 2 * reported && gpu <= blocks,
+        "matched {gpu} of {blocks} blocks, {reported} reported: {e}"
+    );
+    println!("sampled residency: {blocks} blocks stored, {reported} reported, {gpu} matched");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_tenants_with_the_same_prompt_never_see_each_others_residency() {
     let r = Residency::start(
         "residency-tenants",
         &["--block-tokens", "64"],
-        &["--kv-tenant", "a", "--kv-tenant", "b"],
+        // Every block reported: tenant a's 11-block prompt must match two blocks or more.
+        &[
+            "--kv-tenant",
+            "a",
+            "--kv-tenant",
+            "b",
+            "--residency-every-block",
+        ],
     );
     let addr = &r.addr;
     let config = r.dir.join("router.toml");

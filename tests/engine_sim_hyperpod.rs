@@ -62,6 +62,8 @@ async fn engine_sim_stores_and_leases_chunks_over_the_hyperpod_api() {
         "agent",
         "--listen",
         "127.0.0.1:0",
+        // Block for block (record 0115's coarse residency is tested in agent.rs).
+        "--residency-every-block",
         "--residency-listen",
         &quic_s,
         "--tls-dir",

@@ -229,6 +229,8 @@ async fn vllms_publisher_lmcaches_chunks_and_lora_reach_a_router_block_for_block
         &format!("{}=tcp://127.0.0.1:{events_port},{replay}", engine.url),
         "--kv-tenant",
         "default",
+        // Block for block (record 0115's coarse residency is tested in agent.rs).
+        "--residency-every-block",
         "--residency-listen",
         &quic,
         "--tls-dir",
@@ -365,7 +367,15 @@ async fn an_agent_given_the_pools_block_size_reports_cpu_chunks_before_any_gpu_s
     // No --kv-tenant: every chain is the agent's fixed tenant, as LMCache's chunks carry no
     // salt and no GPU chain names one here.
     let agent = |extra: &[&str]| {
-        let mut args = vec!["agent", "--listen", "127.0.0.1:0", "--kv-events", &events];
+        let mut args = vec![
+            "agent",
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-events",
+            &events,
+            // Block for block: every block's key (residency_blocks counts reported ones).
+            "--residency-every-block",
+        ];
         args.extend_from_slice(extra);
         Proc::start(&args)
     };

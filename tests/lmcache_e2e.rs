@@ -169,6 +169,8 @@ async fn run(mode: &str, residency: bool) {
             "default",
             "--kv-block-tokens",
             "16",
+            // Block for block (record 0115's coarse residency is tested in agent.rs).
+            "--residency-every-block",
             "--residency-listen",
             &quic,
             "--tls-dir",

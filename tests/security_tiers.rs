@@ -371,7 +371,13 @@ async fn a_delta_too_large_for_one_message_reaches_a_router_in_pieces() {
     let mut engine = zeromq::PubSocket::new();
     engine.bind(&events).await.expect("bind the publisher");
     let kv = format!("http://engine={events}");
-    let (_agent, quic, _) = residency_agent(&certs, "a1", &["--kv-events", &kv]);
+    // Every block reported: 250,000 changes, more than one delta carries (with one key in
+    // REPORT_EVERY reported, record 0115, they would fit in one).
+    let (_agent, quic, _) = residency_agent(
+        &certs,
+        "a1",
+        &["--kv-events", &kv, "--residency-every-block"],
+    );
     let (mut rx, _stop) = follow_as(&certs, "r1", &format!("a1@{quic}"));
     assert!(snapshot_within(&mut rx, Duration::from_secs(5)).await);
     let stored = |first: u64, n: u64| KvEvent::Stored {
@@ -697,7 +703,12 @@ async fn another_quic_implementation_is_served_with_a_router_certificate_only() 
     let other = make_certs(&dir.join("other"), &["--router", "r1"]);
     let (agent, quic, metrics) = residency_agent(&certs, "a1", &[]);
     // One block in the agent's L1, for the snapshot to carry.
-    const KEY: u64 = 0x00C0_FFEE;
+    // A key the agent reports (one in REPORT_EVERY is, record 0115).
+    const KEY: u64 = 0x00C1_0013;
+    assert!(warmpath_index::keys::reported(
+        warmpath_index::keys::BlockKey(KEY),
+        warmpath_index::keys::REPORT_EVERY
+    ));
     let addr = warmpath_cache_agent::client::AgentAddr::Tcp(agent.url.clone());
     let c = warmpath_cache_agent::client::AgentClient::connect(&addr, "", Duration::from_secs(5))
         .await

@@ -160,7 +160,9 @@ pub struct AgentStats {
     pub misses: u64,
     pub l2_errors: u64,
     pub l2_damaged: u64,
-    /// Blocks the agent reports to routers (engines' GPUs from KV events).
+    /// Blocks the agent reports to routers (engines' GPUs from KV events, its own L1 and
+    /// L2): of the blocks it holds, those of reported keys (record 0115), every block with
+    /// `--residency-every-block`.
     pub residency_blocks: u64,
     /// KV-event batches applied, sequence gaps seen, batches refused, blocks whose tenant
     /// was not known.

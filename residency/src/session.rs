@@ -135,6 +135,8 @@ pub struct Publisher {
     /// What every tier holds now, reported or not, each with the reported key before it in
     /// its chain (a reported block's parent on the wire), if known.
     held: HashMap<(Scope, u64), Option<u64>>,
+    /// Of `held`, the reported blocks: what a subscriber in sync holds.
+    reported: usize,
     /// Changes of reported blocks not sent yet.
     pending: Vec<Change>,
 }
@@ -149,6 +151,7 @@ impl Publisher {
             instances,
             every: REPORT_EVERY,
             held: HashMap::new(),
+            reported: 0,
             pending: Vec::new(),
         }
     }
@@ -190,6 +193,10 @@ impl Publisher {
             self.held.remove(&k);
         }
         if was != change.present && self.reported(change.key) {
+            match change.present {
+                true => self.reported += 1,
+                false => self.reported -= 1,
+            }
             self.pending.push(change);
         }
     }
@@ -285,13 +292,18 @@ impl Publisher {
         chunks
     }
 
-    /// Blocks held now, reported or not (for metrics and tests).
+    /// Blocks reported now: what a subscriber in sync holds (for metrics and tests).
     pub fn len(&self) -> usize {
-        self.held.len()
+        self.reported
     }
 
     pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
+        self.reported == 0
+    }
+
+    /// Blocks held now, reported or not.
+    pub fn remembered(&self) -> usize {
+        self.held.len()
     }
 }
 
@@ -652,7 +664,8 @@ mod tests {
             panic!("a delta");
         };
         assert_eq!(changes, want);
-        assert_eq!(p.len(), 2 * chain.len(), "every block is remembered");
+        assert_eq!(p.remembered(), 2 * chain.len(), "every block is remembered");
+        assert_eq!(p.len(), 2 * at.len());
         // The snapshot carries the same blocks and parents.
         let mut snap: Vec<Change> = p
             .snapshot()

@@ -1892,7 +1892,8 @@ mod tests {
                 "{reported} of {}",
                 gpu.len()
             );
-            assert_eq!(back.feed.publishers[h as usize].len(), gpu.len());
+            assert_eq!(back.feed.publishers[h as usize].remembered(), gpu.len());
+            assert_eq!(back.feed.publishers[h as usize].len(), reported);
             for r in followed(&back, h) {
                 assert!(back.replicas[r as usize].instances()[h as usize].observed);
                 assert_eq!(
