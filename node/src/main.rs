@@ -9,6 +9,11 @@ use std::process::ExitCode;
 
 use warmpath::{admin, agent, certs, demo, engine_sim, loadgen, router, simulate};
 
+/// mimalloc rather than glibc's malloc: the request path allocates and frees hyper's
+/// per-request buffers on every request, across threads (record 0116).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "warmpath",
