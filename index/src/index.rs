@@ -186,8 +186,13 @@ struct Node {
     in_l2: bool,
     /// Holders, the first inline: most blocks live on one instance.
     first: Option<Holder>,
-    /// Further holders; a boxed slice keeps the node within one cache line.
+    /// Further holders, in the order they came, in `more[..more_len]`; the rest of the
+    /// boxed slice is room to grow. A block routed to thousands of instances (a fleet-wide
+    /// system prompt) grows its list by doubling rather than reallocating and copying it on
+    /// every new holder. A boxed slice and a length in the node's padding keep the node
+    /// within one cache line.
     more: Box<[Holder]>,
+    more_len: u32,
     /// Leaf LRU links (valid while `children == 0`).
     prev: u32,
     next: u32,
@@ -195,14 +200,49 @@ struct Node {
 
 impl Node {
     fn holders(&self) -> impl Iterator<Item = &Holder> {
-        self.first.iter().chain(self.more.iter())
+        self.first.iter().chain(self.more().iter())
+    }
+
+    /// The overflow holders in use.
+    fn more(&self) -> &[Holder] {
+        &self.more[..self.more_len as usize]
     }
 
     fn holder_mut(&mut self, instance: u32) -> Option<&mut Holder> {
         if self.first.is_some_and(|h| h.instance == instance) {
             return self.first.as_mut();
         }
-        self.more.iter_mut().find(|h| h.instance == instance)
+        let at = self.more_at(instance)?;
+        Some(&mut self.more[at])
+    }
+
+    /// Where `instance`'s overflow holder is.
+    fn more_at(&self, instance: u32) -> Option<usize> {
+        self.more().iter().position(|h| h.instance == instance)
+    }
+
+    /// Appends an overflow holder, doubling the room when it is full; `extra` counts the
+    /// overflow slots (what the lists take in memory).
+    fn push_more(&mut self, holder: Holder, extra: &mut usize) -> &mut Holder {
+        let len = self.more_len as usize;
+        if len == self.more.len() {
+            let room = (2 * len).max(1);
+            let mut grown = Vec::with_capacity(room);
+            grown.extend_from_slice(&self.more[..len]);
+            grown.resize(room, holder);
+            *extra += room - len;
+            self.more = grown.into_boxed_slice();
+        }
+        self.more[len] = holder;
+        self.more_len += 1;
+        &mut self.more[len]
+    }
+
+    /// Frees the overflow list (the node is being removed).
+    fn clear_more(&mut self, extra: &mut usize) {
+        *extra -= self.more.len();
+        self.more = Box::default();
+        self.more_len = 0;
     }
 
     /// The live holder of `instance` (a stale one is revived empty), and whether it was
@@ -224,10 +264,7 @@ impl Node {
         let pos = if self.first.is_some_and(|h| h.instance == instance) {
             Some(None)
         } else {
-            self.more
-                .iter()
-                .position(|h| h.instance == instance)
-                .map(Some)
+            self.more_at(instance).map(Some)
         };
         let holder = match pos {
             Some(at) => {
@@ -247,13 +284,7 @@ impl Node {
                 h
             }
             None if self.first.is_none() => self.first.insert(fresh),
-            None => {
-                let mut more = std::mem::take(&mut self.more).into_vec();
-                more.push(fresh);
-                self.more = more.into_boxed_slice();
-                *extra += 1;
-                self.more.last_mut().expect("just pushed")
-            }
+            None => self.push_more(fresh, extra),
         };
         meta.holders += 1;
         meta.predicted += usize::from(holder.queued);
@@ -277,19 +308,32 @@ impl Node {
             kept
         };
         let first_kept = self.first.as_ref().is_none_or(&mut verdict);
-        let mut more = std::mem::take(&mut self.more).into_vec();
-        let before = more.len();
-        more.retain(|h| verdict(h));
+        // Compact the kept overflow holders to the front, in order.
+        let len = self.more_len as usize;
+        let mut kept = 0;
+        for i in 0..len {
+            if verdict(&self.more[i]) {
+                self.more[kept] = self.more[i];
+                kept += 1;
+            }
+        }
         if !first_kept {
-            self.first = if more.is_empty() {
+            self.first = if kept == 0 {
                 None
             } else {
-                Some(more.remove(0))
+                let next = self.more[0];
+                self.more.copy_within(1..kept, 0);
+                kept -= 1;
+                Some(next)
             };
         }
-        *extra -= before - more.len();
-        // Without removals the boxed slice is rebuilt in place (length equals capacity).
-        self.more = more.into_boxed_slice();
+        self.more_len = kept as u32;
+        // Give memory back once a list is at most a quarter full.
+        if kept * 4 <= self.more.len() && kept < len {
+            let room = self.more.len();
+            self.more = self.more[..kept].to_vec().into_boxed_slice();
+            *extra -= room - kept;
+        }
     }
 
     /// Drops holders that hold nothing at `now` and wait for no expiry, and stale ones.
@@ -417,7 +461,8 @@ pub struct PrefixIndex {
     /// Generation, horizon and holder counters of each instance, by id (the index-wide
     /// counts are their sums).
     metas: Vec<InstanceMeta>,
-    /// Holders kept in the overflow lists (`Node::more`), stale ones included.
+    /// Slots of the overflow lists (`Node::more`), in use (stale holders included) or room
+    /// to grow: what they take in memory.
     extra_holders: usize,
     l2_blocks: usize,
     evictions: u64,
@@ -866,6 +911,7 @@ impl PrefixIndex {
             in_l2: false,
             first: None,
             more: Box::default(),
+            more_len: 0,
             prev: NONE,
             next: NONE,
         };
@@ -904,7 +950,7 @@ impl PrefixIndex {
             return false;
         }
         let node = &self.nodes[victim as usize];
-        for h in node.first.iter().chain(node.more.iter()) {
+        for h in node.holders() {
             self.metas[h.instance as usize].uncount(h);
         }
         if node.in_l2 {
@@ -937,9 +983,8 @@ impl PrefixIndex {
             entry.remove();
         }
         let node = &mut self.nodes[idx as usize];
-        self.extra_holders -= node.more.len();
+        node.clear_more(&mut self.extra_holders);
         node.first = None;
-        node.more = Box::default();
         node.in_l2 = false;
         node.parent = NONE;
         self.free.push(idx);
@@ -1441,6 +1486,57 @@ mod tests {
         assert!(index.contains(k(7)) && index.contains(k(8)) && index.contains(k(9)));
         assert_eq!(index.stats().evictions, 2);
         assert_eq!(index.stats().holders, 4);
+    }
+
+    #[test]
+    fn a_block_with_many_holders_finds_each_through_growth_and_removals() {
+        let mut index = PrefixIndex::new(IndexConfig::default());
+        let chain = [k(1)];
+        // Routed there in descending order: 99 is the inline holder, the rest overflow.
+        for i in (0..100).rev() {
+            index.record_route(&chain, InstanceId(i), 0);
+        }
+        // A match lists the inline holder, then the overflow list in the order it came.
+        let order = |index: &PrefixIndex| -> Vec<u32> {
+            let got = index.match_prefix(&chain, 1);
+            got.instances.iter().map(|m| m.instance.0).collect()
+        };
+        let expect: Vec<u32> = (0..100).rev().collect();
+        assert_eq!(order(&index), expect);
+        assert_eq!(index.stats().holders, 100);
+        // A second route to each finds its holder rather than adding one.
+        for i in 0..100 {
+            index.record_route(&chain, InstanceId(i), 0);
+        }
+        assert_eq!(index.stats().holders, 100);
+        // Every even instance reports the block gone.
+        for i in (0..100).step_by(2) {
+            index.observe(InstanceId(i), k(1), None, Tier::Gpu, false, 1);
+        }
+        let expect: Vec<u32> = (1..100).rev().step_by(2).collect();
+        assert_eq!(order(&index), expect);
+        let (holders, _, _, extra, _) = recount(&index);
+        assert_eq!(index.extra_holders, extra);
+        assert_eq!(index.stats().holders, holders);
+        // Observed holders outlive their predictions; once the rest expire (the inline
+        // holder 99 among them, replaced by the earliest overflow one), the list is below a
+        // quarter full and gives its room back. A new holder goes last.
+        for i in (1..100).step_by(10) {
+            index.observe(InstanceId(i), k(1), None, Tier::Gpu, true, 1);
+        }
+        let later = index.config().predicted_ttl_us + 10;
+        index.expire(later);
+        index.record_route(&chain, InstanceId(50), later);
+        let expect = vec![91, 81, 71, 61, 51, 41, 31, 21, 11, 1, 50];
+        assert_eq!(order(&index), expect);
+        let (_, _, _, extra, _) = recount(&index);
+        assert_eq!(index.extra_holders, extra);
+        // Instance 91 is the inline holder; the list's room is at most four times its use.
+        let listed = expect.len() - 1;
+        assert!(
+            extra <= 4 * listed,
+            "the list kept {extra} slots for {listed} holders"
+        );
     }
 
     #[test]
