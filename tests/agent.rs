@@ -1558,7 +1558,7 @@ async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_miss
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_reports_again_what_its_serving_engine_holds() {
     // Every block reported: the first prompt seen must give the new router a run of two
-    // blocks or more, which a prompt of 11 blocks with one key in 16 reported need not.
+    // blocks or more, which an 11-block prompt with one key in REPORT_EVERY need not give.
     let mut r = Residency::start_replaying(
         "residency-restart",
         &["--block-tokens", "64"],
@@ -1795,7 +1795,7 @@ async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
     // One key in REPORT_EVERY: far fewer blocks reported than the engine stored.
     assert!(blocks >= 32, "{blocks} blocks");
     assert!(
-        reported * 4 < blocks,
+        reported * 2 < blocks,
         "{reported} of {blocks} blocks reported"
     );
     eventually("the router to observe what the agent reports", || async {

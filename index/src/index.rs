@@ -404,10 +404,11 @@ pub struct MatchScratch {
     /// Position in `result.instances` of each instance's candidate, by instance id;
     /// `NONE` if absent.
     slot_of: Vec<u32>,
-    /// `(depth, slot, from)` of the query's keys found in the index, in depth order;
-    /// `from`: the depth a run must reach for the key to extend it (see
-    /// [`PrefixIndex::match_into`]).
-    path: Vec<(u32, u32, u32)>,
+    /// `(depth, slot, from, tail)` of the query's keys found in the index, in depth order;
+    /// `from`: the depth a run must reach for the key to extend it; `tail`: for a key
+    /// agents do not report, the end of the query's previous reported key, else `NONE`
+    /// (see [`PrefixIndex::match_into`]).
+    path: Vec<(u32, u32, u32, u32)>,
     pub result: MatchResult,
 }
 
@@ -737,9 +738,13 @@ impl PrefixIndex {
     /// extends an instance's run when the run reaches the end of the query's previous
     /// reported key (or the query's start), so it is credited for the unreported blocks
     /// before it; any other observed block extends a run that reaches it. A reported key
-    /// that is missing breaks the run. With every key reported this is a contiguous run,
-    /// and an agent that reports every block (one predating 0115, or `--residency-full`)
-    /// is matched as one that samples. A predicted block counts for its whole prefix: the
+    /// that is missing breaks the run. Past a run's last reported key, the unreported
+    /// blocks this router sent the instance extend it even after their predictions retired
+    /// (an observed engine's do, record 0088), up to the next reported key: no agent
+    /// reports them, and without them a run would lose its tail. With every key reported
+    /// this is a contiguous run, and an agent that reports every block (one predating
+    /// 0115, or `--residency-every-block`) is matched as before. A predicted block counts
+    /// for its whole prefix: the
     /// instance was sent a prompt with that prefix, and a key names its whole prefix. So
     /// predictions may be sparse (peers share only some keys of each decision) and still
     /// match: the walk goes on past missing keys.
@@ -765,15 +770,15 @@ impl PrefixIndex {
         let mut reported_end = 0;
         path.extend(keys.iter().enumerate().filter_map(|(d, &k)| {
             let d = d as u32;
-            let from = if crate::keys::reported(k, every) {
-                std::mem::replace(&mut reported_end, d + 1)
+            let (from, tail) = if crate::keys::reported(k, every) {
+                (std::mem::replace(&mut reported_end, d + 1), NONE)
             } else {
-                d
+                (d, reported_end)
             };
-            self.slot(k).map(|slot| (d, slot, from))
+            self.slot(k).map(|slot| (d, slot, from, tail))
         }));
         // Likewise load the overflow holder lists (hot prefixes have many holders) together.
-        let warm = path.iter().fold(0, |acc, &(_, i, _)| {
+        let warm = path.iter().fold(0, |acc, &(_, i, _, _)| {
             acc ^ self.nodes[i as usize]
                 .more
                 .first()
@@ -781,7 +786,7 @@ impl PrefixIndex {
         });
         std::hint::black_box(warm);
         // A run (every depth below is at most `d` here) that reaches `from` extends to d + 1.
-        for &(d, idx, from) in path.iter() {
+        for &(d, idx, from, tail) in path.iter() {
             let node = &self.nodes[idx as usize];
             if node.children >= 2 {
                 result.shared = d + 1;
@@ -790,6 +795,22 @@ impl PrefixIndex {
                 let meta = &self.metas[h.instance as usize];
                 let tiers = meta.tiers(h, now);
                 if tiers == 0 {
+                    // The unreported tail of an observed run: a block this router sent the
+                    // instance (its prediction retired because an agent observes it, and
+                    // not expired) extends a run that observations brought to the last
+                    // reported key before it. No agent reports the tail's blocks, nor
+                    // their eviction; the next reported key must be observed again.
+                    let inst = h.instance as usize;
+                    if tail != NONE && meta.live(h) && now < h.predicted_until {
+                        if let Some(&pos) = slot_of.get(inst).filter(|&&p| p != NONE) {
+                            let m = &mut result.instances[pos as usize];
+                            if m.gpu == d && m.observed_gpu > 0 && m.observed_gpu >= tail {
+                                m.gpu = d + 1;
+                                m.l1 = m.l1.max(d + 1);
+                                m.l2 = m.l2.max(d + 1);
+                            }
+                        }
+                    }
                     continue;
                 }
                 let inst = h.instance as usize;
@@ -891,6 +912,12 @@ impl PrefixIndex {
                 self.lru_unlink(idx);
                 self.lru_push_back(idx);
             }
+            if parent != NONE && parent != idx && self.nodes[idx as usize].parent == NONE {
+                // Created without its parent (an agent that samples reports none, a peer's
+                // sample links none): a chain that names it adopts it, so the index sees
+                // the branches there are and keeps the prefix while the block lives.
+                self.link(idx, parent);
+            }
             return idx;
         }
         let mut parent = parent;
@@ -929,14 +956,20 @@ impl PrefixIndex {
         self.slots
             .insert_unique(hash_key(key), idx, |&i| hash_key(nodes[i as usize].key));
         if parent != NONE {
-            let p = &mut self.nodes[parent as usize];
-            if p.children == 0 {
-                self.lru_unlink(parent);
-            }
-            self.nodes[parent as usize].children += 1;
+            self.link(idx, parent);
         }
         self.lru_push_back(idx);
         idx
+    }
+
+    /// Makes `parent` the parent of the parentless `idx`.
+    fn link(&mut self, idx: u32, parent: u32) {
+        let p = &mut self.nodes[parent as usize];
+        if p.children == 0 {
+            self.lru_unlink(parent);
+        }
+        self.nodes[parent as usize].children += 1;
+        self.nodes[idx as usize].parent = parent;
     }
 
     /// Evicts the least recently written leaf other than `keep`; false if none.
@@ -1289,12 +1322,10 @@ mod tests {
         let (chain, at) = reported_chain(64, 4);
         assert!(at.len() >= 6 && at[0] > 0, "{at:?}");
         let mut idx = reporting_every(4);
-        // The agent reports the reported keys only, each under the previous one.
-        let mut parent = None;
+        // The agent reports the reported keys only, without parents.
         for &d in &at[..5] {
-            idx.observe(InstanceId(0), chain[d], parent, Tier::Gpu, true, 0);
-            idx.observe(InstanceId(0), chain[d], parent, Tier::L1, true, 0);
-            parent = Some(chain[d]);
+            idx.observe(InstanceId(0), chain[d], None, Tier::Gpu, true, 0);
+            idx.observe(InstanceId(0), chain[d], None, Tier::L1, true, 0);
         }
         let m = idx.match_prefix(&chain, 1).of(InstanceId(0));
         let run = at[4] as u32 + 1;
@@ -1334,6 +1365,52 @@ mod tests {
         assert_eq!(
             idx.match_prefix(&chain, 1).of(InstanceId(0)).gpu,
             at[1] as u32 + 1
+        );
+    }
+
+    #[test]
+    fn a_retired_prediction_fills_the_unreported_tail_of_an_observed_run() {
+        use crate::cost::Tier;
+        let (chain, at) = reported_chain(64, 4);
+        // Two reported keys with unreported blocks between them, after at least one.
+        let i = (1..at.len() - 1)
+            .find(|&i| at[i + 1] - at[i] >= 3)
+            .expect("a gap");
+        let (last, next) = (at[i], at[i + 1]);
+        let observed = |route: bool| {
+            let mut idx = reporting_every(4);
+            if route {
+                // This router sent the instance the chain up to just before `next`.
+                idx.record_route(&chain[..next], InstanceId(0), 0);
+            }
+            // Its agent reports the reported keys up to `last`.
+            for &d in at.iter().take_while(|&&d| d <= last) {
+                idx.observe(InstanceId(0), chain[d], None, Tier::Gpu, true, 0);
+            }
+            // A request completed there: the predictions retire (record 0088).
+            idx.forget_predictions_before(InstanceId(0), 10);
+            idx
+        };
+        let m = observed(true).match_prefix(&chain, 20).of(InstanceId(0));
+        assert_eq!((m.gpu, m.observed_gpu), (next as u32, last as u32 + 1));
+        // Without the router's own decision the run ends at the last reported key.
+        let m = observed(false).match_prefix(&chain, 20).of(InstanceId(0));
+        assert_eq!(m.gpu, last as u32 + 1);
+        // A retired prediction with no observed run under it credits nothing.
+        let mut idx = reporting_every(4);
+        idx.record_route(&chain[..next], InstanceId(0), 0);
+        idx.forget_predictions_before(InstanceId(0), 10);
+        assert_eq!(idx.match_prefix(&chain, 20).of(InstanceId(0)).gpu, 0);
+        // With every key reported there is no unreported tail: the run is what is observed.
+        let mut idx = reporting_every(1);
+        idx.record_route(&chain[..next], InstanceId(0), 0);
+        for &key in &chain[..=last] {
+            idx.observe(InstanceId(0), key, None, Tier::Gpu, true, 0);
+        }
+        idx.forget_predictions_before(InstanceId(0), 10);
+        assert_eq!(
+            idx.match_prefix(&chain, 20).of(InstanceId(0)).gpu,
+            last as u32 + 1
         );
     }
 

@@ -90,8 +90,8 @@ pub struct AgentArgs {
     /// whatever the cluster's size.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub residency_max_routers: u32,
-    /// Report every block to routers, not one key in 16 (record 0115's coarse residency):
-    /// for comparing with full residency. Routers of any build take it; it costs 16 times
+    /// Report every block to routers, not one key in 4 (record 0115's coarse residency):
+    /// for comparing with full residency. Routers of any build take it; it costs 4 times
     /// the residency bandwidth.
     #[arg(long)]
     pub residency_every_block: bool,

@@ -21,11 +21,12 @@
 //!
 //! **Coarse residency** (record 0115): a publisher sends only the blocks whose keys
 //! [`warmpath_index::keys::reported`] picks, about one in
-//! [`warmpath_index::keys::REPORT_EVERY`], in deltas and snapshots alike; a reported
-//! block's parent is the reported key before it in its chain, where the publisher knows
-//! the chain (it saw the blocks between, in the same scope), else none. Routers credit a
-//! reported key for the unreported blocks before it. [`Publisher::reporting_every`]`(1)`
-//! reports every block, as publishers did before.
+//! [`warmpath_index::keys::REPORT_EVERY`], in deltas and snapshots alike, and without a
+//! parent: the reported key before one is some blocks back, and an index that linked the
+//! two would see a branch where the router's own chain continues (record 0115 measured
+//! it). Routers credit a reported key for the unreported blocks before it.
+//! [`Publisher::reporting_every`]`(1)` reports every block with its parent, as publishers
+//! did before.
 
 use std::collections::{HashMap, HashSet};
 
@@ -132,11 +133,8 @@ pub struct Publisher {
     instances: Vec<String>,
     /// One key in this many is reported ([`warmpath_index::keys::reported`]).
     every: u32,
-    /// What every tier holds now, reported or not, each with the reported key before it in
-    /// its chain (a reported block's parent on the wire), if known.
+    /// The reported blocks every tier holds now, with the parents they are reported with.
     held: HashMap<(Scope, u64), Option<u64>>,
-    /// Of `held`, the reported blocks: what a subscriber in sync holds.
-    reported: usize,
     /// Changes of reported blocks not sent yet.
     pending: Vec<Change>,
 }
@@ -151,7 +149,6 @@ impl Publisher {
             instances,
             every: REPORT_EVERY,
             held: HashMap::new(),
-            reported: 0,
             pending: Vec::new(),
         }
     }
@@ -173,30 +170,25 @@ impl Publisher {
         self.epoch
     }
 
-    /// Records a change (`parent`: the block before it in its chain, if known); repeated
-    /// or contradicting changes of one reported block before the next delta are all sent,
-    /// in order (the subscriber applies them in order). A block that is not reported is
-    /// only remembered, for the chains of the blocks after it.
+    /// Records a change (`parent`: the block before it in its chain, if known) of a block
+    /// that is reported; others are dropped. Repeated or contradicting changes of one block
+    /// before the next delta are all sent, in order (the subscriber applies them in order).
     pub fn record(&mut self, change: Change) {
+        if !self.reported(change.key) {
+            return;
+        }
+        let mut change = change;
+        if self.every > 1 {
+            change.parent = None;
+        }
         let k = (change.scope, change.key);
         let was = self.held.contains_key(&k);
-        let mut change = change;
         if change.present {
-            // The reported key before it: its parent, or the one before its parent.
-            let up = change.parent.and_then(|p| match self.reported(p) {
-                true => Some(p),
-                false => self.held.get(&(change.scope, p)).copied().flatten(),
-            });
-            self.held.insert(k, up);
-            change.parent = up;
+            self.held.insert(k, change.parent);
         } else {
             self.held.remove(&k);
         }
-        if was != change.present && self.reported(change.key) {
-            match change.present {
-                true => self.reported += 1,
-                false => self.reported -= 1,
-            }
+        if was != change.present {
             self.pending.push(change);
         }
     }
@@ -260,12 +252,8 @@ impl Publisher {
     /// [`next`]: Publisher::next
     pub fn snapshot(&self) -> Vec<Msg> {
         debug_assert!(self.pending.is_empty(), "flush pending changes first");
-        let mut blocks: Vec<(Scope, u64, Option<u64>)> = self
-            .held
-            .iter()
-            .filter(|(&(_, k), _)| self.reported(k))
-            .map(|(&(s, k), &p)| (s, k, p))
-            .collect();
+        let mut blocks: Vec<(Scope, u64, Option<u64>)> =
+            self.held.iter().map(|(&(s, k), &p)| (s, k, p)).collect();
         blocks.sort_unstable();
         let mut chunks: Vec<Msg> = blocks
             .chunks(SNAPSHOT_CHUNK)
@@ -292,18 +280,13 @@ impl Publisher {
         chunks
     }
 
-    /// Blocks reported now: what a subscriber in sync holds (for metrics and tests).
+    /// Reported blocks held now: what a subscriber in sync holds (for metrics and tests).
     pub fn len(&self) -> usize {
-        self.reported
+        self.held.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.reported == 0
-    }
-
-    /// Blocks held now, reported or not.
-    pub fn remembered(&self) -> usize {
-        self.held.len()
+        self.held.is_empty()
     }
 }
 
@@ -624,11 +607,7 @@ mod tests {
 
     /// What a router should hold: the reported blocks the publisher holds.
     fn truth(p: &Publisher) -> HashSet<(Scope, u64)> {
-        p.held
-            .keys()
-            .filter(|(_, k)| p.reported(*k))
-            .copied()
-            .collect()
+        p.held.keys().copied().collect()
     }
 
     /// A publisher that reports every block: the session's mechanics, whatever is sampled.
@@ -637,7 +616,7 @@ mod tests {
     }
 
     #[test]
-    fn a_publisher_reports_reported_keys_only_each_under_the_reported_key_before_it() {
+    fn a_publisher_reports_reported_keys_only_and_without_parents() {
         let chain: Vec<u64> = (1000..1064).collect();
         let at: Vec<u64> = chain
             .iter()
@@ -654,17 +633,12 @@ mod tests {
         }
         let want: Vec<Change> = at
             .iter()
-            .enumerate()
-            .flat_map(|(i, &k)| {
-                let up = i.checked_sub(1).map(|i| at[i]);
-                [add(Scope::Gpu(0), k, up), add(Scope::L1, k, None)]
-            })
+            .flat_map(|&k| [add(Scope::Gpu(0), k, None), add(Scope::L1, k, None)])
             .collect();
         let Some(Msg::Delta { changes, .. }) = p.next(false, 0) else {
             panic!("a delta");
         };
         assert_eq!(changes, want);
-        assert_eq!(p.remembered(), 2 * chain.len(), "every block is remembered");
         assert_eq!(p.len(), 2 * at.len());
         // The snapshot carries the same blocks and parents.
         let mut snap: Vec<Change> = p

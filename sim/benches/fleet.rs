@@ -308,7 +308,7 @@ fn sample_host(w: &Workload, host_rate: f64, seconds: f64, every: u32) -> HostSa
         deltas_per_s: deltas as f64 / seconds,
         bytes_per_s: bytes as f64 / seconds,
         bytes_per_event: bytes as f64 / (reported_stored + reported_removed).max(1) as f64,
-        held: publisher.remembered(),
+        held: (stored - removed) as usize,
     }
 }
 

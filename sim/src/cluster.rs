@@ -1878,7 +1878,7 @@ mod tests {
             assert!(!expired.engines[h as usize].gpu_keys().is_empty());
         }
         // Back at 40 s, connected at 40.5 s: a new epoch's snapshot of the engine's blocks
-        // (the agent remembers each, and reports those of reported keys, record 0115).
+        // (those of reported keys, record 0115).
         let back = run_until(&c, &w, 40_600_000);
         observed_match_views(&back);
         for h in 0..lost {
@@ -1888,11 +1888,10 @@ mod tests {
                 .filter(|&&k| reported(k, c.index.report_every))
                 .count();
             assert!(
-                reported > 0 && reported < gpu.len() / 4,
+                reported > 0 && reported < gpu.len() / 2,
                 "{reported} of {}",
                 gpu.len()
             );
-            assert_eq!(back.feed.publishers[h as usize].remembered(), gpu.len());
             assert_eq!(back.feed.publishers[h as usize].len(), reported);
             for r in followed(&back, h) {
                 assert!(back.replicas[r as usize].instances()[h as usize].observed);
