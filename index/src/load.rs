@@ -72,11 +72,16 @@ impl LoadView {
     }
 
     /// Adds `other` into this view, instance by instance (own counts + peers' counts).
+    /// Adds `load` to `instance`'s (one peer's entry into a combined view).
+    pub fn add_one(&mut self, instance: InstanceId, load: InstanceLoad) {
+        let s = self.slot(instance);
+        s.in_flight += load.in_flight;
+        s.pending_prefill_tokens += load.pending_prefill_tokens;
+    }
+
     pub fn add(&mut self, other: &LoadView) {
-        for (i, l) in other.loads.iter().enumerate() {
-            let s = self.slot(InstanceId(i as u32));
-            s.in_flight += l.in_flight;
-            s.pending_prefill_tokens += l.pending_prefill_tokens;
+        for (i, l) in other.iter() {
+            self.add_one(i, l);
         }
     }
 

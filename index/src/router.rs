@@ -134,13 +134,14 @@ pub struct RouterCore {
     index: PrefixIndex,
     /// This router's own requests, exact.
     own_load: LoadView,
-    /// The latest load each peer router published, by peer node id.
-    peer_loads: HashMap<String, LoadView>,
-    /// `own_load` plus every peer's: what policies route on.
+    /// `own_load` plus every peer's latest: what policies route on.
     load: LoadView,
     /// Every instance ever seen, by id (ids are never reused).
     instances: Vec<InstanceState>,
-    by_key: HashMap<u64, InstanceId>,
+    /// Instance ids by stable key. foldhash rather than SipHash: every peer's load names
+    /// its busy instances by key on every gossip tick (up to ~180,000 lookups a tick at 128
+    /// routers); the keys come from configuration, lookups of unknown ones insert nothing.
+    by_key: hashbrown::HashMap<u64, InstanceId>,
     pools: HashMap<String, Vec<InstanceId>>,
     /// Decisions not yet handed to the gossip layer; `None` when running alone.
     outbox: Option<Vec<SharedDecision>>,
@@ -161,10 +162,9 @@ impl RouterCore {
         RouterCore {
             index: PrefixIndex::new(config.index),
             own_load: LoadView::new(),
-            peer_loads: HashMap::new(),
             load: LoadView::new(),
             instances: Vec::new(),
-            by_key: HashMap::new(),
+            by_key: hashbrown::HashMap::new(),
             pools: HashMap::new(),
             outbox: None,
             outbox_since: None,
@@ -488,22 +488,32 @@ impl RouterCore {
             .collect()
     }
 
-    /// Replaces the peers' loads (`origin → (instance key, load)`), dropping peers not
-    /// listed (departed), and recomputes the combined view.
+    /// Replaces the peers' loads (`origin → (instance key, load)`; peers not listed have
+    /// departed) and recomputes the combined view: this router's own load plus each peer's
+    /// latest entry per instance. The gossip loop calls this every tick under the routing
+    /// lock, so it costs the peers' busy entries (they publish no idle instance), not
+    /// peers × instances: the entries are added straight into the combined view.
     pub fn set_peer_loads(&mut self, peers: Vec<(String, Vec<(u64, InstanceLoad)>)>) {
-        self.peer_loads.clear();
-        for (origin, entries) in peers {
-            let mut view = LoadView::new();
+        let mut combined = self.own_load.clone();
+        // A peer listed twice (a restart seen under both generations) counts once: its
+        // later listing.
+        let mut seen = HashSet::new();
+        for (origin, mut entries) in peers.into_iter().rev() {
+            if !seen.insert(origin) {
+                continue;
+            }
+            // A peer's later entry for an instance replaces its earlier one. Peers send
+            // their entries sorted by key, once each: only other input pays for a sort.
+            if !entries.windows(2).all(|w| w[0].0 < w[1].0) {
+                entries.reverse();
+                entries.sort_by_key(|&(key, _)| key);
+                entries.dedup_by_key(|&mut (key, _)| key);
+            }
             for (key, load) in entries {
                 if let Some(&id) = self.by_key.get(&key) {
-                    view.set(id, load);
+                    combined.add_one(id, load);
                 }
             }
-            self.peer_loads.insert(origin, view);
-        }
-        let mut combined = self.own_load.clone();
-        for view in self.peer_loads.values() {
-            combined.add(view);
         }
         self.load = combined;
     }
