@@ -143,10 +143,12 @@ fn record_route_existing(bencher: divan::Bencher) {
 }
 
 /// A router of a large fleet applying its peers' loads, as the gossip loop does every tick
-/// under the routing lock: 127 peers, each busy on 1,400 of 8,000 instances (a fleet of
-/// 100,000 requests/s over 128 routers with about two seconds in flight per request).
+/// under the routing lock: 127 peers, each publishing its 512 busiest of 8,000 instances
+/// (the most a load value carries, membership's `LOAD_MAX_ENTRIES`; a fleet of 100,000
+/// requests/s over 128 routers with about two seconds in flight per request keeps about
+/// 1,400 instances busy per router).
 #[divan::bench]
-fn set_peer_loads_127_peers_8000_instances(bencher: divan::Bencher) {
+fn set_peer_loads_127_peers_512_busy_of_8000(bencher: divan::Bencher) {
     use warmpath_index::cost::ModelProfile;
     use warmpath_index::load::InstanceLoad;
     use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
@@ -165,7 +167,7 @@ fn set_peer_loads_127_peers_8000_instances(bencher: divan::Bencher) {
     let mut rng = Rng::new(8);
     let peers: Vec<(String, Vec<(u64, InstanceLoad)>)> = (0..127)
         .map(|p| {
-            let mut busy: Vec<(u64, InstanceLoad)> = (0..1_400)
+            let mut busy: Vec<(u64, InstanceLoad)> = (0..512)
                 .map(|_| {
                     let load = InstanceLoad {
                         in_flight: 1 + rng.below(3) as u32,
