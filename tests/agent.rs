@@ -1314,6 +1314,24 @@ impl Residency {
         stop
     }
 
+    /// A router configuration written to `name` in the test's directory: one pool of
+    /// `instances` that names this agent and the engine's tokenizer (o200k).
+    fn pool_config(&self, name: &str, instances: &[&str]) -> std::path::PathBuf {
+        let path = self.dir.join(name);
+        let list: Vec<String> = instances.iter().map(|i| format!("\"{i}\"")).collect();
+        std::fs::write(
+            &path,
+            format!(
+                "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [{}]\n\
+                 agents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
+                list.join(", "),
+                self.quic
+            ),
+        )
+        .unwrap();
+        path
+    }
+
     /// A router in front of the engine, following the agent.
     fn router(&self, extra: &[&str]) -> Proc {
         let certs = self.certs.to_str().unwrap();
@@ -1678,16 +1696,7 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
         ],
     );
     let addr = &r.addr;
-    let config = r.dir.join("router.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\n\
-             instances = [\"{}\"]\nagents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
-            r.engine.url, r.quic
-        ),
-    )
-    .unwrap();
+    let config = r.pool_config("router.toml", &[&r.engine.url]);
     let router = || crate::router_from_config(&config, &r.certs);
     let (a, b) = (router(), router());
     let c = connect(addr).await;
@@ -1742,28 +1751,10 @@ async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
     let engine_args = ["--block-tokens", "64", "--tokenizer", "tiktoken:o200k_base"];
     let r = Residency::start("residency-sampled", &engine_args, &[]);
     let other = crate::engine_sim("50", &engine_args);
-    let config = r.dir.join("router.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\n\
-             instances = [\"{}\", \"{}\"]\nagents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
-            r.engine.url, other.url, r.quic
-        ),
-    )
-    .unwrap();
+    let config = r.pool_config("router.toml", &[&r.engine.url, &other.url]);
     // A router whose pool is the agent's engine alone feeds it prompts (a router adds the
     // tenant's cache salt, by which the agent knows whose blocks they are).
-    let feeder_config = r.dir.join("feeder.toml");
-    std::fs::write(
-        &feeder_config,
-        format!(
-            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\n\
-             instances = [\"{}\"]\nagents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
-            r.engine.url, r.quic
-        ),
-    )
-    .unwrap();
+    let feeder_config = r.pool_config("feeder.toml", &[&r.engine.url]);
     let feeder = crate::router_from_config(&feeder_config, &r.certs);
     let router = crate::router_from_config(&config, &r.certs);
     let c = connect(&r.addr).await;
