@@ -158,6 +158,25 @@ struct HostSample {
     held: usize,
 }
 
+impl HostSample {
+    /// Changes and bytes per second of the agent's stream in steady state: every block
+    /// stored is removed again, so a host's changes are at least twice its stores (the short
+    /// sample fills caches that have not begun to evict).
+    fn steady_stream(&self) -> (f64, f64) {
+        let changes = (self.reported_stored_per_s + self.reported_removed_per_s)
+            .max(2.0 * self.reported_stored_per_s);
+        (changes, changes * self.bytes_per_event)
+    }
+}
+
+/// The sample taken at host rate `host_rate`.
+fn sample_at(samples: &[HostSample], host_rate: f64) -> HostSample {
+    *samples
+        .iter()
+        .find(|s| (s.host_rate - host_rate).abs() < 1e-9)
+        .expect("sampled")
+}
+
 /// Runs one host's engines on `w` for `seconds` of simulated time.
 fn sample_host(w: &Workload, host_rate: f64, seconds: f64, every: u32) -> HostSample {
     let cfg = EngineConfig::default();
@@ -510,19 +529,10 @@ fn main() {
         println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for &rate in &FLEET_RATES {
             for &hosts in &HOSTS {
-                let hr = rate / hosts as f64;
-                let s = *samples
-                    .iter()
-                    .find(|s| (s.host_rate - hr).abs() < 1e-9)
-                    .expect("sampled");
+                let s = sample_at(&samples, rate / hosts as f64);
                 for &routers in &ROUTERS {
                     let n = routers as f64;
-                    // Steady state: every block stored is removed again, so a host's events
-                    // are at least twice its stores (the short sample fills caches that
-                    // have not begun to evict).
-                    let host_events = (s.reported_stored_per_s + s.reported_removed_per_s)
-                        .max(2.0 * s.reported_stored_per_s);
-                    let host_bytes = host_events * s.bytes_per_event;
+                    let (host_events, host_bytes) = s.steady_stream();
                     let res_in = hosts as f64 * host_bytes;
                     let events = hosts as f64 * host_events;
                     let agent_out = n * host_bytes;
@@ -556,13 +566,8 @@ fn main() {
         println!("|---:|---:|---|---:|---:|");
         for &rate in &FLEET_RATES {
             for &hosts in &HOSTS {
-                let s = *samples
-                    .iter()
-                    .find(|s| (s.host_rate - rate / hosts as f64).abs() < 1e-9)
-                    .expect("sampled");
-                let host_events = (s.reported_stored_per_s + s.reported_removed_per_s)
-                    .max(2.0 * s.reported_stored_per_s);
-                let host_bytes = host_events * s.bytes_per_event;
+                let (host_events, host_bytes) =
+                    sample_at(&samples, rate / hosts as f64).steady_stream();
                 let share = |routers: u64| hosts as f64 * FOLLOWERS / routers as f64;
                 let ins: Vec<String> = ROUTERS
                     .iter()
