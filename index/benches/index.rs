@@ -185,3 +185,19 @@ fn set_peer_loads_127_peers_512_busy_of_8000(bencher: divan::Bencher) {
         .with_inputs(|| peers.clone())
         .bench_local_values(|peers| core.set_peer_loads(peers));
 }
+
+/// The built-in tokenizer on a 32 KB prompt of prose (pseudo-words with commas, full stops
+/// and line breaks), what the router tokenizes before routing a long request.
+#[divan::bench]
+fn tokenize_32k_prose(bencher: divan::Bencher) {
+    let mut text = String::new();
+    let mut seed = 1;
+    while text.len() < 32 * 1024 {
+        text.push_str(&warmpath_index::text::words(seed, 12));
+        text.push_str(if seed % 3 == 0 { ".\n" } else { "," });
+        seed += 1;
+    }
+    bencher
+        .counter(divan::counter::BytesCount::new(text.len()))
+        .bench_local(|| warmpath_index::text::tokenize(divan::black_box(&text)));
+}
