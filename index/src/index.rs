@@ -780,7 +780,7 @@ impl PrefixIndex {
         // Likewise load the overflow holder lists (hot prefixes have many holders) together.
         let warm = path.iter().fold(0, |acc, &(_, i, _, _)| {
             acc ^ self.nodes[i as usize]
-                .more
+                .more()
                 .first()
                 .map_or(0, |h| h.instance)
         });
