@@ -433,6 +433,13 @@ mod tests {
         }
     }
 
+    /// The ids of `text` by the definition: each piece of [`for_each_piece`], hashed.
+    fn reference(text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        for_each_piece(text, |p| ids.push(piece_id(p)));
+        ids
+    }
+
     #[test]
     fn fast_tokenize_matches_the_definition() {
         let mut rng = Rng::new(11);
@@ -444,8 +451,7 @@ mod tests {
             let text: String = (0..len)
                 .map(|_| alphabet[rng.below(alphabet.len() as u64) as usize])
                 .collect();
-            let mut want = Vec::new();
-            for_each_piece(&text, |p| want.push(piece_id(p)));
+            let want = reference(&text);
             assert_eq!(tokenize(&text), want, "{text:?}");
         }
     }
@@ -479,8 +485,7 @@ mod tests {
             if round % 2 == 1 {
                 text.push('é');
             }
-            let mut want = Vec::new();
-            for_each_piece(&text, |p| want.push(piece_id(p)));
+            let want = reference(&text);
             assert_eq!(tokenize(&text), want, "{text:?}");
             assert_eq!(tokenize_utf8(&text), want, "{text:?}");
         }
@@ -489,13 +494,11 @@ mod tests {
             let text: String = (0..len)
                 .map(|_| ascii[rng.below(ascii.len() as u64) as usize])
                 .collect();
-            let mut want = Vec::new();
-            for_each_piece(&text, |p| want.push(piece_id(p)));
+            let want = reference(&text);
             assert_eq!(tokenize(&text), want, "{len} pieces");
         }
         let one_piece = "x".repeat(5000) + " ";
-        let mut want = Vec::new();
-        for_each_piece(&one_piece, |p| want.push(piece_id(p)));
+        let want = reference(&one_piece);
         assert_eq!(tokenize(&one_piece), want);
     }
 
