@@ -201,3 +201,16 @@ fn tokenize_32k_prose(bencher: divan::Bencher) {
         .counter(divan::counter::BytesCount::new(text.len()))
         .bench_local(|| warmpath_index::text::tokenize(divan::black_box(&text)));
 }
+
+/// A 32 KB prompt's block keys: 8,192 tokens in 64-token blocks, each key the tenant-keyed
+/// blake3 of the previous key and the block.
+#[divan::bench]
+fn block_keys_8192_tokens(bencher: divan::Bencher) {
+    let tenant = warmpath_index::keys::TenantKey::derive("bench", "");
+    let tokens: Vec<u32> = (0..8192u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) % 50_000)
+        .collect();
+    bencher.bench_local(|| {
+        warmpath_index::keys::token_block_keys(&tenant, divan::black_box(&tokens), 64)
+    });
+}
