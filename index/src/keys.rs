@@ -44,12 +44,11 @@ pub const REPORT_EVERY: u32 = 4;
 /// mixed first (splitmix64's finaliser): keys are uniform hashes in production but small
 /// integers in traces and tests, and the index's own table hashes the low bits.
 pub fn reported(key: BlockKey, every: u32) -> bool {
-    let mask = u64::from(every.max(1).next_power_of_two()) - 1;
-    let mut x = key.0;
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^= x >> 31;
-    x & mask == 0
+    if every <= 1 {
+        return true;
+    }
+    let mask = u64::from(every.next_power_of_two()) - 1;
+    crate::rng::mix64(key.0) & mask == 0
 }
 
 /// A prefix key: names the whole prompt prefix up to and including one block.

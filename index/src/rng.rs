@@ -4,6 +4,16 @@
 //! ours rather than a crate's so that one seed gives the same output on every platform and
 //! every release: simulator results are reproducible with `--seed`.
 
+/// SplitMix64's finaliser: a bijection on u64 that scatters consecutive inputs. The one
+/// definition, for seeding [`Rng`], sampling keys ([`crate::keys::reported`]), choosing
+/// followers and deriving the simulator's keys.
+pub fn mix64(x: u64) -> u64 {
+    let mut z = x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// xoshiro256** with SplitMix64 seeding.
 #[derive(Clone, Debug)]
 pub struct Rng {
@@ -16,10 +26,7 @@ impl Rng {
         let mut x = seed;
         let mut next = || {
             x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
+            mix64(x)
         };
         Rng {
             s: [next(), next(), next(), next()],

@@ -5,6 +5,8 @@
 //! enters or leaves. Routers choose with it (`--residency-followers`, record 0111), and the
 //! simulator's feed too (`simulate --residency-followers`).
 
+use warmpath_index::rng::mix64;
+
 /// FNV-1a of `s`, then splitmix64: a stable 64-bit name for a node.
 fn name_hash(s: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -12,14 +14,7 @@ fn name_hash(s: &str) -> u64 {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
-    mix(h)
-}
-
-/// splitmix64's finaliser.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    mix64(h)
 }
 
 /// The routers of `routers` (by name) that follow `agent`: the `f` with the highest
@@ -29,7 +24,7 @@ pub fn followers<'a>(agent: &str, routers: &[&'a str], f: usize) -> Vec<&'a str>
     let a = name_hash(agent);
     let mut weighted: Vec<(u64, &'a str)> = routers
         .iter()
-        .map(|r| (mix(a ^ name_hash(r)), *r))
+        .map(|r| (mix64(a ^ name_hash(r)), *r))
         .collect();
     weighted.sort_unstable_by(|x, y| y.cmp(x));
     weighted.dedup_by(|x, y| x.1 == y.1);

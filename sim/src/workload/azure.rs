@@ -10,7 +10,7 @@
 use std::path::Path;
 
 use warmpath_index::keys::BlockKey;
-use warmpath_index::rng::Rng;
+use warmpath_index::rng::{mix64, Rng};
 
 use super::{ReadOptions, ReadReport, Request, Workload, WorkloadError};
 
@@ -238,14 +238,6 @@ pub fn azure_workload(name: &str, rows: &[AzureRow], block_tokens: u32, seed: u6
         block_tokens,
         requests,
     }
-}
-
-/// The SplitMix64 finaliser: a bijection on u64 that scatters consecutive inputs.
-fn mix64(x: u64) -> u64 {
-    let mut z = x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

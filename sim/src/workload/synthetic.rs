@@ -686,12 +686,9 @@ const CONVERSATION_SYSTEM: u64 = 7;
 const LONGDOC_PREAMBLE: u64 = 8;
 const LONGDOC_DOCUMENT: u64 = 9;
 
-/// The SplitMix64 finaliser.
+/// One SplitMix64 step: the golden-ratio increment, then the finaliser.
 fn mix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    warmpath_index::rng::mix64(x.wrapping_add(0x9e37_79b9_7f4a_7c15))
 }
 
 /// Seconds to microseconds (saturating; NaN is 0).
