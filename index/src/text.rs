@@ -25,6 +25,12 @@ pub const VOCAB: u32 = 50_000;
 const FNV_OFFSET: u32 = 0x811c_9dc5;
 const FNV_PRIME: u32 = 0x0100_0193;
 
+/// One FNV-1a step: the hash `h` of a piece so far, then `byte`.
+#[inline(always)]
+fn fnv_step(h: u32, byte: u8) -> u32 {
+    (h ^ u32::from(byte)).wrapping_mul(FNV_PRIME)
+}
+
 /// Token ids of `text` under the built-in tokenizer.
 ///
 /// The router runs this on every prompt; [`for_each_piece`] is the plain definition, and
@@ -37,8 +43,9 @@ pub fn tokenize(text: &str) -> Vec<u32> {
     tokenize_utf8(text)
 }
 
-/// Class bits of an ASCII byte for [`tokenize_ascii`]: alphanumeric, and space (bit 1).
+/// Class bits of an ASCII byte for [`tokenize_ascii`]: alphanumeric (bit 0), space (bit 1).
 const ALNUM: u8 = 1;
+const SPACE: u8 = 2;
 const ASCII_CLASS: [u8; 256] = {
     let mut class = [0u8; 256];
     let mut c = 0;
@@ -47,7 +54,7 @@ const ASCII_CLASS: [u8; 256] = {
         class[c] = if byte.is_ascii_alphanumeric() {
             ALNUM
         } else if byte == b' ' {
-            2
+            SPACE
         } else {
             0
         };
@@ -82,7 +89,7 @@ fn tokenize_ascii(b: &[u8]) -> Vec<u32> {
             let class = ASCII_CLASS[usize::from(c)];
             starts[count] = (i + at) as u32;
             // Not a start after a space, nor inside an alphanumeric run.
-            let joined = (prev >> 1) | (prev & class & ALNUM);
+            let joined = (prev & SPACE) >> 1 | (prev & class & ALNUM);
             count += usize::from(joined ^ 1);
             prev = class;
         }
@@ -107,15 +114,14 @@ fn hash_pieces(b: &[u8], bounds: &[u32], ids: &mut Vec<u32>) {
                 let word = u64::from_le_bytes(eight.try_into().expect("8 bytes"));
                 let mut h = FNV_OFFSET;
                 for j in 0..8 {
-                    let byte = (word >> (8 * j)) as u32 & 0xff;
-                    let next = (h ^ byte).wrapping_mul(FNV_PRIME);
+                    let next = fnv_step(h, (word >> (8 * j)) as u8);
                     h = if j < end - start { next } else { h };
                 }
                 h
             }
-            _ => b[start..end].iter().fold(FNV_OFFSET, |h, &byte| {
-                (h ^ u32::from(byte)).wrapping_mul(FNV_PRIME)
-            }),
+            _ => b[start..end]
+                .iter()
+                .fold(FNV_OFFSET, |h, &byte| fnv_step(h, byte)),
         };
         ids.push(h % VOCAB);
     }
@@ -124,10 +130,7 @@ fn hash_pieces(b: &[u8], bounds: &[u32], ids: &mut Vec<u32>) {
 /// [`tokenize`] of any UTF-8 text: one pass over the bytes.
 fn tokenize_utf8(text: &str) -> Vec<u32> {
     const OFFSET: u32 = FNV_OFFSET;
-    #[inline(always)]
-    fn step(h: u32, b: u8) -> u32 {
-        (h ^ u32::from(b)).wrapping_mul(FNV_PRIME)
-    }
+    let step = fnv_step;
     let b = text.as_bytes();
     let n = b.len();
     let mut ids = Vec::with_capacity(n / 4 + 1);
@@ -184,12 +187,7 @@ pub fn count_tokens(text: &str) -> usize {
 /// The id of one piece: FNV-1a 32 modulo [`VOCAB`] (the definition [`tokenize`] follows).
 #[cfg(test)]
 fn piece_id(piece: &str) -> u32 {
-    let mut h: u32 = FNV_OFFSET;
-    for b in piece.bytes() {
-        h ^= u32::from(b);
-        h = h.wrapping_mul(FNV_PRIME);
-    }
-    h % VOCAB
+    piece.bytes().fold(FNV_OFFSET, fnv_step) % VOCAB
 }
 
 fn for_each_piece<'t>(text: &'t str, mut f: impl FnMut(&'t str)) {
