@@ -877,7 +877,7 @@ async fn the_agent_follows_an_engines_kv_events() {
     let kv = format!("tcp://{}", crate::free_addr());
     let engine = crate::engine_sim("50", &["--kv-events", &kv]);
     // Every block reported: the agent must hold exactly the prompts' blocks (what it reports
-    // of them, one key in REPORT_EVERY, is `a_router_learns_a_sampled_chain_…`'s subject).
+    // of them, one key per 64 tokens, is `a_router_learns_a_sampled_chain_…`'s subject).
     let (_agent, addr) = agent(&[
         "--kv-events",
         &format!("e0={kv}"),
@@ -1316,14 +1316,15 @@ impl Residency {
 
     /// A router configuration written to `name` in the test's directory: one pool of
     /// `instances` that names this agent and the engine's tokenizer (o200k).
-    fn pool_config(&self, name: &str, instances: &[&str]) -> std::path::PathBuf {
+    fn pool_config(&self, name: &str, instances: &[&str], block_tokens: u32) -> std::path::PathBuf {
         let path = self.dir.join(name);
         let list: Vec<String> = instances.iter().map(|i| format!("\"{i}\"")).collect();
         std::fs::write(
             &path,
             format!(
                 "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [{}]\n\
-                 agents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n",
+                 agents = [\"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n\
+                 block_tokens = {block_tokens}\n",
                 list.join(", "),
                 self.quic
             ),
@@ -1576,7 +1577,7 @@ async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_miss
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_reports_again_what_its_serving_engine_holds() {
     // Every block reported: the first prompt seen must give the new router a run of two
-    // blocks or more, which an 11-block prompt with one key in REPORT_EVERY need not give.
+    // blocks or more, which an 11-block prompt with one key in 4 need not give.
     let mut r = Residency::start_replaying(
         "residency-restart",
         &["--block-tokens", "64"],
@@ -1696,7 +1697,7 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
         ],
     );
     let addr = &r.addr;
-    let config = r.pool_config("router.toml", &[&r.engine.url]);
+    let config = r.pool_config("router.toml", &[&r.engine.url], 64);
     let router = || crate::router_from_config(&config, &r.certs);
     let (a, b) = (router(), router());
     let c = connect(addr).await;
@@ -1741,20 +1742,22 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     assert_eq!(s.kv_unresolved, 0, "{s:?}");
 }
 
-/// Record 0115, coarse residency: an agent in its default mode reports one key in
-/// `REPORT_EVERY` of what its engine stores, and a router that never saw the prompt credits
+/// Records 0115 and 0117, coarse residency: an agent in its default mode reports one key
+/// per 64 tokens of what its engine stores (one in 4 of these 16-token blocks, as of vLLM's
+/// default size), and a router that never saw the prompt credits
 /// each reported key for the blocks before it: it matches the prompt's stored chain (to
 /// its last reported key), all of it observed, far deeper than the blocks it was told of,
 /// and routes the prompt to that engine rather than to the other one of the pool.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
-    let engine_args = ["--block-tokens", "64", "--tokenizer", "tiktoken:o200k_base"];
+    const BLOCK_TOKENS: u32 = 16;
+    let engine_args = ["--block-tokens", "16", "--tokenizer", "tiktoken:o200k_base"];
     let r = Residency::start("residency-sampled", &engine_args, &[]);
     let other = crate::engine_sim("50", &engine_args);
-    let config = r.pool_config("router.toml", &[&r.engine.url, &other.url]);
+    let config = r.pool_config("router.toml", &[&r.engine.url, &other.url], BLOCK_TOKENS);
     // A router whose pool is the agent's engine alone feeds it prompts (a router adds the
     // tenant's cache salt, by which the agent knows whose blocks they are).
-    let feeder_config = r.pool_config("feeder.toml", &[&r.engine.url]);
+    let feeder_config = r.pool_config("feeder.toml", &[&r.engine.url], BLOCK_TOKENS);
     let feeder = crate::router_from_config(&feeder_config, &r.certs);
     let router = crate::router_from_config(&config, &r.certs);
     let c = connect(&r.addr).await;
@@ -1773,7 +1776,11 @@ async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
             tokio::time::sleep(Duration::from_millis(300)).await;
             let after = c.stats().await.unwrap().residency_blocks;
             if after > before {
-                break 'found (prompt, prompt_tokens(&done.json()) / 64, after - before);
+                break 'found (
+                    prompt,
+                    prompt_tokens(&done.json()) / u64::from(BLOCK_TOKENS),
+                    after - before,
+                );
             }
             assert!(
                 Instant::now() < deadline,
@@ -1783,7 +1790,7 @@ async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
         }
         unreachable!()
     };
-    // One key in REPORT_EVERY: far fewer blocks reported than the engine stored.
+    // One key in 4: far fewer blocks reported than the engine stored.
     assert!(blocks >= 32, "{blocks} blocks");
     assert!(
         reported * 2 < blocks,

@@ -372,7 +372,7 @@ async fn a_delta_too_large_for_one_message_reaches_a_router_in_pieces() {
     engine.bind(&events).await.expect("bind the publisher");
     let kv = format!("http://engine={events}");
     // Every block reported: 250,000 changes, more than one delta carries (with one key in
-    // REPORT_EVERY reported, record 0115, they would fit in one).
+    // 4 reported, as of 16-token blocks, records 0115 and 0117, they would fit in one).
     let (_agent, quic, _) = residency_agent(
         &certs,
         "a1",
@@ -703,11 +703,12 @@ async fn another_quic_implementation_is_served_with_a_router_certificate_only() 
     let other = make_certs(&dir.join("other"), &["--router", "r1"]);
     let (agent, quic, metrics) = residency_agent(&certs, "a1", &[]);
     // One block in the agent's L1, for the snapshot to carry.
-    // A key the agent reports (one in REPORT_EVERY is, record 0115).
+    // A key the agent reports at 16-token blocks' rate as at every block (records 0115,
+    // 0117).
     const KEY: u64 = 0x00C1_0013;
     assert!(warmpath_index::keys::reported(
         warmpath_index::keys::BlockKey(KEY),
-        warmpath_index::keys::REPORT_EVERY
+        warmpath_index::keys::report_every(16)
     ));
     let addr = warmpath_cache_agent::client::AgentAddr::Tcp(agent.url.clone());
     let c = warmpath_cache_agent::client::AgentClient::connect(&addr, "", Duration::from_secs(5))

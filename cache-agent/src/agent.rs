@@ -154,14 +154,18 @@ impl Agent {
             )?))),
         };
         let counters = Arc::new(Counters::default());
+        let mut publisher = Publisher::new(
+            new_epoch(),
+            config.kv_events.iter().map(|(n, _)| n.clone()).collect(),
+        );
+        if config.residency_every_block {
+            publisher = publisher.reporting_every(1);
+        } else if config.kv_block_tokens > 0 {
+            // Else it reports every block until the engines' first store tells the size.
+            publisher.report_for_block_tokens(config.kv_block_tokens);
+        }
         let report = Arc::new(Report {
-            residency: Arc::new(Mutex::new(
-                Publisher::new(
-                    new_epoch(),
-                    config.kv_events.iter().map(|(n, _)| n.clone()).collect(),
-                )
-                .reporting_every(config.residency_report_every),
-            )),
+            residency: Arc::new(Mutex::new(publisher)),
             l2: Mutex::new(L2Window::new(config.residency_l2_blocks)),
             changed: Arc::new(tokio::sync::Notify::new()),
         });

@@ -174,9 +174,10 @@ pub struct AgentConfig {
     /// L2 blocks reported to routers at most: the latest this agent wrote or read (see
     /// [`warmpath_residency::L2Window`]); 0 reports none.
     pub residency_l2_blocks: usize,
-    /// Residency reports one block key in this many (record 0115): the protocol's
-    /// [`warmpath_index::keys::REPORT_EVERY`], or 1 for every block (`--residency-every-block`).
-    pub residency_report_every: u32,
+    /// Residency reports every block with its parent (`--residency-every-block`), rather
+    /// than the protocol's one key per [`warmpath_index::keys::REPORT_TOKENS`] tokens of the
+    /// pool's blocks (records 0115, 0117).
+    pub residency_every_block: bool,
     pub max_block_bytes: u64,
     /// Keys per request at most.
     pub max_keys: usize,
@@ -229,7 +230,7 @@ impl Default for AgentConfig {
             l2_key: None,
             l2_write_queue: 4096,
             residency_l2_blocks: 1_000_000,
-            residency_report_every: warmpath_index::keys::REPORT_EVERY,
+            residency_every_block: false,
             max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
             max_keys: 4096,
             max_lease: Duration::from_secs(30),

@@ -507,6 +507,12 @@ impl Ingest {
         true
     }
 
+    /// The pool's block size, when known: set, or learned from an engine's first store.
+    pub fn block_tokens(&self) -> Option<u32> {
+        self.block_tokens
+            .or_else(|| self.engines.iter().find_map(|e| e.gpu_block_tokens))
+    }
+
     /// The pool's block size for `engine`, when known.
     fn pool_tokens(&self, engine: usize) -> Option<usize> {
         self.block_tokens

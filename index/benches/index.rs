@@ -20,6 +20,8 @@ use warmpath_index::InstanceId;
 
 const INSTANCES: u64 = 256;
 const NOW: u64 = 1_000;
+/// vLLM's default block size, as the prompts are cut.
+const BLOCK_TOKENS: u32 = 16;
 
 struct Fixture {
     index: PrefixIndex,
@@ -81,7 +83,7 @@ fn latency_report() {
             let i = rng.below(PROMPTS as u64) as usize;
             let keys = if hit { &f.prompts[i] } else { &misses[i] };
             let t = Instant::now();
-            f.index.match_into(keys, NOW, &mut scratch);
+            f.index.match_into(keys, BLOCK_TOKENS, NOW, &mut scratch);
             samples.push(t.elapsed().as_nanos() as u64);
             std::hint::black_box(&scratch.result);
         }
@@ -126,7 +128,7 @@ fn match_full_hit(bencher: divan::Bencher) {
     let mut scratch = MatchScratch::default();
     bencher.bench_local(|| {
         let keys = &f.prompts[rng.below(PROMPTS as u64) as usize];
-        f.index.match_into(keys, NOW, &mut scratch);
+        f.index.match_into(keys, BLOCK_TOKENS, NOW, &mut scratch);
         scratch.result.instances.len()
     });
 }

@@ -97,9 +97,11 @@ pub struct IndexConfig {
     /// How long a routing decision's prediction lasts without an agent's confirmation.
     pub predicted_ttl_us: u64,
     /// Agents report one key in this many ([`crate::keys::reported`]); an observed run is
-    /// credited from one reported key to the next (see [`PrefixIndex::match_into`]). 1:
-    /// every key is reported, and an observed run needs every block.
-    pub report_every: u32,
+    /// credited from one reported key to the next (see [`PrefixIndex::match_into`]). `None`
+    /// (the default): the protocol's rate for the queried pool's block size,
+    /// [`crate::keys::report_every`]. `Some(1)`: every key is reported, and an observed run
+    /// needs every block.
+    pub report_every: Option<u32>,
 }
 
 impl Default for IndexConfig {
@@ -107,7 +109,7 @@ impl Default for IndexConfig {
         IndexConfig {
             capacity_blocks: 1 << 20,
             predicted_ttl_us: 120_000_000,
-            report_every: crate::keys::REPORT_EVERY,
+            report_every: None,
         }
     }
 }
@@ -533,6 +535,19 @@ impl PrefixIndex {
         self.metas.get(instance.0 as usize).map_or(0, |m| m.holders)
     }
 
+    /// About how many blocks `instance` holds or is predicted to hold when agents report
+    /// one key in `every` ([`PrefixIndex::report_every`]): each block observed stands for
+    /// `every` blocks of the engine's cache, the unreported ones around it (record 0115), so
+    /// a cache seen through a sampling agent is not taken for `1 / every` of its size once
+    /// the predictions that named the rest expire; the live holders when they say more
+    /// (recent predictions, not yet observed). O(1).
+    pub fn held_blocks_of(&self, instance: InstanceId, every: u32) -> usize {
+        self.metas.get(instance.0 as usize).map_or(0, |m| {
+            m.holders
+                .max(m.observed.saturating_mul(every.max(1) as usize))
+        })
+    }
+
     /// Of [`PrefixIndex::holders_of`], the blocks `instance` holds or is predicted to hold
     /// on its GPU: all but those observed in its host memory alone. O(1).
     pub fn gpu_holders_of(&self, instance: InstanceId) -> usize {
@@ -734,7 +749,8 @@ impl PrefixIndex {
     /// Per-instance matched depths of `keys` at `now`, into `scratch.result`.
     ///
     /// Observed blocks count only as a run from the first block, and agents report one key
-    /// in [`IndexConfig::report_every`] (record 0115): a block whose key is reported
+    /// in [`PrefixIndex::report_every`] of the pool's `block_tokens` (records 0115, 0117):
+    /// a block whose key is reported
     /// extends an instance's run when the run reaches the end of the query's previous
     /// reported key (or the query's start), so it is credited for the unreported blocks
     /// before it; any other observed block extends a run that reaches it. A reported key
@@ -748,7 +764,13 @@ impl PrefixIndex {
     /// instance was sent a prompt with that prefix, and a key names its whole prefix. So
     /// predictions may be sparse (peers share only some keys of each decision) and still
     /// match: the walk goes on past missing keys.
-    pub fn match_into(&self, keys: &[BlockKey], now: u64, scratch: &mut MatchScratch) {
+    pub fn match_into(
+        &self,
+        keys: &[BlockKey],
+        block_tokens: u32,
+        now: u64,
+        scratch: &mut MatchScratch,
+    ) {
         let MatchScratch {
             slot_of,
             path,
@@ -765,7 +787,7 @@ impl PrefixIndex {
         // Resolve the path first: the lookups are independent, so the CPU overlaps their
         // cache misses instead of taking them one walk step at a time.
         path.clear();
-        let every = self.config.report_every;
+        let every = self.report_every(block_tokens);
         // The end of the previous reported key of the query (0 before the first).
         let mut reported_end = 0;
         path.extend(keys.iter().enumerate().filter_map(|(d, &k)| {
@@ -871,10 +893,19 @@ impl PrefixIndex {
     }
 
     /// Convenience form of [`PrefixIndex::match_into`] that allocates.
-    pub fn match_prefix(&self, keys: &[BlockKey], now: u64) -> MatchResult {
+    pub fn match_prefix(&self, keys: &[BlockKey], block_tokens: u32, now: u64) -> MatchResult {
         let mut scratch = MatchScratch::default();
-        self.match_into(keys, now, &mut scratch);
+        self.match_into(keys, block_tokens, now, &mut scratch);
         scratch.result
+    }
+
+    /// One key in how many agents report of a pool of `block_tokens`-token blocks: the
+    /// configured [`IndexConfig::report_every`], else the protocol's
+    /// [`crate::keys::report_every`].
+    pub fn report_every(&self, block_tokens: u32) -> u32 {
+        self.config
+            .report_every
+            .unwrap_or_else(|| crate::keys::report_every(block_tokens))
     }
 
     pub fn stats(&self) -> IndexStats {
@@ -1087,6 +1118,9 @@ mod tests {
     use crate::cost::Tier;
     use proptest::prelude::*;
 
+    /// vLLM's default block size: the protocol reports one key in 4 of it.
+    const BT: u32 = 16;
+
     fn k(i: u64) -> BlockKey {
         BlockKey(i)
     }
@@ -1111,7 +1145,7 @@ mod tests {
             predicted_ttl_us: 1000,
             // Every key reported: these cases are written for contiguous runs (sampled
             // runs have their own cases below).
-            report_every: 1,
+            report_every: Some(1),
         });
         for op in ops {
             match *op {
@@ -1125,7 +1159,7 @@ mod tests {
                 Op::Expire(t) => index.expire(t),
             }
         }
-        let got = index.match_prefix(&keys(query), now);
+        let got = index.match_prefix(&keys(query), BT, now);
         let rows: Vec<_> = got
             .instances
             .iter()
@@ -1277,13 +1311,13 @@ mod tests {
             true,
             0,
         );
-        let m = idx.match_prefix(&keys, 1).of(InstanceId(0));
+        let m = idx.match_prefix(&keys, BT, 1).of(InstanceId(0));
         assert_eq!((m.gpu, m.observed_gpu), (4, 2));
         // Observed only: a gap stops the observed run. (With every key reported: where one
         // in `report_every` is, a reported key after a gap vouches for the prefix it names,
         // and key 3 is reported; see `a_sampled_run_is_credited_from_one_reported_key_to_the_next`.)
         let mut idx = PrefixIndex::new(IndexConfig {
-            report_every: 1,
+            report_every: Some(1),
             ..IndexConfig::default()
         });
         idx.observe(InstanceId(1), BlockKey(1), None, Tier::Gpu, true, 0);
@@ -1295,14 +1329,14 @@ mod tests {
             true,
             0,
         );
-        let m = idx.match_prefix(&keys, 1).of(InstanceId(1));
+        let m = idx.match_prefix(&keys, BT, 1).of(InstanceId(1));
         assert_eq!((m.gpu, m.observed_gpu), (1, 1));
     }
 
     /// An index whose agents report one key in `every`.
     fn reporting_every(every: u32) -> PrefixIndex {
         PrefixIndex::new(IndexConfig {
-            report_every: every,
+            report_every: Some(every),
             ..IndexConfig::default()
         })
     }
@@ -1327,11 +1361,11 @@ mod tests {
             idx.observe(InstanceId(0), chain[d], None, Tier::Gpu, true, 0);
             idx.observe(InstanceId(0), chain[d], None, Tier::L1, true, 0);
         }
-        let m = idx.match_prefix(&chain, 1).of(InstanceId(0));
+        let m = idx.match_prefix(&chain, BT, 1).of(InstanceId(0));
         let run = at[4] as u32 + 1;
         assert_eq!((m.gpu, m.observed_gpu, m.l1, m.l2), (run, run, run, run));
         // A query that stops between reported keys is rounded down to the last one.
-        let m = idx.match_prefix(&chain[..at[3]], 1).of(InstanceId(0));
+        let m = idx.match_prefix(&chain[..at[3]], BT, 1).of(InstanceId(0));
         assert_eq!(m.observed_gpu, at[2] as u32 + 1);
         // The global L2, reported the same way, extends every run and its own.
         let mut idx = reporting_every(4);
@@ -1339,7 +1373,7 @@ mod tests {
             idx.observe_l2(chain[d], None, true);
         }
         idx.observe(InstanceId(1), chain[at[3]], None, Tier::Gpu, true, 0);
-        let got = idx.match_prefix(&chain, 1);
+        let got = idx.match_prefix(&chain, BT, 1);
         assert_eq!(got.global_l2, at[2] as u32 + 1);
         let m = got.of(InstanceId(1));
         assert_eq!((m.gpu, m.l2), (0, at[3] as u32 + 1));
@@ -1355,7 +1389,7 @@ mod tests {
         }
         // Another instance's report puts the missing key in the index: still missing here.
         idx.observe(InstanceId(1), chain[at[2]], None, Tier::Gpu, true, 0);
-        let got = idx.match_prefix(&chain, 1);
+        let got = idx.match_prefix(&chain, BT, 1);
         assert_eq!(got.of(InstanceId(0)).observed_gpu, at[1] as u32 + 1);
         // Instance 1 holds nothing before its one key: not a run.
         assert_eq!(got.of(InstanceId(1)).gpu, 0);
@@ -1363,7 +1397,7 @@ mod tests {
         let past = (at[1] + 2..).find(|d| !at.contains(d)).expect("unreported");
         idx.observe(InstanceId(0), chain[past], None, Tier::Gpu, true, 0);
         assert_eq!(
-            idx.match_prefix(&chain, 1).of(InstanceId(0)).gpu,
+            idx.match_prefix(&chain, BT, 1).of(InstanceId(0)).gpu,
             at[1] as u32 + 1
         );
     }
@@ -1391,16 +1425,20 @@ mod tests {
             idx.forget_predictions_before(InstanceId(0), 10);
             idx
         };
-        let m = observed(true).match_prefix(&chain, 20).of(InstanceId(0));
+        let m = observed(true)
+            .match_prefix(&chain, BT, 20)
+            .of(InstanceId(0));
         assert_eq!((m.gpu, m.observed_gpu), (next as u32, last as u32 + 1));
         // Without the router's own decision the run ends at the last reported key.
-        let m = observed(false).match_prefix(&chain, 20).of(InstanceId(0));
+        let m = observed(false)
+            .match_prefix(&chain, BT, 20)
+            .of(InstanceId(0));
         assert_eq!(m.gpu, last as u32 + 1);
         // A retired prediction with no observed run under it credits nothing.
         let mut idx = reporting_every(4);
         idx.record_route(&chain[..next], InstanceId(0), 0);
         idx.forget_predictions_before(InstanceId(0), 10);
-        assert_eq!(idx.match_prefix(&chain, 20).of(InstanceId(0)).gpu, 0);
+        assert_eq!(idx.match_prefix(&chain, BT, 20).of(InstanceId(0)).gpu, 0);
         // With every key reported there is no unreported tail: the run is what is observed.
         let mut idx = reporting_every(1);
         idx.record_route(&chain[..next], InstanceId(0), 0);
@@ -1409,7 +1447,7 @@ mod tests {
         }
         idx.forget_predictions_before(InstanceId(0), 10);
         assert_eq!(
-            idx.match_prefix(&chain, 20).of(InstanceId(0)).gpu,
+            idx.match_prefix(&chain, BT, 20).of(InstanceId(0)).gpu,
             last as u32 + 1
         );
     }
@@ -1428,14 +1466,14 @@ mod tests {
                 let parent = d.checked_sub(1).map(|p| chain[p]);
                 idx.observe(InstanceId(0), chain[d], parent, Tier::Gpu, true, 0);
             }
-            assert_eq!(idx.match_prefix(&chain, 1).of(InstanceId(0)).gpu, 30);
+            assert_eq!(idx.match_prefix(&chain, BT, 1).of(InstanceId(0)).gpu, 30);
             // A hole at an unreported block ends the run when every key is reported; when
             // one in four is, the next reported key vouches for the prefix it names (an
             // agent that samples would not have reported the hole's block either).
             idx.observe(InstanceId(0), chain[hole], None, Tier::Gpu, false, 0);
             let want = if every == 1 { hole } else { 30 };
             assert_eq!(
-                idx.match_prefix(&chain, 1).of(InstanceId(0)).gpu,
+                idx.match_prefix(&chain, BT, 1).of(InstanceId(0)).gpu,
                 want as u32,
                 "every {every}"
             );
@@ -1478,7 +1516,7 @@ mod tests {
                     idx.observe(InstanceId(i as u32), chain[d], None, Tier::Gpu, true, 0);
                 }
             }
-            let got = idx.match_prefix(&chain, 1);
+            let got = idx.match_prefix(&chain, BT, 1);
             for (i, obs) in observed.iter().enumerate() {
                 let m = got.of(InstanceId(i as u32));
                 let want = reference_run(&chain, obs, every);
@@ -1575,7 +1613,7 @@ mod tests {
         }
         // A match lists the inline holder, then the overflow list in the order it came.
         let order = |index: &PrefixIndex| -> Vec<u32> {
-            let got = index.match_prefix(&chain, 1);
+            let got = index.match_prefix(&chain, BT, 1);
             got.instances.iter().map(|m| m.instance.0).collect()
         };
         let expect: Vec<u32> = (0..100).rev().collect();
@@ -1685,6 +1723,30 @@ mod tests {
     }
 
     #[test]
+    fn a_cache_seen_through_a_sampling_agent_is_counted_at_its_size() {
+        let mut index = PrefixIndex::new(IndexConfig {
+            capacity_blocks: 1000,
+            predicted_ttl_us: 1000,
+            ..IndexConfig::default()
+        });
+        let (a, b) = (InstanceId(0), InstanceId(1));
+        // `a` holds 5 reported keys, each standing for 4 blocks; no prediction is left.
+        for key in 1..=5 {
+            index.observe(a, k(key), None, Tier::Gpu, true, 0);
+        }
+        assert_eq!(index.holders_of(a), 5);
+        assert_eq!(index.held_blocks_of(a, 4), 20);
+        assert_eq!(index.held_blocks_of(a, 1), 5);
+        // `b` was just sent 30 blocks, 2 of them observed: its live holders say more.
+        let chain: Vec<u64> = (100..130).collect();
+        index.record_route(&keys(&chain), b, 0);
+        index.observe(b, k(100), None, Tier::Gpu, true, 0);
+        index.observe(b, k(101), Some(k(100)), Tier::Gpu, true, 0);
+        assert_eq!(index.held_blocks_of(b, 4), 30);
+        assert_eq!(index.held_blocks_of(InstanceId(7), 4), 0);
+    }
+
+    #[test]
     fn removal_is_lazy_but_total() {
         let mut index = PrefixIndex::new(IndexConfig {
             capacity_blocks: 100,
@@ -1702,13 +1764,13 @@ mod tests {
         index.remove_instance(a);
         assert_eq!(index.holders_of(a), 0);
         assert_eq!(index.stats().holders, 2);
-        let got = index.match_prefix(&keys(&[1, 2, 3]), 1);
+        let got = index.match_prefix(&keys(&[1, 2, 3]), BT, 1);
         assert_eq!(got.instances.len(), 1);
         assert_eq!(got.instances[0].instance, InstanceId(1));
         // Routed again: only the new prediction counts, nothing of the old observation.
         index.record_route(&keys(&[1]), a, 2);
         assert_eq!(index.holders_of(a), 1);
-        assert_eq!(index.match_prefix(&keys(&[1, 2, 3]), 3).of(a).l1, 1);
+        assert_eq!(index.match_prefix(&keys(&[1, 2, 3]), BT, 3).of(a).l1, 1);
         assert_eq!(recount(&index).0, index.stats().holders);
         // The stale holders go once their expiry comes.
         index.expire(5000);
@@ -1723,16 +1785,16 @@ mod tests {
         // A system prompt (1, 2) continued by two sessions; session 3 goes on to 5.
         index.record_route(&keys(&[1, 2, 3, 5]), a, 0);
         index.record_route(&keys(&[1, 2, 4]), a, 0);
-        assert_eq!(index.match_prefix(&keys(&[1, 2, 3, 5, 6]), 1).shared, 2);
-        assert_eq!(index.match_prefix(&keys(&[1, 2, 9]), 1).shared, 2);
-        assert_eq!(index.match_prefix(&keys(&[1]), 1).shared, 0);
+        assert_eq!(index.match_prefix(&keys(&[1, 2, 3, 5, 6]), BT, 1).shared, 2);
+        assert_eq!(index.match_prefix(&keys(&[1, 2, 9]), BT, 1).shared, 2);
+        assert_eq!(index.match_prefix(&keys(&[1]), BT, 1).shared, 0);
         // A peer's sampled keys are not linked: they make no branch.
         let mut peer = PrefixIndex::new(IndexConfig::default());
         peer.record_route(&keys(&[1, 2, 3, 4]), a, 0);
         peer.record_shared(&keys(&[2, 7]), InstanceId(1), 0);
-        assert_eq!(peer.match_prefix(&keys(&[1, 2, 3, 4]), 1).shared, 0);
+        assert_eq!(peer.match_prefix(&keys(&[1, 2, 3, 4]), BT, 1).shared, 0);
         assert_eq!(
-            peer.match_prefix(&keys(&[1, 2, 3, 7]), 1)
+            peer.match_prefix(&keys(&[1, 2, 3, 7]), BT, 1)
                 .of(InstanceId(1))
                 .gpu,
             4
@@ -1751,14 +1813,14 @@ mod tests {
         index.record_route(&keys(&[5, 6]), a, 20);
         index.observe(a, k(9), None, Tier::Gpu, true, 20);
         index.forget_predictions_before(a, 10);
-        assert_eq!(index.match_prefix(&keys(&[1, 2]), 30).instances, vec![]);
-        assert_eq!(index.match_prefix(&keys(&[5, 6]), 30).of(a).gpu, 2);
-        assert_eq!(index.match_prefix(&keys(&[9]), 30).of(a).gpu, 1);
+        assert_eq!(index.match_prefix(&keys(&[1, 2]), BT, 30).instances, vec![]);
+        assert_eq!(index.match_prefix(&keys(&[5, 6]), BT, 30).of(a).gpu, 2);
+        assert_eq!(index.match_prefix(&keys(&[9]), BT, 30).of(a).gpu, 1);
         // A horizon never moves back; a new route revives the prefix.
         index.forget_predictions_before(a, 0);
-        assert_eq!(index.match_prefix(&keys(&[1, 2]), 30).instances, vec![]);
+        assert_eq!(index.match_prefix(&keys(&[1, 2]), BT, 30).instances, vec![]);
         assert_eq!(index.record_route(&keys(&[1, 2]), a, 40), 0);
-        assert_eq!(index.match_prefix(&keys(&[1, 2]), 50).of(a).gpu, 2);
+        assert_eq!(index.match_prefix(&keys(&[1, 2]), BT, 50).of(a).gpu, 2);
     }
 
     /// A random operation on a small key space, for the properties below.
@@ -1820,7 +1882,7 @@ mod tests {
                     prop_assert_eq!(index.gpu_holders_of(InstanceId(i as u32)), *n - host[i]);
                 }
                 prop_assert!(index.len() <= cap);
-                let got = index.match_prefix(&ks, now);
+                let got = index.match_prefix(&ks, BT, now);
                 for m in &got.instances {
                     prop_assert!(m.gpu <= m.l1 && m.l1 <= m.l2 && m.l2 <= got.blocks);
                     // Everything matched was routed to that instance at some point.

@@ -32,10 +32,21 @@ pub const TENANT_KEY_CONTEXT: &str = "warmpath 2026-11 tenant key v1";
 /// changes every adapter's keys.
 pub const ADAPTER_KEY_CONTEXT: &str = "warmpath 2026-12 adapter key v1";
 
-/// Agents report a chain's blocks to routers at about one key in `REPORT_EVERY` (coarse
-/// residency, record 0115): a block is reported iff [`reported`] says so for its key. A
-/// protocol constant that agents and routers of one build share; a power of two.
-pub const REPORT_EVERY: u32 = 4;
+/// Agents report about one block key per `REPORT_TOKENS` tokens of a chain to routers
+/// (coarse residency, records 0115 and 0117): one key in [`report_every`] of the pool's
+/// block size, picked by [`reported`]. A protocol constant that agents and routers of one
+/// build share. 64 is one key in 4 of vLLM's 16-token blocks, the rate record 0115 measured.
+pub const REPORT_TOKENS: u32 = 64;
+
+/// One key in how many is reported for a pool of `block_tokens`-token blocks: about one per
+/// [`REPORT_TOKENS`] tokens, a power of two, at least 1 (blocks of 64 tokens or more: every
+/// block). Reporting by tokens rather than by blocks keeps the router's resolution the same
+/// at every block size: at one key in 4 of Mooncake's 512-token blocks a reported key would
+/// stand for 2,048 tokens (record 0117).
+pub fn report_every(block_tokens: u32) -> u32 {
+    let every = (REPORT_TOKENS / block_tokens.max(1)).max(1);
+    1 << every.ilog2()
+}
 
 /// Whether a block of key `key` is one agents report when they report one key in `every`
 /// (rounded up to a power of two; 0 and 1: every key). A pure function of the key, so an
@@ -251,7 +262,17 @@ mod tests {
         };
         assert_eq!(at(12), at(16));
         // Fixed: agents and routers of one protocol agree on which keys are reported.
-        assert_eq!(&at(REPORT_EVERY)[..4], [0, 3, 4, 5]);
+        assert_eq!(&at(report_every(16))[..4], [0, 3, 4, 5]);
+    }
+
+    #[test]
+    fn about_one_key_per_report_tokens_is_reported_at_any_block_size() {
+        let every: Vec<u32> = [1, 4, 16, 24, 32, 48, 64, 128, 512]
+            .iter()
+            .map(|&b| report_every(b))
+            .collect();
+        assert_eq!(every, [64, 16, 4, 2, 2, 1, 1, 1, 1]);
+        assert_eq!(report_every(0), 64);
     }
 
     #[test]

@@ -342,8 +342,12 @@ pub fn route(
         n => &req.keys[..req.keys.len().min(n as usize)],
     };
     if config.strategy.uses_index() {
-        view.index
-            .match_into(considered, view.now, &mut state.scratch);
+        view.index.match_into(
+            considered,
+            config.block_tokens,
+            view.now,
+            &mut state.scratch,
+        );
     }
     let (instance, reason, scores) = match config.strategy {
         Strategy::RoundRobin => {
@@ -504,8 +508,9 @@ fn prefix_aware(
     // Holders of the prefix: longest match, then least loaded, then least cached data.
     // Candidates holding none of it: least cached data first, so new prefixes spread over
     // the fleet's memory (saturation still keeps the load even).
+    let every = view.index.report_every(config.block_tokens);
     let rank_of = |m: InstanceMatch, i: InstanceId| {
-        let held = view.index.holders_of(i) as u64;
+        let held = view.index.held_blocks_of(i, every) as u64;
         let busy = u64::from(load(i));
         let worth = worth_rank(view, config, &m);
         if m.l2 == 0 {

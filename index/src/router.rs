@@ -703,7 +703,7 @@ mod tests {
     #[test]
     fn a_finished_request_retires_predictions_only_where_an_agent_reports() {
         let matched = |c: &RouterCore, i: InstanceId, ks: &[u64], now| {
-            c.index.match_prefix(&keys(ks), now).of(i).gpu
+            c.index.match_prefix(&keys(ks), 16, now).of(i).gpu
         };
         let mut c = core(&["a", "b"]);
         let a = InstanceId(send(&mut c, &[1, 2, 3], &[], 10).unwrap());

@@ -90,9 +90,10 @@ pub struct AgentArgs {
     /// whatever the cluster's size.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub residency_max_routers: u32,
-    /// Report every block to routers, not one key in 4 (record 0115's coarse residency):
-    /// for comparing with full residency. Routers of any build take it; it costs 4 times
-    /// the residency bandwidth.
+    /// Report every block to routers, not one key per 64 tokens of the pool's blocks (one
+    /// in 4 of vLLM's 16-token blocks; records 0115 and 0117, coarse residency): for
+    /// comparing with full residency. Routers of any build take it; at 16-token blocks it
+    /// costs 4 times the residency bandwidth.
     #[arg(long)]
     pub residency_every_block: bool,
     /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.
@@ -194,9 +195,7 @@ impl AgentArgs {
         if let Some(v) = self.kv_block_tokens {
             c.kv_block_tokens = v;
         }
-        if self.residency_every_block {
-            c.residency_report_every = 1;
-        }
+        c.residency_every_block |= self.residency_every_block;
         let hyperpod_flags = self.hyperpod_shm_name.is_some()
             || self.hyperpod_shm_bytes.is_some()
             || self.hyperpod_shm_mode.is_some()

@@ -73,10 +73,12 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub residency_followers: Option<u32>,
     /// Agents report one block key in this many and routers credit each reported key for
-    /// the blocks before it (record 0115, coarse residency; a power of two, else the next
-    /// one up); 1: every block, as before 0115.
-    #[arg(long, default_value_t = warmpath_index::keys::REPORT_EVERY)]
-    pub residency_report_every: u32,
+    /// the blocks before it (records 0115 and 0117, coarse residency; a power of two, else
+    /// the next one up); 1: every block, as before 0115. Default: the protocol's, one key
+    /// per 64 tokens of the workload's blocks (one in 4 of 16-token blocks, every one of the
+    /// Mooncake trace's 512-token blocks).
+    #[arg(long)]
+    pub residency_report_every: Option<u32>,
     /// Tier loads stall the step that admits them, instead of running beside the batch as
     /// vLLM's KV connectors load (the model before issue 24).
     #[arg(long)]
@@ -369,7 +371,9 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             sharing,
             agent_feed_ms: (!args.no_agent_feed).then_some(args.agent_feed_ms),
             residency_followers: args.residency_followers,
-            residency_report_every: args.residency_report_every,
+            residency_report_every: args
+                .residency_report_every
+                .unwrap_or_else(|| warmpath_index::keys::report_every(bt)),
             gpu_kv_tokens_per_instance: u64::from(gpu_blocks) * u64::from(bt),
             l1_kv_tokens_per_host: args.l1_kv_tokens,
             l2_kv_tokens: args.l2_kv_tokens,

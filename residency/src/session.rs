@@ -19,19 +19,20 @@
 //! scope: one engine's GPU (by its index in the snapshot's instance list), the host's L1
 //! (every engine on the host can load from it), or the global L2.
 //!
-//! **Coarse residency** (record 0115): a publisher sends only the blocks whose keys
-//! [`warmpath_index::keys::reported`] picks, about one in
-//! [`warmpath_index::keys::REPORT_EVERY`], in deltas and snapshots alike, and without a
-//! parent: the reported key before one is some blocks back, and an index that linked the
-//! two would see a branch where the router's own chain continues (record 0115 measured
-//! it). Routers credit a reported key for the unreported blocks before it.
-//! [`Publisher::reporting_every`]`(1)` reports every block with its parent, as publishers
-//! did before.
+//! **Coarse residency** (records 0115, 0117): a publisher sends only the blocks whose keys
+//! [`warmpath_index::keys::reported`] picks, about one per
+//! [`warmpath_index::keys::REPORT_TOKENS`] tokens of its pool's blocks
+//! ([`Publisher::report_for_block_tokens`]; every block until it knows their size), in
+//! deltas and snapshots alike, and without a parent: the reported key before one is some
+//! blocks back, and an index that linked the two would see a branch where the router's own
+//! chain continues (record 0115 measured it). Routers credit a reported key for the
+//! unreported blocks before it. [`Publisher::reporting_every`]`(1)` reports every block
+//! with its parent, as publishers did before.
 
 use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
-use warmpath_index::keys::{reported, BlockKey, REPORT_EVERY};
+use warmpath_index::keys::{report_every, reported, BlockKey};
 
 /// Where a block is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -133,6 +134,9 @@ pub struct Publisher {
     instances: Vec<String>,
     /// One key in this many is reported ([`warmpath_index::keys::reported`]).
     every: u32,
+    /// Whether `every` was fixed by [`Publisher::reporting_every`] rather than by the
+    /// pool's block size.
+    fixed: bool,
     /// The reported blocks every tier holds now, with the parents they are reported with.
     held: HashMap<(Scope, u64), Option<u64>>,
     /// Changes of reported blocks not sent yet.
@@ -147,19 +151,37 @@ impl Publisher {
             epoch,
             seq: 0,
             instances,
-            every: REPORT_EVERY,
+            every: 1,
+            fixed: false,
             held: HashMap::new(),
             pending: Vec::new(),
         }
     }
 
-    /// This publisher reports one key in `every` (1: every block; agents and routers of
-    /// one build use [`REPORT_EVERY`], and a router takes any publisher that reports at
-    /// least its keys). Set before anything is recorded.
+    /// This publisher reports one key in `every` whatever the block size (1: every block,
+    /// as `warmpath agent --residency-every-block` does; a router takes any publisher that
+    /// reports at least its keys). Set before anything is recorded.
     pub fn reporting_every(mut self, every: u32) -> Self {
         debug_assert!(self.held.is_empty(), "set before recording");
         self.every = every;
+        self.fixed = true;
         self
+    }
+
+    /// The pool's blocks are `block_tokens` tokens: report one key in
+    /// [`warmpath_index::keys::report_every`] of them from now on, unless
+    /// [`Publisher::reporting_every`] fixed the rate. Until it is called a publisher
+    /// reports every block (it does not know how coarse to be; routers take more than they
+    /// ask for). Blocks reported before keep being reported until they go.
+    pub fn report_for_block_tokens(&mut self, block_tokens: u32) {
+        if !self.fixed {
+            self.every = report_every(block_tokens);
+        }
+    }
+
+    /// One key in how many this publisher reports now.
+    pub fn every(&self) -> u32 {
+        self.every
     }
 
     fn reported(&self, key: u64) -> bool {
@@ -174,15 +196,18 @@ impl Publisher {
     /// that is reported; others are dropped. Repeated or contradicting changes of one block
     /// before the next delta are all sent, in order (the subscriber applies them in order).
     pub fn record(&mut self, change: Change) {
-        if !self.reported(change.key) {
+        let k = (change.scope, change.key);
+        let was = self.held.contains_key(&k);
+        // A block reported at a finer rate before the block size was known is reported
+        // until it goes.
+        let goes = was && !change.present;
+        if !goes && !self.reported(change.key) {
             return;
         }
         let mut change = change;
         if self.every > 1 {
             change.parent = None;
         }
-        let k = (change.scope, change.key);
-        let was = self.held.contains_key(&k);
         if change.present {
             self.held.insert(k, change.parent);
         } else {
@@ -689,6 +714,46 @@ mod tests {
                 add(Scope::Gpu(0), chain[1], Some(chain[0]))
             ]
         );
+    }
+
+    #[test]
+    fn a_publisher_reports_by_its_pools_block_size_once_it_knows_it() {
+        let chain: Vec<u64> = (1..=64).collect();
+        let at: Vec<u64> = chain
+            .iter()
+            .copied()
+            .filter(|&k| reported(BlockKey(k), 4))
+            .collect();
+        let unreported: Vec<u64> = chain.iter().copied().filter(|k| !at.contains(k)).collect();
+        let mut p = Publisher::new(1, vec!["e0".into()]);
+        // Before the block size is known: every block.
+        assert_eq!(p.every(), 1);
+        p.record(add(Scope::L1, unreported[0], None));
+        p.record(add(Scope::L1, unreported[1], None));
+        assert!(matches!(p.next(false, 0), Some(Msg::Delta { changes, .. }) if changes.len() == 2));
+        // 16-token blocks: one key in 4 (64 tokens); 512-token blocks would be every one.
+        p.report_for_block_tokens(16);
+        assert_eq!(p.every(), 4);
+        for &key in &chain {
+            p.record(add(Scope::Gpu(0), key, None));
+        }
+        let Some(Msg::Delta { changes, .. }) = p.next(false, 0) else {
+            panic!("a delta");
+        };
+        assert_eq!(changes.iter().map(|c| c.key).collect::<Vec<_>>(), at);
+        // What was reported before keeps being reported until it goes: its removal is sent.
+        p.record(del(Scope::L1, unreported[0]));
+        p.record(del(Scope::Gpu(0), unreported[2]));
+        assert!(
+            matches!(p.next(false, 0), Some(Msg::Delta { changes, .. }) if changes == [del(Scope::L1, unreported[0])])
+        );
+        // A fixed rate stays fixed.
+        let mut fixed = full(2, vec!["e0".into()]);
+        fixed.report_for_block_tokens(16);
+        assert_eq!(fixed.every(), 1);
+        let mut p = Publisher::new(3, vec!["e0".into()]);
+        p.report_for_block_tokens(512);
+        assert_eq!(p.every(), 1);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! `FLEET_SECONDS`, simulated seconds of arrivals per host sample, default 10;
 //! `FLEET_REPS`, repetitions of the latency measurements, default 3;
 //! `FLEET_REPORT_EVERY`, the agent reports one block key in this many, default
-//! [`REPORT_EVERY`] (record 0115; 1: every block, as before it)).
+//! the protocol's for its 16-token blocks ([`report_every`], records 0115 and 0117; 1: every
+//! block, as before them)).
 //!
 //! What is measured, and what is multiplied:
 //!
@@ -54,7 +55,7 @@ use std::time::Instant;
 use std::io::Write as _;
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
-use warmpath_index::keys::{BlockKey, REPORT_EVERY};
+use warmpath_index::keys::{report_every, BlockKey};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
@@ -461,7 +462,7 @@ fn main() {
     let workloads: String = env_or("FLEET_WORKLOADS", "chat,conversation,longdoc".to_string());
     let seconds: f64 = env_or("FLEET_SECONDS", 10.0);
     let reps: usize = env_or("FLEET_REPS", 3);
-    let every: u32 = env_or("FLEET_REPORT_EVERY", REPORT_EVERY);
+    let every: u32 = env_or("FLEET_REPORT_EVERY", report_every(BLOCK_TOKENS));
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "fleet bench: {cores} CPUs visible, load average {}, {} simulated s per host sample, {reps} latency repetitions",
