@@ -128,6 +128,67 @@ pub struct SharedDecision {
     pub keys: Vec<BlockKey>,
 }
 
+/// The cluster's budget for shared decisions, block keys per second, which routers share
+/// equally ([`PublishBudget`], record 0118): 500,000 keys are about 5.5 MB/s on the wire (8
+/// bytes a key, 10.7 once base64-encoded, and a few a decision), three quarters of what
+/// chitchat carries into one router (7.2 MB/s measured at 8 to 128 routers), leaving room
+/// for loads, digests and a restarted router's catch-up. What a router decides beyond its share is not published (counted in
+/// `warmpath_gossip_decisions_shed_total`).
+pub const DECISION_BUDGET_KEYS_PER_S: u64 = 500_000;
+
+/// The most a router's [`PublishBudget`] holds, in seconds of its share: five gossip rounds,
+/// so that routers back from idle together do not flood their peers at once.
+pub const PUBLISH_BURST_S: f64 = 0.25;
+
+/// How many shared decisions' keys one router may publish: its share of a budget for the
+/// whole cluster, `fleet_keys_per_s / routers`, as a token bucket holding at most
+/// [`PUBLISH_BURST_S`] of it (full at start). Every router takes in about the whole cluster's shared
+/// decisions, and gossip carries a bounded rate into each (about 7 MB/s through chitchat,
+/// BENCHMARKS.md; a key is 10.7 bytes on the wire): past it the backlog and the lag grow
+/// without end. Shedding at the source keeps what is published arriving within a few
+/// gossip rounds; what is shed a peer learns later from the instances' agents, or not at
+/// all (record 0118). Keys rather than bytes, so that the simulator, which never encodes,
+/// spends it as the gossip adapter does. Pure: time in ms.
+#[derive(Debug, Clone)]
+pub struct PublishBudget {
+    fleet_keys_per_s: u64,
+    tokens: f64,
+    last_ms: u64,
+}
+
+impl PublishBudget {
+    /// A budget of `fleet_keys_per_s` shared keys for the whole cluster (0: no budget).
+    pub fn new(fleet_keys_per_s: u64) -> Self {
+        PublishBudget {
+            fleet_keys_per_s,
+            tokens: f64::INFINITY,
+            last_ms: 0,
+        }
+    }
+
+    /// Whether decisions of `keys` keys in all may be published at `now_ms` by one of
+    /// `routers` routers (this one and its live peers): whenever the bucket holds any; they
+    /// are then taken from it, which may leave it in debt.
+    pub fn take(&mut self, now_ms: u64, routers: usize, keys: usize) -> bool {
+        if self.fleet_keys_per_s == 0 {
+            return true;
+        }
+        let share = self.fleet_keys_per_s as f64 / routers.max(1) as f64;
+        let elapsed_s = now_ms.saturating_sub(self.last_ms) as f64 / 1e3;
+        self.last_ms = self.last_ms.max(now_ms);
+        // The bucket holds PUBLISH_BURST_S of the share; the share follows the cluster's size.
+        self.tokens = (self.tokens + elapsed_s * share).min(share * PUBLISH_BURST_S);
+        // A batch goes out whenever the bucket is not empty, and may leave it in debt: a
+        // batch larger than the bucket (a small share, in a large cluster) is delayed, never
+        // shed for good, and the rate still averages out to the share.
+        if self.tokens <= 0.0 {
+            return false;
+        }
+        self.tokens -= keys as f64;
+        true
+    }
+}
+
 /// The decision path of one router replica. See the module docs.
 #[derive(Debug)]
 pub struct RouterCore {
@@ -582,6 +643,32 @@ fn seed_of(tenant: &str) -> u64 {
 mod tests {
     use super::*;
     use crate::policy::{Reason, Strategy};
+
+    #[test]
+    fn a_router_publishes_its_share_of_the_clusters_budget() {
+        // 32,000 keys/s for a cluster of 4 routers: 8,000 each, 2,000 (a quarter second)
+        // in the bucket at most.
+        let mut b = PublishBudget::new(32_000);
+        assert!(b.take(0, 4, 1_500));
+        // The bucket holds 500: a batch of 1,000 goes, in debt; then nothing until repaid.
+        assert!(b.take(0, 4, 1_000));
+        assert!(!b.take(0, 4, 1), "in debt");
+        // An eighth of a second refills 1,000 keys: 500 after the debt.
+        assert!(b.take(125, 4, 600));
+        assert!(!b.take(125, 4, 1));
+        // Idle for long: the bucket holds a quarter second, not more.
+        assert!(b.take(60_000, 4, 2_000));
+        assert!(!b.take(60_000, 4, 1));
+        // Twice the routers, half the share each: 4,000 a second.
+        assert!(b.take(60_250, 8, 5_000), "1,000 in the bucket");
+        assert!(!b.take(61_250, 8, 1), "the debt of 4,000 just repaid");
+        assert!(b.take(61_251, 8, 4));
+        // A clock that steps back refills nothing and takes nothing away.
+        assert!(!b.take(10_000, 8, 1));
+        // No budget: everything goes.
+        let mut free = PublishBudget::new(0);
+        assert!((0..1000).all(|_| free.take(0, 128, 1 << 20)));
+    }
 
     fn pool(model: &str, names: &[&str]) -> CorePool {
         CorePool {

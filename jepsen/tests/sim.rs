@@ -334,6 +334,7 @@ async fn start_gossip(net: &Arc<Net>, i: usize) -> Arc<Gossip> {
         http_url: base_url(i),
         decision_ttl: Duration::from_secs(60),
         secret: Some(b"sim-gossip-secret".to_vec()),
+        decision_keys_per_s: warmpath_membership::schema::DECISION_BUDGET_KEYS_PER_S,
         datagrams: Some(Arc::new(datagrams)),
     };
     Arc::new(Gossip::start(config).await.expect("gossip starts"))

@@ -32,7 +32,10 @@
 //! `FLEET_LAG_ROUTERS` (default `8,32,64,128`), `FLEET_LAG_RATES` (fleet requests/s,
 //! default `10000,100000`), `FLEET_LAG_WORKLOADS` (`chat`, `conversation`, `longdoc`;
 //! default `chat,longdoc`), `FLEET_LAG_SECONDS`, `FLEET_LAG_DRAIN`, `FLEET_LAG_TTL` (the
-//! decision TTL in seconds, default the router's 120), `FLEET_LAG_WALL` (wall seconds after
+//! decision TTL in seconds, default the router's 120), `FLEET_DECISION_BUDGET` (the
+//! cluster's decision budget in block keys per second, default the production one; 0: none, as
+//! before record 0118; the `shed` column is the share of decisions it kept back),
+//! `FLEET_LAG_WALL` (wall seconds after
 //! which a configuration stops publishing early, default 90; the row says so). 128 routers
 //! need about 16,500 file descriptors (one loopback shadow socket per peer per router):
 //! raise `ulimit -n` if it is lower.
@@ -175,6 +178,8 @@ struct Row {
     max: String,
     undelivered: u64,
     pairs: u64,
+    /// Of the decisions made, the share shed by the publishing routers' budgets.
+    shed: f64,
     published_s: f64,
     cut_short: bool,
     drain_s: Option<f64>,
@@ -313,8 +318,10 @@ async fn run(routers: usize, rate: f64, w: Workload, publish_s: f64, drain_s: f6
     row.lost_datagrams = end.iter().map(|s| s.datagrams_sent as i64).sum::<i64>()
         - end.iter().map(|s| s.datagrams_received as i64).sum::<i64>();
     row.decode_errors = end.iter().map(|s| s.decode_errors).sum();
+    let shed: u64 = end.iter().map(|s| s.decisions_shed).sum();
     {
         let book = shared.book();
+        row.shed = shed as f64 / book.decisions.max(1) as f64;
         let delivered: u64 = book.lag.iter().sum();
         let published: u64 = book.published.iter().map(|p| p.len() as u64).sum();
         row.pairs = published * (routers as u64 - 1);
@@ -328,8 +335,9 @@ async fn run(routers: usize, rate: f64, w: Workload, publish_s: f64, drain_s: f6
         row.min_peers = book.min_peers;
         row.lagging = book.lagging;
         // Every router holds every router's batches for the decision TTL.
-        row.state_mb =
-            book.batch_bytes as f64 / row.published_s * decision_ttl().as_secs_f64() / 1e6;
+        row.state_mb = book.batch_bytes as f64 * (1.0 - row.shed) / row.published_s
+            * decision_ttl().as_secs_f64()
+            / 1e6;
         row.rss_mb = rss_mb();
     }
     if let Ok(gossips) = Arc::try_unwrap(gossips) {
@@ -367,9 +375,9 @@ fn main() {
         machine()
     );
     println!(
-        "| workload | fleet req/s | routers | decisions/s per router | B per decision | join | lag p50 | lag p99 | lag max | undelivered | out per router (max) | in per router (max) | idle out | dead/short polls | lost datagrams | fleet state per router (TTL) | CPU per router (poll) | RSS |"
+        "| workload | fleet req/s | routers | decisions/s per router | B per decision | join | lag p50 | lag p99 | lag max | undelivered | shed | out per router (max) | in per router (max) | idle out | dead/short polls | lost datagrams | fleet state per router (TTL) | CPU per router (poll) | RSS |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for w in &workloads {
         for &rate in &rates {
             for &r in &routers {
@@ -378,7 +386,7 @@ fn main() {
                 let row = rt.block_on(run(r, rate, *w, publish_s, drain_s));
                 drop(rt);
                 println!(
-                    "| {} | {} | {} | {:.0} | {:.0} (cited {}) | {} | {} | {} | {} | {} of {}{} | {} ({}) | {} ({}) | {} | {} (min peers {}) | {} | {:.0} MB | {:.3} ({:.3}){} | {:.0} MB |",
+                    "| {} | {} | {} | {:.0} | {:.0} (cited {}) | {} | {} | {} | {} | {} of {}{} | {:.1}% | {} ({}) | {} ({}) | {} | {} (min peers {}) | {} | {:.0} MB | {:.3} ({:.3}){} | {:.0} MB |",
                     row.workload,
                     row.rate,
                     row.routers,
@@ -393,6 +401,7 @@ fn main() {
                     row.pairs,
                     row.drain_s
                         .map_or(String::new(), |s| format!(", all in {s:.2} s after")),
+                    row.shed * 100.0,
                     kb(row.out_mean),
                     kb(row.out_max),
                     kb(row.in_mean),

@@ -56,6 +56,7 @@ use chitchat::{
 };
 use tracing::{debug, warn};
 use warmpath_index::load::InstanceLoad;
+use warmpath_index::router::PublishBudget;
 
 use crate::decisions::{AppliedWire, BatchWire, Decision, LoadWire};
 use crate::schema::{self, NodeView, OwnState};
@@ -112,6 +113,10 @@ pub struct GossipConfig {
     pub decision_ttl: Duration,
     /// Cluster secret: when set, every datagram is authenticated with it.
     pub secret: Option<Vec<u8>>,
+    /// The whole cluster's budget for published decisions, block keys per second, of which
+    /// this router takes its share (`budget / routers`, [`PublishBudget`]; 0: no budget).
+    /// Production: [`schema::DECISION_BUDGET_KEYS_PER_S`].
+    pub decision_keys_per_s: u64,
     /// Where datagrams go; `None` binds a UDP socket on `listen`. The deterministic
     /// simulation passes its simulated network here (and `listen` is then only a name).
     pub datagrams: Option<Arc<dyn Datagrams>>,
@@ -152,6 +157,7 @@ impl std::fmt::Debug for GossipConfig {
             .field("gossip_interval", &self.gossip_interval)
             .field("http_url", &self.http_url)
             .field("decision_ttl", &self.decision_ttl)
+            .field("decision_keys_per_s", &self.decision_keys_per_s)
             // The secret is never logged.
             .field("secret", &self.secret.as_ref().map(|_| ".."))
             .field("simulated", &self.datagrams.is_some())
@@ -207,6 +213,8 @@ pub struct GossipStats {
     pub datagrams_dropped_unauthenticated: u64,
     /// Gossip values or datagrams from peers that failed to decode.
     pub decode_errors: u64,
+    /// Decisions not published: this router's share of the cluster's budget was spent.
+    pub decisions_shed: u64,
 }
 
 /// Where a router is in applying the others' decision batches: per origin (a router
@@ -263,6 +271,7 @@ struct Counters {
     datagrams_received: AtomicU64,
     unauthenticated: AtomicU64,
     decode_errors: AtomicU64,
+    decisions_shed: AtomicU64,
 }
 
 /// State shared by the [`Gossip`] handle and its socket.
@@ -341,6 +350,11 @@ pub fn describe_metrics() {
             "decisions with no key that fits a gossip batch, not published"
         );
         describe_counter!(
+            crate::metric_names::GOSSIP_DECISIONS_SHED_TOTAL,
+            Unit::Count,
+            "decisions not published because this router's share of the cluster's gossip budget was spent"
+        );
+        describe_counter!(
             crate::metric_names::GOSSIP_BATCHES_RECEIVED_TOTAL,
             Unit::Count,
             "other routers' decision batches delivered by poll"
@@ -367,6 +381,10 @@ pub struct Gossip {
     /// When `applied` was last published (tokio's clock, as chitchat's own timers, so
     /// that a simulation on a paused clock publishes it at the production cadence).
     applied_published_at: Mutex<Option<tokio::time::Instant>>,
+    /// This router's share of the cluster's decision budget, on tokio's clock from
+    /// `started` (a simulation on a paused clock spends it at the production rate).
+    budget: Mutex<PublishBudget>,
+    started: tokio::time::Instant,
     shared: Arc<Shared>,
 }
 
@@ -489,6 +507,8 @@ impl Gossip {
             bound,
             next_seq: AtomicU64::new(1),
             applied_published_at: Mutex::new(None),
+            budget: Mutex::new(PublishBudget::new(config.decision_keys_per_s)),
+            started: tokio::time::Instant::now(),
             shared,
         })
     }
@@ -543,7 +563,9 @@ impl Gossip {
     /// Publishes `decisions` in batches of at most [`schema::BATCH_MAX_BYTES`] encoded
     /// bytes each (split by a [`crate::decisions::Batcher`]; a decision too large for a
     /// batch alone keeps its first keys), each under the next `d:` key, marked for deletion
-    /// after the decision TTL. Returns the seq of the last batch written (0 if none).
+    /// after the decision TTL, while this router's share of the cluster's decision budget
+    /// lasts ([`GossipConfig::decision_bytes_per_s`]); the batches past it are shed,
+    /// counted. Returns the seq of the last batch written (0 if none).
     pub async fn publish_decisions(&self, made_at_ms: u64, decisions: Vec<Decision>) -> u64 {
         let mut batcher = crate::decisions::Batcher::new(schema::BATCH_MAX_BYTES, 0);
         for d in decisions {
@@ -554,6 +576,27 @@ impl Gossip {
             .increment(batcher.truncated());
         metrics::counter!(crate::metric_names::GOSSIP_DECISIONS_DROPPED_TOTAL)
             .increment(batcher.dropped());
+        let routers = {
+            let chitchat = self.chitchat.lock().await;
+            1 + chitchat
+                .live_nodes()
+                .filter(|id| **id != self.chitchat_id)
+                .count()
+        };
+        let now_ms = self.started.elapsed().as_millis() as u64;
+        let batches: Vec<Vec<Decision>> = {
+            let mut budget = self.budget.lock().unwrap_or_else(|e| e.into_inner());
+            let (kept, shed): (Vec<_>, Vec<_>) = batches
+                .into_iter()
+                .partition(|b| budget.take(now_ms, routers, b.iter().map(|d| d.keys.len()).sum()));
+            let shed = shed.iter().map(Vec::len).sum::<usize>() as u64;
+            self.shared
+                .counters
+                .decisions_shed
+                .fetch_add(shed, Ordering::Relaxed);
+            metrics::counter!(crate::metric_names::GOSSIP_DECISIONS_SHED_TOTAL).increment(shed);
+            kept
+        };
         let mut last = 0;
         for decisions in batches {
             let batch = BatchWire::V1 {
@@ -767,6 +810,7 @@ impl Gossip {
             datagrams_received: c.datagrams_received.load(Ordering::Relaxed),
             datagrams_dropped_unauthenticated: c.unauthenticated.load(Ordering::Relaxed),
             decode_errors: c.decode_errors.load(Ordering::Relaxed),
+            decisions_shed: c.decisions_shed.load(Ordering::Relaxed),
         }
     }
 
@@ -1252,6 +1296,7 @@ mod tests {
             http_url: format!("http://{node_id}.test:8080"),
             decision_ttl: TTL,
             secret: secret.map(<[u8]>::to_vec),
+            decision_keys_per_s: schema::DECISION_BUDGET_KEYS_PER_S,
             datagrams: None,
         }
     }
@@ -1445,6 +1490,37 @@ mod tests {
         }
         assert_eq!(received, sent);
         for n in [a, b, c] {
+            n.shutdown().await;
+        }
+    }
+
+    /// Record 0118: a router publishes its share of the cluster's decision budget and sheds
+    /// the rest, counted; what it publishes reaches its peers as before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn decisions_past_the_routers_budget_share_are_shed_and_counted() {
+        let lone = config("shed-a", &[], None);
+        // 240 keys a second for the cluster, a quarter second of a router's share in its
+        // bucket.
+        let a = Gossip::start(GossipConfig {
+            decision_keys_per_s: 240,
+            ..lone
+        })
+        .await
+        .unwrap();
+        let b = start("shed-b", &[a.gossip_addr()]).await;
+        wait_peers(&a, &["shed-b"]).await;
+        // Two routers now: 120 keys a second each, a bucket of 30. A batch of 400 keys goes
+        // (the bucket is not empty) and leaves it in debt for over 3 s.
+        let fits = a.publish_decisions(1, vec![decision(1, &[1; 400])]).await;
+        assert_eq!(fits, 1);
+        let shed = a.publish_decisions(2, vec![decision(2, &[2; 10])]).await;
+        assert_eq!(shed, 0, "past the share: nothing published");
+        assert_eq!(a.stats().decisions_shed, 1);
+        assert_eq!(a.published_seq(), 1);
+        let mut cursor = Cursor::new();
+        let got = receive_until(&b, &mut cursor, a.origin(), 1).await;
+        assert_eq!(got.len(), 1);
+        for n in [a, b] {
             n.shutdown().await;
         }
     }

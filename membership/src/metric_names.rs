@@ -4,6 +4,7 @@
 pub const GOSSIP_BATCHES_PUBLISHED_TOTAL: &str = "warmpath_gossip_batches_published_total";
 pub const GOSSIP_BATCHES_RECEIVED_TOTAL: &str = "warmpath_gossip_batches_received_total";
 pub const GOSSIP_DECISIONS_DROPPED_TOTAL: &str = "warmpath_gossip_decisions_dropped_total";
+pub const GOSSIP_DECISIONS_SHED_TOTAL: &str = "warmpath_gossip_decisions_shed_total";
 pub const GOSSIP_DECISIONS_TRUNCATED_TOTAL: &str = "warmpath_gossip_decisions_truncated_total";
 pub const GOSSIP_DECODE_ERRORS_TOTAL: &str = "warmpath_gossip_decode_errors_total";
 pub const GOSSIP_LAGGING_ORIGINS_TOTAL: &str = "warmpath_gossip_lagging_origins_total";
@@ -28,6 +29,7 @@ pub const ALL: &[&str] = &[
     GOSSIP_BATCHES_PUBLISHED_TOTAL,
     GOSSIP_BATCHES_RECEIVED_TOTAL,
     GOSSIP_DECISIONS_DROPPED_TOTAL,
+    GOSSIP_DECISIONS_SHED_TOTAL,
     GOSSIP_DECISIONS_TRUNCATED_TOTAL,
     GOSSIP_DECODE_ERRORS_TOTAL,
     GOSSIP_LAGGING_ORIGINS_TOTAL,

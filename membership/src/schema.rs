@@ -55,6 +55,11 @@ pub const DECISION_SEQ_DIGITS: usize = 12;
 /// Largest seq a decision key can carry (12 digits).
 pub const MAX_SEQ: u64 = 999_999_999_999;
 
+/// The cluster's budget for routing decisions in gossip (record 0118), defined with the
+/// router core's [`warmpath_index::router::PublishBudget`] so that the simulator spends the
+/// same one.
+pub use warmpath_index::router::DECISION_BUDGET_KEYS_PER_S;
+
 /// Budget of one decision batch value, in bytes (encoded).
 pub const BATCH_MAX_BYTES: usize = 8 * 1024;
 /// Most load entries one router publishes.

@@ -72,6 +72,11 @@ pub struct SimulateArgs {
     /// router follows every agent.
     #[arg(long)]
     pub residency_followers: Option<u32>,
+    /// The cluster's budget for shared decisions, block keys per second, each router
+    /// spending its share (budget / routers) as the gossip adapter does (record 0118; 0:
+    /// none). Binds only at fleet rates: 500,000 keys/s is about 5.5 MB/s of gossip.
+    #[arg(long, default_value_t = warmpath_index::router::DECISION_BUDGET_KEYS_PER_S)]
+    pub gossip_budget_keys: u64,
     /// Agents report one block key in this many and routers credit each reported key for
     /// the blocks before it (records 0115 and 0117, coarse residency; a power of two, else
     /// the next one up); 1: every block, as before 0115. Default: the protocol's, one key
@@ -303,6 +308,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             residency_followers: args.residency_followers,
             engine: engine.clone(),
             profile: profile.clone(),
+            gossip_budget_keys_per_s: args.gossip_budget_keys,
             policy: PolicyConfig {
                 prefix_blocks: args.prefix_tokens.div_ceil(bt),
                 concurrency_threshold: args.concurrency_threshold,

@@ -8,6 +8,7 @@ use std::time::Instant;
 use warmpath_index::cost::ModelProfile;
 use warmpath_index::index::IndexConfig;
 use warmpath_index::policy::{PolicyConfig, Strategy};
+use warmpath_index::router::DECISION_BUDGET_KEYS_PER_S;
 use warmpath_sim::cluster::{simulate, ClusterConfig, Sharing};
 use warmpath_sim::engine::EngineConfig;
 use warmpath_sim::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
@@ -36,6 +37,7 @@ fn main() {
                 concurrency_threshold: 0,
                 ..PolicyConfig::new(strategy, 64)
             },
+            gossip_budget_keys_per_s: DECISION_BUDGET_KEYS_PER_S,
             index: IndexConfig::default(),
             l2_blocks: 0,
             max_prompt_tokens: 1 << 20,

@@ -38,7 +38,7 @@ use warmpath_index::load::{InstanceLoad, LoadView};
 use warmpath_index::policy::{Decision, PolicyConfig, RouteRequest};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{
-    CacheReport, CoreConfig, CorePool, InstanceSpec, RouterCore, SharedDecision,
+    CacheReport, CoreConfig, CorePool, InstanceSpec, PublishBudget, RouterCore, SharedDecision,
 };
 use warmpath_index::InstanceId;
 use warmpath_residency::{Change, Msg, Outcome, Publisher, Scope, Subscriber};
@@ -71,6 +71,10 @@ pub struct ClusterConfig {
     pub engine: EngineConfig,
     pub profile: ModelProfile,
     pub policy: PolicyConfig,
+    /// The cluster's budget for shared decisions, block keys per second, each router
+    /// spending its share as the gossip adapter does ([`PublishBudget`], record 0118; 0:
+    /// none). Only `Sharing::Delayed` publishes through it.
+    pub gossip_budget_keys_per_s: u64,
     pub index: IndexConfig,
     /// Capacity of the global L2 store in blocks; 0 = no L2.
     pub l2_blocks: u64,
@@ -142,6 +146,8 @@ pub struct RunReport {
     pub load_s_per_request: f64,
     /// Blocks prefetch hints brought from L2 into the hosts' L1s.
     pub prefetched_blocks: u64,
+    /// Of the decisions the routers shared, the fraction their gossip budgets shed.
+    pub shared_decisions_shed: f64,
     /// Simulated seconds from the first arrival to the last completion.
     pub makespan_s: f64,
     /// Follow-up turns: how much of the context each inherits from an earlier turn was
@@ -456,6 +462,9 @@ struct Tally {
     follow_ups: u64,
     follow_up_context: u64,
     follow_up_hits: [u64; 3],
+    /// Decisions the routers shared, and of them those their budgets shed.
+    shared: u64,
+    shed: u64,
 }
 
 /// Each instance's load over the run (see [`Curves::load`]).
@@ -622,6 +631,8 @@ struct Run<'a> {
     lb_rng: Rng,
     /// The router replicas, by index.
     replicas: Vec<RouterCore>,
+    /// Each replica's share of the gossip budget.
+    budgets: Vec<PublishBudget>,
     /// Tenant index to the name the replicas know it by (made on first use).
     tenant_names: HashMap<u32, String>,
     /// One engine per instance (and host).
@@ -746,7 +757,13 @@ impl<'a> Run<'a> {
                 follow_ups: 0,
                 follow_up_context: 0,
                 follow_up_hits: [0; 3],
+                shared: 0,
+                shed: 0,
             },
+            budgets: vec![
+                PublishBudget::new(config.gossip_budget_keys_per_s);
+                config.routers as usize
+            ],
             load: LoadSampler::new(workload),
             last_us: 0,
             follow_up_context: workload.follow_up_context(),
@@ -1116,6 +1133,13 @@ impl<'a> Run<'a> {
                 if batch.is_empty() {
                     return;
                 }
+                self.tally.shared += batch.len() as u64;
+                let keys = batch.iter().map(|d| d.keys.len()).sum();
+                let routers = self.config.routers as usize;
+                if !self.budgets[r as usize].take(now / 1000, routers, keys) {
+                    self.tally.shed += batch.len() as u64;
+                    return;
+                }
                 let batch = Rc::new(batch);
                 if let Some(log) = &mut self.faulted.shared {
                     log.push((now, r, batch.clone()));
@@ -1383,6 +1407,8 @@ impl<'a> Run<'a> {
             follow_ups,
             follow_up_context,
             follow_up_hits,
+            shared,
+            shed,
         } = self.tally;
         let mut busy = Vec::new();
         let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
@@ -1444,6 +1470,11 @@ impl<'a> Run<'a> {
             prefill_gpu_s_per_request: per_request(prefill_us),
             load_s_per_request: per_request(load_us),
             prefetched_blocks,
+            shared_decisions_shed: if shared > 0 {
+                shed as f64 / shared as f64
+            } else {
+                0.0
+            },
             makespan_s,
             follow_ups: {
                 let of_context = |x: u64| {
@@ -1618,6 +1649,7 @@ mod tests {
                 concurrency_threshold: 0,
                 ..PolicyConfig::new(strategy, 64)
             },
+            gossip_budget_keys_per_s: warmpath_index::router::DECISION_BUDGET_KEYS_PER_S,
             index: IndexConfig::default(),
             l2_blocks: 0,
             max_prompt_tokens: 1 << 20,

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use warmpath_index::keys::BlockKey;
 use warmpath_membership::decisions::{encode, BatchWire, Decision};
 use warmpath_membership::gossip::{Gossip, GossipConfig, DEFAULT_GOSSIP_INTERVAL};
+use warmpath_membership::schema::DECISION_BUDGET_KEYS_PER_S;
 
 /// The router's cluster tick (`node/src/router/mod.rs`: `cluster::run(.., 25 ms, ..)`).
 pub const TICK: Duration = Duration::from_millis(25);
@@ -127,7 +128,8 @@ pub async fn publish_tick(
 }
 
 /// Router `i`'s gossip configuration, as production builds it: a cluster secret (so every
-/// datagram carries a MAC), the default gossip interval, the given decision TTL.
+/// datagram carries a MAC), the default gossip interval, the given decision TTL, the
+/// production decision budget.
 pub fn gossip_config(
     i: usize,
     listen: SocketAddr,
@@ -145,6 +147,9 @@ pub fn gossip_config(
         http_url: format!("http://10.0.{}.{}:8080", i / 250, i % 250 + 1),
         decision_ttl,
         secret: Some(b"fleet-lag bench secret".to_vec()),
+        // `FLEET_DECISION_BUDGET` (keys/s for the cluster, 0: none) for comparing.
+        decision_keys_per_s: env_f64("FLEET_DECISION_BUDGET", DECISION_BUDGET_KEYS_PER_S as f64)
+            as u64,
         datagrams: None,
     }
 }

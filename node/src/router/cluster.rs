@@ -118,6 +118,7 @@ pub async fn start_gossip(
         http_url: http_url.to_string(),
         decision_ttl,
         secret: settings.secret.clone(),
+        decision_keys_per_s: warmpath_membership::schema::DECISION_BUDGET_KEYS_PER_S,
         datagrams: None,
     };
     let gossip = Gossip::start(config).await.context("cannot start gossip")?;
