@@ -3,7 +3,7 @@
 //! nemesis loose for the time limit, heals everything, takes final reads and checks the
 //! history.
 
-use crate::check::{self, Check, Expect, RateLimit};
+use crate::check::{self, Check, Expect, RateLimit, NEMESIS_ERROR};
 use crate::client::{self, Clients, Targets, LIMITED_KEY, ROUTE_KEY};
 use crate::cluster::Cluster;
 use crate::history::{History, Recorder, F};
@@ -402,7 +402,7 @@ pub fn run(s: &Scenario, o: &Options) -> Result<Outcome> {
         deadline,
     );
     if let Err(e) = &nemesis {
-        rec.fault(format!("note nemesis error: {e:#}"), &[], false);
+        rec.fault(format!("{NEMESIS_ERROR}{e:#}"), &[], false);
     }
     while Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));

@@ -43,7 +43,10 @@ pub fn small_disk_args(
 
 /// `dir` of process `pid` as seen from outside its mount namespace.
 pub fn in_namespace_of(pid: u32, dir: &std::path::Path) -> PathBuf {
-    PathBuf::from(format!("/proc/{pid}/root")).join(dir.strip_prefix("/").unwrap_or(dir))
+    // A relative `dir` is the caller's, from its working directory: made absolute first,
+    // or it would name a path under the namespace's root.
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    PathBuf::from(format!("/proc/{pid}/root")).join(dir.strip_prefix("/").unwrap_or(&dir))
 }
 
 /// Fills the filesystem at `dir` with `dir/filler` until it is full (to free the space

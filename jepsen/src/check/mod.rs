@@ -63,9 +63,13 @@ pub struct RateLimit {
     pub factor: f64,
 }
 
+/// How a nemesis that could not inject its fault says so in the history.
+pub const NEMESIS_ERROR: &str = "note nemesis error: ";
+
 /// Every checker, in report order.
 pub fn all(h: &History, e: &Expect) -> Vec<Check> {
     vec![
+        faults_injected(h),
         linearizable(h, e),
         lost_writes(h),
         not_applied_invisible(h),
@@ -79,6 +83,20 @@ pub fn all(h: &History, e: &Expect) -> Vec<Check> {
         routes_accounted(h, e),
         rate_limited(h, e),
     ]
+}
+
+/// The nemesis injected its fault: a scenario whose fault failed to start checked nothing
+/// about it, and must not pass as if it had.
+fn faults_injected(h: &History) -> Check {
+    let name = "the nemesis injected its faults";
+    let failures: Vec<String> = h
+        .faults
+        .iter()
+        .filter(|f| f.what.starts_with(NEMESIS_ERROR))
+        .map(|f| format!("at {:.1} s: {}", f.at_ms / 1e3, f.what))
+        .collect();
+    let started = h.faults.iter().filter(|f| f.begins).count();
+    Check::new(name, failures, format!("{started} faults started"))
 }
 
 fn show(o: &Op) -> String {
