@@ -215,6 +215,8 @@ pub struct GossipStats {
     pub decode_errors: u64,
     /// Decisions not published: this router's share of the cluster's budget was spent.
     pub decisions_shed: u64,
+    /// Peers' load values decoded (each new version once).
+    pub loads_decoded: u64,
 }
 
 /// Where a router is in applying the others' decision batches: per origin (a router
@@ -222,6 +224,10 @@ pub struct GossipStats {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Cursor {
     applied: HashMap<String, u64>,
+    /// Per live peer incarnation, its latest `load` value's version and the loads decoded
+    /// from it: a load republished unchanged, or not republished since the last poll, is
+    /// not decoded again (routers poll every 25 ms and publish loads less often).
+    loads: HashMap<String, (u64, Vec<(u64, InstanceLoad)>)>,
 }
 
 impl Cursor {
@@ -242,6 +248,10 @@ impl Cursor {
         v
     }
 }
+
+/// A live peer's load as [`Gossip::poll`] reads it under the lock: its node id, its
+/// origin, and its raw value with the value's version when that changed since the cursor.
+type PeerLoad = (String, String, Option<(u64, String)>);
 
 /// Everything new since a [`Cursor`], from [`Gossip::poll`].
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -272,6 +282,7 @@ struct Counters {
     unauthenticated: AtomicU64,
     decode_errors: AtomicU64,
     decisions_shed: AtomicU64,
+    loads_decoded: AtomicU64,
 }
 
 /// State shared by the [`Gossip`] handle and its socket.
@@ -622,7 +633,7 @@ impl Gossip {
     /// [`APPLIED_PUBLISH_INTERVAL`]). The cursor is advanced past every batch returned.
     pub async fn poll(&self, cursor: &mut Cursor) -> Update {
         let mut raw_batches: Vec<(String, Vec<(u64, String)>)> = Vec::new();
-        let mut raw_loads: Vec<(String, String)> = Vec::new();
+        let mut raw_loads: Vec<PeerLoad> = Vec::new();
         let mut lagging = Vec::new();
         let peers;
         {
@@ -655,8 +666,11 @@ impl Gossip {
             let mut list = Vec::with_capacity(peer_ids.len());
             for id in &peer_ids {
                 let view = chitchat.node_state(id).map(NodeView);
-                if let Some(raw) = view.and_then(|v| v.load_raw()) {
-                    raw_loads.push((id.node_id.to_string(), raw.to_string()));
+                if let Some((version, raw)) = view.and_then(|v| v.load_versioned()) {
+                    let origin = schema::origin(&id.node_id, id.generation_id);
+                    let known = cursor.loads.get(&origin).map(|(v, _)| *v);
+                    let new = (known != Some(version)).then(|| (version, raw.to_string()));
+                    raw_loads.push((id.node_id.to_string(), origin, new));
                 }
                 list.push(Peer {
                     node_id: id.node_id.to_string(),
@@ -697,15 +711,35 @@ impl Gossip {
         metrics::counter!(crate::metric_names::GOSSIP_BATCHES_RECEIVED_TOTAL)
             .increment(batches.len() as u64);
         let mut loads = Vec::with_capacity(raw_loads.len());
-        for (node_id, raw) in raw_loads {
-            match schema::decode_load(&raw) {
-                Ok(wire) => loads.push((node_id, wire.into_loads())),
-                Err(error) => {
-                    self.shared.decode_error();
-                    warn!(%node_id, %error, "ignoring undecodable load");
+        let mut live_origins = HashSet::with_capacity(raw_loads.len());
+        for (node_id, origin, new) in raw_loads {
+            if let Some((version, raw)) = new {
+                match schema::decode_load(&raw) {
+                    Ok(wire) => {
+                        self.shared
+                            .counters
+                            .loads_decoded
+                            .fetch_add(1, Ordering::Relaxed);
+                        cursor
+                            .loads
+                            .insert(origin.clone(), (version, wire.into_loads()));
+                    }
+                    Err(error) => {
+                        self.shared.decode_error();
+                        warn!(%node_id, %error, "ignoring undecodable load");
+                        cursor.loads.remove(&origin);
+                    }
                 }
             }
+            if let Some((_, l)) = cursor.loads.get(&origin) {
+                loads.push((node_id, l.clone()));
+            }
+            live_origins.insert(origin);
         }
+        // Peers no longer live (or restarted as a new incarnation) are forgotten.
+        cursor
+            .loads
+            .retain(|origin, _| live_origins.contains(origin));
         Update {
             batches,
             loads,
@@ -811,6 +845,7 @@ impl Gossip {
             datagrams_dropped_unauthenticated: c.unauthenticated.load(Ordering::Relaxed),
             decode_errors: c.decode_errors.load(Ordering::Relaxed),
             decisions_shed: c.decisions_shed.load(Ordering::Relaxed),
+            loads_decoded: c.loads_decoded.load(Ordering::Relaxed),
         }
     }
 
@@ -1520,6 +1555,59 @@ mod tests {
         let mut cursor = Cursor::new();
         let got = receive_until(&b, &mut cursor, a.origin(), 1).await;
         assert_eq!(got.len(), 1);
+        for n in [a, b] {
+            n.shutdown().await;
+        }
+    }
+
+    /// A peer's load is decoded once per version it publishes, and every poll still
+    /// returns it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peers_load_is_decoded_once_per_version() {
+        let a = start("loadv-a", &[]).await;
+        let b = start("loadv-b", &[a.gossip_addr()]).await;
+        wait_peers(&b, &["loadv-a"]).await;
+        let busy = |n| {
+            vec![(
+                7,
+                InstanceLoad {
+                    in_flight: n,
+                    pending_prefill_tokens: 10,
+                },
+            )]
+        };
+        async fn seen(b: &Gossip, cursor: &mut Cursor, want: Vec<(u64, InstanceLoad)>) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let update = b.poll(cursor).await;
+                if update
+                    .loads
+                    .iter()
+                    .any(|(n, l)| n == "loadv-a" && *l == want)
+                {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{:?}", update.loads);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        let mut cursor = Cursor::new();
+        a.publish_load(&busy(3)).await;
+        seen(&b, &mut cursor, busy(3)).await;
+        let decoded = b.stats().loads_decoded;
+        assert_eq!(decoded, 1);
+        // Polled again, republished unchanged: still returned, not decoded again.
+        a.publish_load(&busy(3)).await;
+        for _ in 0..5 {
+            let update = b.poll(&mut cursor).await;
+            assert_eq!(update.loads, vec![("loadv-a".to_string(), busy(3))]);
+            tokio::time::sleep(Duration::from_millis(60)).await;
+        }
+        assert_eq!(b.stats().loads_decoded, 1);
+        // A new value: decoded once more.
+        a.publish_load(&busy(4)).await;
+        seen(&b, &mut cursor, busy(4)).await;
+        assert_eq!(b.stats().loads_decoded, 2);
         for n in [a, b] {
             n.shutdown().await;
         }

@@ -126,6 +126,15 @@ impl<'a> NodeView<'a> {
         self.0.get(LOAD)
     }
 
+    /// The raw `load` value with its version, if published: a new version each time its
+    /// router sets a different value.
+    pub fn load_versioned(&self) -> Option<(u64, &'a str)> {
+        self.0
+            .get_versioned(LOAD)
+            .filter(|v| !v.is_deleted())
+            .map(|v| (v.version, v.value.as_str()))
+    }
+
     /// The raw `applied` value, if published (decode with [`decode_applied`]).
     pub fn applied_raw(&self) -> Option<&'a str> {
         self.0.get(APPLIED)
