@@ -128,6 +128,10 @@ pub struct SharedDecision {
     pub keys: Vec<BlockKey>,
 }
 
+/// Residency changes a router applies under one hold of the routing core's lock: requests
+/// routed meanwhile wait for at most one such slice.
+pub const APPLY_CHUNK: usize = 256;
+
 /// The cluster's budget for shared decisions, block keys per second, which routers share
 /// equally ([`PublishBudget`], record 0118): 500,000 keys are about 5.5 MB/s on the wire (8
 /// bytes a key, 10.7 once base64-encoded, and a few a decision), three quarters of what

@@ -40,17 +40,22 @@
 //!    instances; `bytes_per_entry` is the index's own estimate (the figure behind
 //!    `warmpath_index_bytes_per_entry`). Multiplied: the blocks the fleet holds (hosts ×
 //!    a host's blocks from 1.) × bytes per entry is what an index of every block needs.
-//! 5. **Routing latency**: on that filled core, route calls timed one by one, alone and
-//!    interleaved on the same thread with `observe` calls at the ratio a router of the
-//!    fleet sees (events applied/s ÷ its requests/s, capped), medians of `FLEET_REPS`
-//!    repetitions of p50/p99. Also the cost of one `observe`, hence the share of a core
-//!    that applying the fleet's residency takes.
+//! 5. **Routing latency**: on that filled core (a fresh copy for every measurement: routes
+//!    leave predictions and applies evict), route calls timed one by one, each taking the
+//!    core's lock: alone, interleaved on the same thread with `observe` calls at the ratio
+//!    a router of the fleet sees (events applied/s ÷ its requests/s, capped), and beside a
+//!    second thread that applies events as the router's residency task does
+//!    ([`APPLY_CHUNK`] per hold of the lock) at 0, the worst row's rate and about 1 M/s;
+//!    medians of `FLEET_REPS` repetitions of p50/p99. Also the cost of one `observe`, hence
+//!    the share of a core that applying the fleet's residency takes.
 //!
 //! Nothing here asserts a timing: it prints what it measured, on what, and how often.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use std::io::Write as _;
 use warmpath_index::cost::{ModelProfile, Tier};
@@ -58,7 +63,7 @@ use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::{report_every, BlockKey};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
-use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
+use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore, APPLY_CHUNK};
 use warmpath_index::InstanceId;
 use warmpath_residency::{encode, Change, Msg, Publisher, Scope, Wire};
 use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
@@ -398,15 +403,17 @@ fn filled_core(instances: u32, rng: &mut Rng) -> (RouterCore, usize, usize) {
 }
 
 /// Median p50/p99 (µs) of route calls on `c`, each preceded by `applies` observe calls,
-/// and ns per observe.
+/// and ns per observe. Each route takes `c`'s lock as the router's request path does, and
+/// its time includes the wait for it (see [`route_latency_beside`]).
 fn route_latency(
-    c: &mut RouterCore,
+    c: &Mutex<RouterCore>,
     w: &Workload,
     instances: u32,
     applies: usize,
     reps: usize,
     rng: &mut Rng,
 ) -> (f64, f64, f64) {
+    let lock = || c.lock().unwrap_or_else(|e| e.into_inner());
     let routes = if applies > 0 { 1500 } else { 5000 };
     let (mut p50s, mut p99s, mut per_apply) = (Vec::new(), Vec::new(), Vec::new());
     let mut now = 1_000_000u64;
@@ -419,6 +426,7 @@ fn route_latency(
             now += 100;
             if applies > 0 {
                 let t = Instant::now();
+                let mut c = lock();
                 for _ in 0..applies {
                     let inst = InstanceId(rng.below(u64::from(instances)) as u32);
                     let key = BlockKey(rng.next_u64());
@@ -431,23 +439,68 @@ fn route_latency(
                 prompt_tokens: r.prompt_tokens,
             };
             let t = Instant::now();
-            let d = c
+            let d = lock()
                 .route("t", &policy(), MODEL, &rr, &[], false, now)
                 .expect("pool has instances");
             lat.push(t.elapsed().as_nanos() as f64 / 1e3);
             inflight.push_back((d.instance.0, d.uncached_tokens, d.decided_at));
             if inflight.len() > 512 {
                 let (i, p, at) = inflight.pop_front().expect("non-empty");
-                c.finish(InstanceId(i), p, true, at);
+                lock().finish(InstanceId(i), p, true, at);
             }
         }
-        let _ = c.take_outbox();
+        let _ = lock().take_outbox();
         lat.sort_by(f64::total_cmp);
         p50s.push(percentile(&lat, 0.5));
         p99s.push(percentile(&lat, 0.99));
         per_apply.push(apply_ns / (routes * applies.max(1)) as f64);
     }
     (median(p50s), median(p99s), median(per_apply))
+}
+
+/// [`route_latency`] on one thread while another applies `events_per_s` residency events
+/// to `c` as the router's residency task does: [`APPLY_CHUNK`] events per hold of the lock,
+/// paced in 1 ms steps. Returns route p50/p99 (µs) and the events applied per second.
+fn route_latency_beside(
+    c: &Mutex<RouterCore>,
+    w: &Workload,
+    instances: u32,
+    events_per_s: f64,
+    reps: usize,
+    rng: &mut Rng,
+) -> (f64, f64, f64) {
+    let stop = AtomicBool::new(false);
+    let applied = AtomicU64::new(0);
+    let started = Instant::now();
+    let (p50, p99) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut rng = Rng::new(99);
+            let mut owed = 0.0;
+            let mut step = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                owed += events_per_s * step.elapsed().as_secs_f64();
+                step = Instant::now();
+                while owed >= 1.0 {
+                    let n = (owed as usize).min(APPLY_CHUNK);
+                    let mut core = c.lock().unwrap_or_else(|e| e.into_inner());
+                    for _ in 0..n {
+                        let inst = InstanceId(rng.below(u64::from(instances)) as u32);
+                        let key = BlockKey(rng.next_u64());
+                        core.observe(inst, key, None, Tier::Gpu, true, 1_000_000);
+                    }
+                    drop(core);
+                    owed -= n as f64;
+                    applied.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let (p50, p99, _) = route_latency(c, w, instances, 0, reps, rng);
+        stop.store(true, Ordering::Relaxed);
+        (p50, p99)
+    });
+    let rate = applied.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    (p50, p99, rate)
 }
 
 fn kb(b: f64) -> String {
@@ -477,7 +530,6 @@ fn main() {
     println!(
         "engine model: {ENGINES_PER_HOST} engines per host, vLLM defaults ({BLOCK_TOKENS}-token blocks, 25,600 GPU blocks, no L1), kv-aware placement inside the host; agents report one key in {every}"
     );
-    let mut rng = Rng::new(11);
     let mut lat_workload = None;
     let mut worst: Option<(String, f64, f64)> = None;
     for name in workloads.split(',').filter(|s| !s.is_empty()) {
@@ -593,19 +645,46 @@ fn main() {
     println!("| instances | entries | bytes/entry | index MB | observe ns | route p50 µs | route p99 µs | applies per route | p50 µs loaded | p99 µs loaded | cores to apply the worst row's events |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let (_, worst_events, ratio) = worst.clone().expect("rows");
+    // Every measurement starts from the same filled index and routes the same requests: a
+    // route leaves predictions behind and an apply evicts, so a core measured twice is not
+    // the same core twice.
+    let fresh = |instances| {
+        let (c, bpe, entries) = filled_core(instances, &mut Rng::new(11));
+        (Mutex::new(c), bpe, entries)
+    };
+    let mut alone = Vec::new();
     for hosts in HOSTS {
         let instances = (hosts * u64::from(ENGINES_PER_HOST)) as u32;
-        let (mut c, bpe, entries) = filled_core(instances, &mut rng);
-        let (p50, p99, _) = route_latency(&mut c, &w, instances, 0, reps, &mut rng);
+        let (c, bpe, entries) = fresh(instances);
+        let (p50, p99, _) = route_latency(&c, &w, instances, 0, reps, &mut Rng::new(12));
         // The worst ratio of events applied per routed request among the rows, capped so
         // a repetition stays within seconds.
         let applies = (ratio.round() as usize).clamp(1, 200);
-        let (lp50, lp99, ns) = route_latency(&mut c, &w, instances, applies, reps, &mut rng);
+        let (c, _, _) = fresh(instances);
+        let (lp50, lp99, ns) = route_latency(&c, &w, instances, applies, reps, &mut Rng::new(12));
         println!(
             "| {instances} | {entries} | {bpe} | {:.0} | {ns:.0} | {p50:.1} | {p99:.1} | {applies} | {lp50:.1} | {lp99:.1} | {:.2} cores |",
             (entries * bpe) as f64 / 1e6,
             worst_events * ns * 1e-9
         );
+        alone.push((instances, p50, p99));
+    }
+    // As a router runs them: the residency task on its own thread, APPLY_CHUNK events per
+    // hold of the routing lock, beside the routes (0 events/s: the harness alone).
+    println!("\n## routing beside a residency task on another thread ({APPLY_CHUNK} events per hold of the routing lock)");
+    println!("| instances | events applied/s | route p50 µs | route p99 µs | alone p50 µs | alone p99 µs | p99 beside / alone |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for &(instances, p50, p99) in &alone {
+        for events in [0.0, worst_events.min(1e6), 1e6] {
+            let (c, _, _) = fresh(instances);
+            let (bp50, bp99, rate) =
+                route_latency_beside(&c, &w, instances, events, reps, &mut Rng::new(12));
+            println!(
+                "| {instances} | {:.2} M | {bp50:.1} | {bp99:.1} | {p50:.1} | {p99:.1} | {:.2} |",
+                rate / 1e6,
+                bp99 / p99
+            );
+        }
     }
     if let Some((row, events, ratio)) = worst {
         println!("\nworst events applied per routed request: {ratio:.0} ({row}, {:.2} M events/s into one router); the loaded runs cap it at 200 per route", events / 1e6);

@@ -38,8 +38,7 @@ use warmpath_residency::Outcome;
 
 use super::state::RouterState;
 
-/// Residency changes applied under one hold of the routing core's lock.
-const APPLY_CHUNK: usize = 256;
+use warmpath_index::router::APPLY_CHUNK;
 
 /// How often a `dns:` agent entry is resolved again (and its addresses' followers chosen
 /// again).
