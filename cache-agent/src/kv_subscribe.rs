@@ -279,12 +279,14 @@ impl View {
     /// enough to delay a heartbeat (a router takes 1.5 s of silence for a dead agent).
     fn report(&self, changes: Vec<Change>) {
         // How coarse residency is follows the pool's block size, once an engine told it.
-        let block_tokens = self.lock().block_tokens();
+        if let Some(bt) = self.lock().block_tokens() {
+            self.residency
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .report_for_block_tokens(bt);
+        }
         for part in changes.chunks(REPORT_CHUNK) {
             let mut r = self.residency.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(bt) = block_tokens {
-                r.report_for_block_tokens(bt);
-            }
             for c in part {
                 r.record(*c);
             }

@@ -104,6 +104,16 @@ pub struct IndexConfig {
     pub report_every: Option<u32>,
 }
 
+impl IndexConfig {
+    /// One key in how many agents report of a pool of `block_tokens`-token blocks: the
+    /// configured [`IndexConfig::report_every`], else the protocol's
+    /// [`crate::keys::report_every`].
+    pub fn report_every(&self, block_tokens: u32) -> u32 {
+        self.report_every
+            .unwrap_or_else(|| crate::keys::report_every(block_tokens))
+    }
+}
+
 impl Default for IndexConfig {
     fn default() -> Self {
         IndexConfig {
@@ -899,13 +909,10 @@ impl PrefixIndex {
         scratch.result
     }
 
-    /// One key in how many agents report of a pool of `block_tokens`-token blocks: the
-    /// configured [`IndexConfig::report_every`], else the protocol's
-    /// [`crate::keys::report_every`].
+    /// One key in how many agents report of a pool of `block_tokens`-token blocks
+    /// ([`IndexConfig::report_every`]).
     pub fn report_every(&self, block_tokens: u32) -> u32 {
-        self.config
-            .report_every
-            .unwrap_or_else(|| crate::keys::report_every(block_tokens))
+        self.config.report_every(block_tokens)
     }
 
     pub fn stats(&self) -> IndexStats {

@@ -575,7 +575,7 @@ impl Gossip {
     /// bytes each (split by a [`crate::decisions::Batcher`]; a decision too large for a
     /// batch alone keeps its first keys), each under the next `d:` key, marked for deletion
     /// after the decision TTL, while this router's share of the cluster's decision budget
-    /// lasts ([`GossipConfig::decision_bytes_per_s`]); the batches past it are shed,
+    /// lasts ([`GossipConfig::decision_keys_per_s`]); the batches past it are shed,
     /// counted. Returns the seq of the last batch written (0 if none).
     pub async fn publish_decisions(&self, made_at_ms: u64, decisions: Vec<Decision>) -> u64 {
         let mut batcher = crate::decisions::Batcher::new(schema::BATCH_MAX_BYTES, 0);

@@ -121,13 +121,8 @@ impl<'a> NodeView<'a> {
         self.0.get(HTTP)
     }
 
-    /// The raw `load` value, if published (decode with [`decode_load`]).
-    pub fn load_raw(&self) -> Option<&'a str> {
-        self.0.get(LOAD)
-    }
-
-    /// The raw `load` value with its version, if published: a new version each time its
-    /// router sets a different value.
+    /// The raw `load` value with its version, if published (decode with [`decode_load`]): a
+    /// new version each time its router sets a different value.
     pub fn load_versioned(&self) -> Option<(u64, &'a str)> {
         self.0
             .get_versioned(LOAD)

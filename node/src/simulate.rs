@@ -298,6 +298,10 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
         Some(ms) => bail!("--timeline-ms must be at least 1 ms, got {ms}"),
         None => (!args.faults.is_empty()).then_some(1000.0),
     };
+    let index = IndexConfig {
+        report_every: args.residency_report_every,
+        ..IndexConfig::default()
+    };
     let configs: Vec<ClusterConfig> = strategies
         .iter()
         .map(|&s| ClusterConfig {
@@ -315,10 +319,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
                 temperature: args.temperature,
                 ..PolicyConfig::new(s, bt)
             },
-            index: IndexConfig {
-                report_every: args.residency_report_every,
-                ..IndexConfig::default()
-            },
+            index,
             l2_blocks: args.l2_kv_tokens / u64::from(bt),
             max_prompt_tokens: args.max_prompt_tokens,
             seed: args.seed,
@@ -377,9 +378,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             sharing,
             agent_feed_ms: (!args.no_agent_feed).then_some(args.agent_feed_ms),
             residency_followers: args.residency_followers,
-            residency_report_every: args
-                .residency_report_every
-                .unwrap_or_else(|| warmpath_index::keys::report_every(bt)),
+            residency_report_every: index.report_every(bt),
             gpu_kv_tokens_per_instance: u64::from(gpu_blocks) * u64::from(bt),
             l1_kv_tokens_per_host: args.l1_kv_tokens,
             l2_kv_tokens: args.l2_kv_tokens,

@@ -381,16 +381,11 @@ enum Agent {
     Starting,
 }
 
-/// A host's residency publisher: one key in the configured
-/// [`IndexConfig::report_every`], else in the protocol's rate
-/// for the engines' block size, as agents report.
+/// A host's residency publisher, reporting at the routers' rate for the engines' block size
+/// ([`IndexConfig::report_every`]): a simulated agent knows its block size from the start.
 fn publisher(config: &ClusterConfig, epoch: u64, instances: Vec<String>) -> Publisher {
-    let mut p = Publisher::new(epoch, instances);
-    match config.index.report_every {
-        Some(every) => p = p.reporting_every(every),
-        None => p.report_for_block_tokens(config.engine.block_tokens),
-    }
-    p
+    Publisher::new(epoch, instances)
+        .reporting_every(config.index.report_every(config.engine.block_tokens))
 }
 
 impl Feed {
