@@ -195,19 +195,36 @@ struct Node {
     key: BlockKey,
     parent: u32,
     children: u32,
-    in_l2: bool,
     /// Holders, the first inline: most blocks live on one instance.
     first: Option<Holder>,
-    /// Further holders, in the order they came, in `more[..more_len]`; the rest of the
+    /// Further holders, in the order they came, in `more[..more_len()]`; the rest of the
     /// boxed slice is room to grow. A block routed to thousands of instances (a fleet-wide
     /// system prompt) grows its list by doubling rather than reallocating and copying it on
     /// every new holder. A boxed slice and a length in the node's padding keep the node
     /// within one cache line.
     more: Box<[Holder]>,
-    more_len: u32,
+    /// The overflow holders in use (the low 31 bits) and whether the global L2 store holds
+    /// the block ([`IN_L2`]).
+    len_l2: u32,
+    /// The wrapping sum of [`holder_sig`] over the holders: equal sums say (but for a
+    /// chance of 2^-32) that two nodes have the same holders in the same states, without
+    /// reading either list (see [`PrefixIndex::match_into`]).
+    sig: u32,
     /// Leaf LRU links (valid while `children == 0`).
     prev: u32,
     next: u32,
+}
+
+/// [`Node::len_l2`]'s bit for "in the global L2 store".
+const IN_L2: u32 = 1 << 31;
+
+/// A holder's contribution to [`Node::sig`]: a hash of everything a match reads of it.
+fn holder_sig(h: &Holder) -> u32 {
+    let low = u64::from(h.instance)
+        | u64::from(h.gen) << 32
+        | u64::from(h.observed) << 48
+        | u64::from(h.queued) << 56;
+    (crate::rng::mix64(low ^ crate::rng::mix64(h.predicted_until)) >> 32) as u32
 }
 
 impl Node {
@@ -215,17 +232,57 @@ impl Node {
         self.first.iter().chain(self.more().iter())
     }
 
-    /// The overflow holders in use.
-    fn more(&self) -> &[Holder] {
-        &self.more[..self.more_len as usize]
+    /// Whether `other` has the same holders in the same states (see [`Node::sig`]), and
+    /// the same place in the global L2 store: what a match reads of a node.
+    fn matches_like(&self, other: &Node) -> bool {
+        self.sig == other.sig && self.len_l2 == other.len_l2 && self.first == other.first
     }
 
-    fn holder_mut(&mut self, instance: u32) -> Option<&mut Holder> {
-        if self.first.is_some_and(|h| h.instance == instance) {
-            return self.first.as_mut();
-        }
-        let at = self.more_at(instance)?;
-        Some(&mut self.more[at])
+    /// What [`Node::matches_like`] estimates, read in full (for debug assertions).
+    fn same_holders_as(&self, other: &Node) -> bool {
+        let sorted = |n: &Node| {
+            let mut hs: Vec<Holder> = n.holders().copied().collect();
+            hs.sort_by_key(|h| h.instance);
+            hs
+        };
+        sorted(self) == sorted(other)
+    }
+
+    fn more_len(&self) -> usize {
+        (self.len_l2 & !IN_L2) as usize
+    }
+
+    fn set_more_len(&mut self, len: usize) {
+        debug_assert!(len < IN_L2 as usize);
+        self.len_l2 = (self.len_l2 & IN_L2) | len as u32;
+    }
+
+    fn in_l2(&self) -> bool {
+        self.len_l2 & IN_L2 != 0
+    }
+
+    fn set_in_l2(&mut self, in_l2: bool) {
+        self.len_l2 = (self.len_l2 & !IN_L2) | if in_l2 { IN_L2 } else { 0 };
+    }
+
+    /// The overflow holders in use.
+    fn more(&self) -> &[Holder] {
+        &self.more[..self.more_len()]
+    }
+
+    /// Runs `f` on the holder of `instance`, if any, keeping [`Node::sig`] in step.
+    fn update_holder<R>(&mut self, instance: u32, f: impl FnOnce(&mut Holder) -> R) -> Option<R> {
+        let holder = if self.first.is_some_and(|h| h.instance == instance) {
+            self.first.as_mut().expect("checked just above")
+        } else {
+            let at = self.more_at(instance)?;
+            &mut self.more[at]
+        };
+        let before = holder_sig(holder);
+        let out = f(holder);
+        let after = holder_sig(holder);
+        self.sig = self.sig.wrapping_sub(before).wrapping_add(after);
+        Some(out)
     }
 
     /// Where `instance`'s overflow holder is.
@@ -236,7 +293,7 @@ impl Node {
     /// Appends an overflow holder, doubling the room when it is full; `extra` counts the
     /// overflow slots (what the lists take in memory).
     fn push_more(&mut self, holder: Holder, extra: &mut usize) -> &mut Holder {
-        let len = self.more_len as usize;
+        let len = self.more_len();
         if len == self.more.len() {
             let room = (2 * len).max(1);
             let mut grown = Vec::with_capacity(room);
@@ -246,7 +303,7 @@ impl Node {
             self.more = grown.into_boxed_slice();
         }
         self.more[len] = holder;
-        self.more_len += 1;
+        self.set_more_len(len + 1);
         &mut self.more[len]
     }
 
@@ -254,17 +311,19 @@ impl Node {
     fn clear_more(&mut self, extra: &mut usize) {
         *extra -= self.more.len();
         self.more = Box::default();
-        self.more_len = 0;
+        self.set_more_len(0);
     }
 
     /// The live holder of `instance` (a stale one is revived empty), and whether it was
     /// created or revived. Keeps `meta`'s counters and `extra` (the count of overflow
-    /// holders) up to date.
+    /// holders) up to date; the holder is out of [`Node::sig`] until the caller, having
+    /// changed it, adds it back.
     fn holder_or_insert<'a>(
         &'a mut self,
         instance: u32,
         meta: &mut InstanceMeta,
         extra: &mut usize,
+        hint: &mut usize,
     ) -> (&'a mut Holder, bool) {
         let fresh = Holder {
             instance,
@@ -275,8 +334,22 @@ impl Node {
         };
         let pos = if self.first.is_some_and(|h| h.instance == instance) {
             Some(None)
+        } else if self
+            .more()
+            .get(*hint)
+            .is_some_and(|h| h.instance == instance)
+        {
+            Some(Some(*hint))
         } else {
             self.more_at(instance).map(Some)
+        };
+        // Where the instance is (or goes) in this list: likely where it is in the next
+        // block's, as a prompt's blocks gain their holders together.
+        *hint = match pos {
+            Some(Some(at)) => at,
+            Some(None) => usize::MAX,
+            None if self.first.is_none() => usize::MAX,
+            None => self.more_len(),
         };
         let holder = match pos {
             Some(at) => {
@@ -284,6 +357,8 @@ impl Node {
                     None => self.first.as_mut().expect("checked just above"),
                     Some(i) => &mut self.more[i],
                 };
+                // The caller changes it and adds it back to the node's signature.
+                self.sig = self.sig.wrapping_sub(holder_sig(h));
                 if meta.live(h) {
                     return (h, false);
                 }
@@ -311,18 +386,20 @@ impl Node {
         extra: &mut usize,
         mut keep: impl FnMut(&Holder, &InstanceMeta) -> bool,
     ) {
+        let mut sig = self.sig;
         let mut verdict = |h: &Holder| {
             let meta = &mut metas[h.instance as usize];
             let kept = keep(h, meta);
             if !kept {
                 meta.uncount(h);
+                sig = sig.wrapping_sub(holder_sig(h));
             }
             kept
         };
-        let first_kept = self.first.as_ref().is_none_or(&mut verdict);
         // Compact the kept overflow holders to the front, in order.
-        let len = self.more_len as usize;
+        let len = self.more_len();
         let mut kept = 0;
+        let first_kept = self.first.as_ref().is_none_or(&mut verdict);
         for i in 0..len {
             if verdict(&self.more[i]) {
                 self.more[kept] = self.more[i];
@@ -339,7 +416,8 @@ impl Node {
                 Some(next)
             };
         }
-        self.more_len = kept as u32;
+        self.sig = sig;
+        self.set_more_len(kept);
         // Give memory back once a list is at most a quarter full.
         if kept * 4 <= self.more.len() && kept < len {
             let room = self.more.len();
@@ -354,7 +432,7 @@ impl Node {
     }
 
     fn is_empty(&self) -> bool {
-        self.first.is_none() && !self.in_l2 && self.children == 0
+        self.first.is_none() && !self.in_l2() && self.children == 0
     }
 }
 
@@ -410,6 +488,65 @@ impl MatchResult {
     }
 }
 
+/// Keys folded into the walk of an earlier one in [`PrefixIndex::match_into`]: every
+/// depth that key raised to `at` is raised by `keys` more.
+#[derive(Clone, Copy, Debug, Default)]
+struct Fold {
+    /// The depth the walked key raised its holders' runs to; 0: nothing folded.
+    at: u32,
+    keys: u32,
+    /// The walked key's node, whose holders are the instances raised.
+    node: u32,
+    /// Whether the keys are in the global L2 store: then every instance's L2 run (and the
+    /// global one) at `at` is raised too.
+    in_l2: bool,
+}
+
+impl Fold {
+    /// Folds the key at depth `d`, whose holders repeat those of the key before it, `prev`.
+    fn extend(&mut self, d: u32, prev: u32, in_l2: bool) {
+        if self.keys == 0 {
+            *self = Fold {
+                at: d,
+                keys: 1,
+                node: prev,
+                in_l2,
+            };
+        } else {
+            self.keys += 1;
+        }
+    }
+
+    /// Raises the depths the folded keys extend; done before any other key is walked.
+    fn flush(&mut self, nodes: &[Node], slot_of: &[u32], result: &mut MatchResult) {
+        if self.keys == 0 {
+            return;
+        }
+        let (at, to) = (self.at, self.at + self.keys);
+        let raise = |v: &mut u32| {
+            if *v == at {
+                *v = to;
+            }
+        };
+        for h in nodes[self.node as usize].holders() {
+            if let Some(&pos) = slot_of.get(h.instance as usize).filter(|&&p| p != NONE) {
+                let m = &mut result.instances[pos as usize];
+                raise(&mut m.gpu);
+                raise(&mut m.l1);
+                raise(&mut m.l2);
+                raise(&mut m.observed_gpu);
+            }
+        }
+        if self.in_l2 {
+            for m in result.instances.iter_mut() {
+                raise(&mut m.l2);
+            }
+            raise(&mut result.global_l2);
+        }
+        *self = Fold::default();
+    }
+}
+
 /// Reusable buffers for matching without allocating on the request path.
 #[derive(Clone, Debug, Default)]
 pub struct MatchScratch {
@@ -422,6 +559,9 @@ pub struct MatchScratch {
     /// (see [`PrefixIndex::match_into`]).
     path: Vec<(u32, u32, u32, u32)>,
     pub result: MatchResult,
+    /// Walk every key (tests compare it with the folded walk).
+    #[cfg(test)]
+    no_fold: bool,
 }
 
 impl MatchScratch {
@@ -517,12 +657,14 @@ impl PrefixIndex {
         &mut self,
         idx: u32,
         instance: u32,
+        hint: &mut usize,
         f: impl FnOnce(&mut Holder, &mut VecDeque<(u64, u32, BlockKey, u32)>) -> R,
     ) -> (R, bool) {
         self.meta_mut(instance);
         let meta = &mut self.metas[instance as usize];
         let node = &mut self.nodes[idx as usize];
-        let (holder, created) = node.holder_or_insert(instance, meta, &mut self.extra_holders);
+        let (holder, created) =
+            node.holder_or_insert(instance, meta, &mut self.extra_holders, hint);
         let (was_queued, was_observed) = (holder.queued, holder.observed != 0);
         let was_host_only = !created && host_only(holder);
         let out = f(holder, &mut self.expiry);
@@ -531,6 +673,8 @@ impl PrefixIndex {
         meta.observed = meta.observed + usize::from(observed) - usize::from(was_observed);
         meta.host_only =
             meta.host_only + usize::from(host_only(holder)) - usize::from(was_host_only);
+        let sig = holder_sig(holder);
+        node.sig = node.sig.wrapping_add(sig);
         (out, created)
     }
 
@@ -624,18 +768,20 @@ impl PrefixIndex {
         let mut known = 0;
         let mut parent = NONE;
         let floor = self.meta_mut(instance.0).prediction_floor;
+        let mut hint = usize::MAX;
         for (d, &key) in keys.iter().enumerate() {
             let idx = self.ensure(key, parent);
-            let (was_known, created) = self.with_holder(idx, instance.0, |holder, expiry| {
-                let was_known = holder.observed & GPU != 0
-                    || (holder.predicted_until > fresh_after && holder.predicted_until > floor);
-                holder.predicted_until = until;
-                if !holder.queued {
-                    holder.queued = true;
-                    expiry.push_back((until, idx, key, instance.0));
-                }
-                was_known
-            });
+            let (was_known, created) =
+                self.with_holder(idx, instance.0, &mut hint, |holder, expiry| {
+                    let was_known = holder.observed & GPU != 0
+                        || (holder.predicted_until > fresh_after && holder.predicted_until > floor);
+                    holder.predicted_until = until;
+                    if !holder.queued {
+                        holder.queued = true;
+                        expiry.push_back((until, idx, key, instance.0));
+                    }
+                    was_known
+                });
             if !created && was_known {
                 known = d + 1;
             }
@@ -667,12 +813,15 @@ impl PrefixIndex {
         if present {
             let parent_idx = parent.and_then(|p| self.slot(p)).unwrap_or(NONE);
             let idx = self.ensure(key, parent_idx);
-            self.with_holder(idx, instance.0, |holder, _| holder.observed |= bit);
+            let mut hint = usize::MAX;
+            self.with_holder(idx, instance.0, &mut hint, |holder, _| {
+                holder.observed |= bit
+            });
         } else if let Some(idx) = self.slot(key) {
-            let meta = self.meta_mut(instance.0);
-            let gen = meta.gen;
-            if let Some(holder) = self.nodes[idx as usize].holder_mut(instance.0) {
-                if holder.gen == gen {
+            self.meta_mut(instance.0);
+            let meta = &mut self.metas[instance.0 as usize];
+            self.nodes[idx as usize].update_holder(instance.0, |holder| {
+                if holder.gen == meta.gen {
                     let was_observed = holder.observed != 0;
                     let was_host_only = host_only(holder);
                     holder.observed &= !bit;
@@ -680,12 +829,11 @@ impl PrefixIndex {
                         holder.predicted_until = 0;
                     }
                     let now_observed = holder.observed != 0;
-                    let meta = &mut self.metas[instance.0 as usize];
                     meta.observed -= usize::from(was_observed && !now_observed);
                     meta.host_only = meta.host_only + usize::from(host_only(holder))
                         - usize::from(was_host_only);
                 }
-            }
+            });
             self.prune_node(idx, now);
             self.remove_if_empty(idx);
         }
@@ -697,14 +845,14 @@ impl PrefixIndex {
             let parent_idx = parent.and_then(|p| self.slot(p)).unwrap_or(NONE);
             let idx = self.ensure(key, parent_idx);
             let node = &mut self.nodes[idx as usize];
-            if !node.in_l2 {
-                node.in_l2 = true;
+            if !node.in_l2() {
+                node.set_in_l2(true);
                 self.l2_blocks += 1;
             }
         } else if let Some(idx) = self.slot(key) {
             let node = &mut self.nodes[idx as usize];
-            if node.in_l2 {
-                node.in_l2 = false;
+            if node.in_l2() {
+                node.set_in_l2(false);
                 self.l2_blocks -= 1;
             }
             self.remove_if_empty(idx);
@@ -735,22 +883,28 @@ impl PrefixIndex {
                 continue;
             }
             let meta = &mut self.metas[instance as usize];
-            let Some(holder) = self.nodes[idx as usize].holder_mut(instance) else {
-                continue;
-            };
-            let live = meta.live(holder);
-            if live && holder.predicted_until > now {
-                // Refreshed since: wait for the new expiry.
-                let until = holder.predicted_until;
-                self.expiry.push_back((until, idx, key, instance));
-                continue;
+            let refreshed = self.nodes[idx as usize].update_holder(instance, |holder| {
+                let live = meta.live(holder);
+                if live && holder.predicted_until > now {
+                    return Some(holder.predicted_until);
+                }
+                if live && holder.queued {
+                    meta.predicted -= 1;
+                    meta.host_only += usize::from(holder.observed == L1);
+                }
+                holder.queued = false;
+                holder.predicted_until = 0;
+                None
+            });
+            match refreshed {
+                None => continue,
+                Some(Some(until)) => {
+                    // Refreshed since: wait for the new expiry.
+                    self.expiry.push_back((until, idx, key, instance));
+                    continue;
+                }
+                Some(None) => {}
             }
-            if live && holder.queued {
-                meta.predicted -= 1;
-                meta.host_only += usize::from(holder.observed == L1);
-            }
-            holder.queued = false;
-            holder.predicted_until = 0;
             self.prune_node(idx, now);
             self.remove_if_empty(idx);
         }
@@ -774,6 +928,12 @@ impl PrefixIndex {
     /// instance was sent a prompt with that prefix, and a key names its whole prefix. So
     /// predictions may be sparse (peers share only some keys of each decision) and still
     /// match: the walk goes on past missing keys.
+    ///
+    /// Cost: a key whose holders are those of the key before it, in the same states (a
+    /// prompt's blocks are routed, refreshed and expire together), is not walked but
+    /// folded into that key's walk ([`Node::sig`] tells without reading either list), so
+    /// a system prompt held by thousands of instances costs one walk of its holders per
+    /// reported key rather than one per key.
     pub fn match_into(
         &self,
         keys: &[BlockKey],
@@ -785,7 +945,12 @@ impl PrefixIndex {
             slot_of,
             path,
             result,
+            ..
         } = scratch;
+        #[cfg(test)]
+        let folding = !scratch.no_fold;
+        #[cfg(not(test))]
+        let folding = true;
         let ttl = self.config.predicted_ttl_us;
         for m in &result.instances {
             slot_of[m.instance.0 as usize] = NONE;
@@ -817,12 +982,32 @@ impl PrefixIndex {
                 .map_or(0, |h| h.instance)
         });
         std::hint::black_box(warm);
+        // Keys whose holders repeat the previous key's exactly (a prefix routed and evicted
+        // as one: a system prompt on thousands of instances) extend exactly what that key
+        // extended, so such a run is walked once and its depths raised together
+        // (`Fold`): the same result, in time linear in the holders rather than in holders
+        // times keys.
+        let mut fold = Fold::default();
         // A run (every depth below is at most `d` here) that reaches `from` extends to d + 1.
-        for &(d, idx, from, tail) in path.iter() {
+        for (j, &(d, idx, from, tail)) in path.iter().enumerate() {
             let node = &self.nodes[idx as usize];
             if node.children >= 2 {
                 result.shared = d + 1;
             }
+            // Folding needs the key right before this one, and this key to extend only what
+            // reaches its own depth (`from == d`: it is unreported, or it and the key before
+            // it are both reported); then what is at depth `d` after the key before is
+            // exactly what that key extended, and this one extends the same.
+            if folding && from == d && j > 0 {
+                let (pd, pidx, _, _) = path[j - 1];
+                let prev = &self.nodes[pidx as usize];
+                if pd + 1 == d && node.matches_like(prev) {
+                    debug_assert!(node.same_holders_as(prev), "signatures collided");
+                    fold.extend(d, pidx, node.in_l2());
+                    continue;
+                }
+            }
+            fold.flush(&self.nodes, slot_of, result);
             for h in node.holders() {
                 let meta = &self.metas[h.instance as usize];
                 let tiers = meta.tiers(h, now);
@@ -888,7 +1073,7 @@ impl PrefixIndex {
                     m.l2 = d + 1;
                 }
             }
-            if node.in_l2 {
+            if node.in_l2() {
                 // Any instance can load this block from L2: it extends every run at `d`.
                 for m in result.instances.iter_mut() {
                     if m.l2 >= from {
@@ -900,6 +1085,7 @@ impl PrefixIndex {
                 }
             }
         }
+        fold.flush(&self.nodes, slot_of, result);
     }
 
     /// Convenience form of [`PrefixIndex::match_into`] that allocates.
@@ -973,10 +1159,10 @@ impl PrefixIndex {
             key,
             parent,
             children: 0,
-            in_l2: false,
             first: None,
             more: Box::default(),
-            more_len: 0,
+            len_l2: 0,
+            sig: 0,
             prev: NONE,
             next: NONE,
         };
@@ -1024,7 +1210,7 @@ impl PrefixIndex {
         for h in node.holders() {
             self.metas[h.instance as usize].uncount(h);
         }
-        if node.in_l2 {
+        if node.in_l2() {
             self.l2_blocks -= 1;
         }
         self.evictions += 1;
@@ -1056,7 +1242,8 @@ impl PrefixIndex {
         let node = &mut self.nodes[idx as usize];
         node.clear_more(&mut self.extra_holders);
         node.first = None;
-        node.in_l2 = false;
+        node.len_l2 = 0;
+        node.sig = 0;
         node.parent = NONE;
         self.free.push(idx);
         if parent != NONE {
@@ -1716,6 +1903,10 @@ mod tests {
             if index.slot(node.key) != Some(idx as u32) {
                 continue; // a free slot
             }
+            let sig = node
+                .holders()
+                .fold(0u32, |s, h| s.wrapping_add(holder_sig(h)));
+            assert_eq!(node.sig, sig, "a node's signature is its holders'");
             for h in node.holders() {
                 if !index.metas[h.instance as usize].live(h) {
                     continue;
@@ -1906,6 +2097,65 @@ mod tests {
             index.expire(u64::MAX);
             // Only observations outlive every prediction.
             prop_assert_eq!(index.stats().holders, index.stats().observed_holders);
+        }
+    }
+
+    proptest! {
+        /// Folding keys whose holders repeat the key before them changes no match: the
+        /// folded walk equals the walk of every key, for routed prefixes shared by many
+        /// instances, observations at any reporting rate, L2, expiry, forgotten
+        /// predictions and removed instances.
+        #[test]
+        fn folded_matches_equal_walked_ones(
+            ops in prop::collection::vec((0u8..7, 0u32..10, 0usize..2, 1usize..24, 0usize..24, 0u64..400), 1..80),
+            queries in prop::collection::vec((0usize..2, 1usize..24, 0u64..1500), 1..6),
+            every in prop::sample::select(vec![1u32, 2, 4]),
+        ) {
+            let mut index = PrefixIndex::new(IndexConfig {
+                capacity_blocks: 64,
+                predicted_ttl_us: 1000,
+                report_every: Some(every),
+            });
+            // Two branches of 24 keys that share their first 8.
+            let branch = |b: usize| -> Vec<BlockKey> {
+                (0..24u64).map(|d| if d < 8 { k(d + 1) } else { k(100 * (b as u64 + 1) + d) }).collect()
+            };
+            let mut now = 0;
+            for (kind, inst, b, len, from, dt) in ops {
+                now += dt;
+                let ks = branch(b);
+                let i = InstanceId(inst);
+                match kind {
+                    0 | 1 => {
+                        index.record_route(&ks[..len], i, now);
+                    }
+                    2 | 3 => {
+                        let tier = if kind == 2 { Tier::Gpu } else { Tier::L1 };
+                        for d in from.min(len - 1)..len {
+                            let parent = d.checked_sub(1).map(|p| ks[p]);
+                            index.observe(i, ks[d], parent, tier, true, now);
+                        }
+                    }
+                    4 => {
+                        for d in from.min(len - 1)..len {
+                            let parent = d.checked_sub(1).map(|p| ks[p]);
+                            index.observe(i, ks[d], parent, Tier::L2, inst % 2 == 0, now);
+                        }
+                    }
+                    5 => index.forget_predictions_before(i, now.saturating_sub(dt / 2)),
+                    _ if inst == 0 => index.remove_instance(i),
+                    _ => index.expire(now),
+                }
+            }
+            for (b, len, later) in queries {
+                let ks = branch(b);
+                let at = now + later;
+                let mut folded = MatchScratch::default();
+                index.match_into(&ks[..len], BT, at, &mut folded);
+                let mut walked = MatchScratch { no_fold: true, ..MatchScratch::default() };
+                index.match_into(&ks[..len], BT, at, &mut walked);
+                prop_assert_eq!(&folded.result, &walked.result);
+            }
         }
     }
 }

@@ -239,6 +239,7 @@ pub struct PolicyState {
     next_rr: u64,
     rng: Rng,
     scratch: MatchScratch,
+    kv: Vec<KvFigures>,
 }
 
 impl PolicyState {
@@ -247,6 +248,7 @@ impl PolicyState {
             next_rr: 0,
             rng: Rng::new(seed),
             scratch: MatchScratch::default(),
+            kv: Vec::new(),
         }
     }
 }
@@ -422,6 +424,40 @@ pub fn route(
     })
 }
 
+/// Of the candidates whose `figures` (one per candidate) are `eligible`, the one with the
+/// greatest `rank`, ties broken uniformly at random: [`pick_best`] over those candidates.
+fn pick_best_where<T, K: Ord>(
+    candidates: &[InstanceId],
+    figures: &[T],
+    eligible: impl Fn(&T) -> bool,
+    rng: &mut Rng,
+    mut rank: impl FnMut(InstanceId, &T) -> K,
+) -> InstanceId {
+    let mut best: Option<(InstanceId, K)> = None;
+    let mut ties = 1u64;
+    for (&c, f) in candidates.iter().zip(figures).filter(|(_, f)| eligible(f)) {
+        let r = rank(c, f);
+        let Some((best_c, best_rank)) = &mut best else {
+            best = Some((c, r));
+            continue;
+        };
+        match r.cmp(best_rank) {
+            std::cmp::Ordering::Greater => {
+                (*best_c, *best_rank) = (c, r);
+                ties = 1;
+            }
+            std::cmp::Ordering::Equal => {
+                ties += 1;
+                if rng.below(ties) == 0 {
+                    *best_c = c;
+                }
+            }
+            std::cmp::Ordering::Less => {}
+        }
+    }
+    best.expect("some candidate is eligible").0
+}
+
 /// The candidate with the greatest `rank`, ties broken uniformly at random.
 fn pick_best<K: Ord>(
     candidates: &[InstanceId],
@@ -585,17 +621,44 @@ pub fn estimate_ttft_ms(
     m: InstanceMatch,
     load: InstanceLoad,
 ) -> f64 {
-    let bt = u64::from(block_tokens);
-    let gpu = u64::from(m.gpu) * bt;
-    let l1 = u64::from(m.l1) * bt;
-    let l2 = u64::from(m.l2) * bt;
-    let prompt = u64::from(prompt_tokens).max(l2);
-    // Even a fully cached prompt recomputes its last token to produce the first output.
-    let uncached = (prompt - l2).max(1);
-    chunked_prefill_ms(profile, load.pending_prefill_tokens)
-        + chunked_prefill_ms(profile, uncached)
-        + profile.load_ms(Tier::L1, l1 - gpu)
-        + profile.load_ms(Tier::L2, l2 - l1)
+    MatchCost::of(profile, block_tokens, prompt_tokens, m).ttft_ms(profile, load)
+}
+
+/// The part of [`estimate_ttft_ms`] that depends on the match alone: the same for every
+/// candidate with the same depths (every one that holds nothing of the prompt), so a
+/// policy figures it once for them.
+#[derive(Clone, Copy, Debug)]
+struct MatchCost {
+    /// Prefill of what is not cached.
+    compute_ms: f64,
+    /// Loading what is in host memory, then what is in L2.
+    l1_ms: f64,
+    l2_ms: f64,
+}
+
+impl MatchCost {
+    fn of(profile: &ModelProfile, block_tokens: u32, prompt_tokens: u32, m: InstanceMatch) -> Self {
+        let bt = u64::from(block_tokens);
+        let gpu = u64::from(m.gpu) * bt;
+        let l1 = u64::from(m.l1) * bt;
+        let l2 = u64::from(m.l2) * bt;
+        let prompt = u64::from(prompt_tokens).max(l2);
+        // Even a fully cached prompt recomputes its last token to produce the first output.
+        let uncached = (prompt - l2).max(1);
+        MatchCost {
+            compute_ms: chunked_prefill_ms(profile, uncached),
+            l1_ms: profile.load_ms(Tier::L1, l1 - gpu),
+            l2_ms: profile.load_ms(Tier::L2, l2 - l1),
+        }
+    }
+
+    /// The estimate on an instance with `load` (the queue ahead, then this match).
+    fn ttft_ms(&self, profile: &ModelProfile, load: InstanceLoad) -> f64 {
+        chunked_prefill_ms(profile, load.pending_prefill_tokens)
+            + self.compute_ms
+            + self.l1_ms
+            + self.l2_ms
+    }
 }
 
 fn kv_aware(
@@ -607,74 +670,93 @@ fn kv_aware(
     explain: bool,
 ) -> (InstanceId, Reason, Option<Vec<f64>>) {
     let bt = u64::from(config.block_tokens);
-    let scores: Vec<f64> = candidates
-        .iter()
-        .map(|&i| {
-            let m = state.scratch.of(i);
-            let ttft = estimate_ttft_ms(
-                view.profile,
-                config.block_tokens,
-                req.prompt_tokens,
-                m,
-                view.load.get(i),
-            );
-            // On a full cache, what this request computes evicts as much cached data.
-            let capacity = view.kv_capacity.get(i.0 as usize).copied().unwrap_or(0);
-            if capacity == 0 {
-                return ttft;
-            }
+    let profile = view.profile;
+    let scratch = &state.scratch;
+    // A candidate that holds nothing of the prompt is estimated from its load and GPU
+    // fullness alone: its match's part is figured once.
+    let blank = scratch.of(InstanceId(u32::MAX));
+    let blank_cost = MatchCost::of(profile, config.block_tokens, req.prompt_tokens, blank);
+    let blank_incoming_ms = chunked_prefill_ms(profile, u64::from(req.prompt_tokens));
+    // One pass for what each candidate is estimated at, its load and its own tokens.
+    let figures = &mut state.kv;
+    figures.clear();
+    let (mut min_in_flight, mut nothing_held) = (u32::MAX, true);
+    for &i in candidates {
+        let m = scratch.of(i);
+        let load = view.load.get(i);
+        let is_blank = (m.gpu, m.l1, m.l2) == (blank.gpu, blank.l1, blank.l2);
+        let cost = if is_blank {
+            blank_cost
+        } else {
+            MatchCost::of(profile, config.block_tokens, req.prompt_tokens, m)
+        };
+        let ttft = cost.ttft_ms(profile, load);
+        // On a full cache, what this request computes evicts as much cached data.
+        let capacity = view.kv_capacity.get(i.0 as usize).copied().unwrap_or(0);
+        let score = if capacity == 0 {
+            ttft
+        } else {
             // GPU fullness: blocks it keeps in host memory alone take no GPU room.
             let held = view.index.gpu_holders_of(i) as f64 * bt as f64;
             let full = (held / capacity as f64).min(1.0);
             // Loaded blocks take GPU memory as computed ones do.
-            let incoming = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.gpu) * bt);
-            ttft + EVICTION_WEIGHT * full * chunked_prefill_ms(view.profile, incoming)
-        })
-        .collect();
-    let balance = Balance::of(candidates, view.load);
-    let saturated = |i: InstanceId| {
-        balance.saturated(
-            config,
-            view.load.get(i).in_flight,
-            own_tokens(config, &state.scratch, i),
-        )
+            let incoming_ms = if is_blank {
+                blank_incoming_ms
+            } else {
+                let incoming = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.gpu) * bt);
+                chunked_prefill_ms(profile, incoming)
+            };
+            ttft + EVICTION_WEIGHT * full * incoming_ms
+        };
+        min_in_flight = min_in_flight.min(load.in_flight);
+        nothing_held &= m.l2 == 0;
+        figures.push(KvFigures {
+            score,
+            in_flight: load.in_flight,
+            own_tokens: f64::from(m.gpu.saturating_sub(scratch.result.shared))
+                * f64::from(config.block_tokens),
+            open: false,
+        });
+    }
+    let balance = Balance {
+        min: f64::from(min_in_flight),
     };
-    let any_open = candidates.iter().any(|&i| !saturated(i));
-    let eligible = |pos: usize| !any_open || !saturated(candidates[pos]);
-    let best = (0..candidates.len())
-        .filter(|&p| eligible(p))
-        .map(|p| scores[p])
-        .fold(f64::INFINITY, f64::min);
+    let mut any_open = false;
+    for f in figures.iter_mut() {
+        f.open = !balance.saturated(config, f.in_flight, f.own_tokens);
+        any_open |= f.open;
+    }
+    let eligible = |f: &KvFigures| !any_open || f.open;
+    let rng = &mut state.rng;
     // A prompt no candidate holds any of: spread it over the fleet's memory, as
     // prefix-aware does (least cached data, then least loaded, among the unsaturated).
-    let nothing_held = candidates.iter().all(|&i| state.scratch.of(i).l2 == 0);
     let pick = if nothing_held && config.temperature == 0.0 {
-        let positions: Vec<InstanceId> = candidates
-            .iter()
-            .enumerate()
-            .filter(|&(p, _)| eligible(p))
-            .map(|(_, &i)| i)
-            .collect();
-        pick_best(&positions, &mut state.rng, |i| {
+        pick_best_where(candidates, figures, eligible, rng, |i, f| {
             (
                 std::cmp::Reverse(view.index.holders_of(i)),
-                std::cmp::Reverse(view.load.get(i).in_flight),
+                std::cmp::Reverse(f.in_flight),
             )
         })
     } else if config.temperature > 0.0 {
+        let best = figures
+            .iter()
+            .filter(|f| eligible(f))
+            .map(|f| f.score)
+            .fold(f64::INFINITY, f64::min);
         // Boltzmann sampling on the estimate relative to the best one.
         let scale = config.temperature * best.max(1.0);
-        let weights: Vec<f64> = (0..candidates.len())
-            .map(|p| {
-                if eligible(p) {
-                    (-(scores[p] - best) / scale).exp()
+        let weights: Vec<f64> = figures
+            .iter()
+            .map(|f| {
+                if eligible(f) {
+                    (-(f.score - best) / scale).exp()
                 } else {
                     0.0
                 }
             })
             .collect();
         let total: f64 = weights.iter().sum();
-        let mut target = state.rng.next_f64() * total;
+        let mut target = rng.next_f64() * total;
         let mut chosen = candidates.len() - 1;
         for (p, w) in weights.iter().enumerate() {
             if *w > 0.0 {
@@ -687,28 +769,37 @@ fn kv_aware(
         }
         candidates[chosen]
     } else {
-        let positions: Vec<InstanceId> = (0..candidates.len())
-            .filter(|&p| eligible(p))
-            .map(|p| InstanceId(p as u32))
-            .collect();
         // Lowest estimate, then fewest in flight, then least cached data; estimates in
         // the same ESTIMATE_RESOLUTION_MS step are equal (they are estimates).
-        let pos = pick_best(&positions, &mut state.rng, |p| {
-            let i = candidates[p.0 as usize];
+        pick_best_where(candidates, figures, eligible, rng, |i, f| {
             (
-                std::cmp::Reverse((scores[p.0 as usize] / ESTIMATE_RESOLUTION_MS) as u64),
-                std::cmp::Reverse(view.load.get(i).in_flight),
+                std::cmp::Reverse((f.score / ESTIMATE_RESOLUTION_MS) as u64),
+                std::cmp::Reverse(f.in_flight),
                 std::cmp::Reverse(view.index.holders_of(i)),
             )
-        });
-        candidates[pos.0 as usize]
+        })
     };
     let reason = if any_open {
         Reason::LowestCost
     } else {
         Reason::AllSaturated
     };
-    (pick, reason, explain.then_some(scores))
+    (
+        pick,
+        reason,
+        explain.then(|| figures.iter().map(|f| f.score).collect()),
+    )
+}
+
+/// What kv-aware figures of one candidate (a buffer kept in [`PolicyState`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct KvFigures {
+    score: f64,
+    in_flight: u32,
+    /// Tokens it holds beyond the shared prefix (see [`own_tokens`]).
+    own_tokens: f64,
+    /// Not saturated.
+    open: bool,
 }
 
 #[cfg(test)]
