@@ -931,9 +931,9 @@ impl PrefixIndex {
     ///
     /// Cost: a key whose holders are those of the key before it, in the same states (a
     /// prompt's blocks are routed, refreshed and expire together), is not walked but
-    /// folded into that key's walk ([`Node::sig`] tells without reading either list), so
-    /// a system prompt held by thousands of instances costs one walk of its holders per
-    /// reported key rather than one per key.
+    /// folded into that key's walk (a signature of each node's holders tells, without
+    /// reading either list), so a system prompt held by thousands of instances costs one
+    /// walk of its holders per reported key rather than one per key.
     pub fn match_into(
         &self,
         keys: &[BlockKey],
