@@ -5,6 +5,7 @@
 //! comma-separated list of synthetic workloads, default `chat,conversation,longdoc`;
 //! `FLEET_SECONDS`, simulated seconds of arrivals per host sample, default 10;
 //! `FLEET_REPS`, repetitions of the latency measurements, default 3;
+//! `FLEET_POLICY`, the routers' strategy, default `kv-aware`;
 //! `FLEET_REPORT_EVERY`, the agent reports one block key in this many, default
 //! the protocol's for its 16-token blocks ([`report_every`], records 0115 and 0117; 1: every
 //! block, as before them)).
@@ -142,8 +143,16 @@ fn core(instances: u32, sharing: bool) -> RouterCore {
     core
 }
 
+/// The routers' policy: `FLEET_POLICY` (a strategy's name), kv-aware by default.
 fn policy() -> PolicyConfig {
-    PolicyConfig::new(Strategy::KvAware, BLOCK_TOKENS)
+    static STRATEGY: std::sync::OnceLock<Strategy> = std::sync::OnceLock::new();
+    let strategy = *STRATEGY.get_or_init(|| {
+        std::env::var("FLEET_POLICY")
+            .ok()
+            .map(|s| s.parse().expect("FLEET_POLICY names a strategy"))
+            .unwrap_or(Strategy::KvAware)
+    });
+    PolicyConfig::new(strategy, BLOCK_TOKENS)
 }
 
 /// One agent's stream, measured on one host of 8 engines.
@@ -641,7 +650,10 @@ fn main() {
         }
     }
     let w = lat_workload.expect("one workload");
-    println!("\n## index memory and routing latency (kv-aware, index filled to its default capacity of 2^20 blocks)");
+    println!(
+        "\n## index memory and routing latency ({}, index filled to its default capacity of 2^20 blocks)",
+        policy().strategy
+    );
     println!("| instances | entries | bytes/entry | index MB | observe ns | route p50 µs | route p99 µs | applies per route | p50 µs loaded | p99 µs loaded | cores to apply the worst row's events |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let (_, worst_events, ratio) = worst.clone().expect("rows");
