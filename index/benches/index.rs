@@ -144,6 +144,34 @@ fn record_route_existing(bencher: divan::Bencher) {
     });
 }
 
+/// A fleet-wide system prompt as agents report it: 2,048 tokens (128 blocks of 16 tokens)
+/// cached on all of 8,000 instances, each agent reporting one key in 4 (records 0115,
+/// 0117), so every reported block has 8,000 observed holders; the query is the prompt and a
+/// 1,024-token question. What a match costs when the fleet holds one prefix everywhere.
+#[divan::bench]
+fn match_prefix_observed_on_8000(bencher: divan::Bencher) {
+    const FLEET: u32 = 8_000;
+    let mut rng = Rng::new(8);
+    let every = warmpath_index::keys::report_every(BLOCK_TOKENS);
+    let system: Vec<BlockKey> = (0..128).map(|_| BlockKey(rng.next_u64())).collect();
+    let mut index = PrefixIndex::new(IndexConfig::default());
+    for i in 0..FLEET {
+        for &k in system
+            .iter()
+            .filter(|&&k| warmpath_index::keys::reported(k, every))
+        {
+            index.observe(InstanceId(i), k, None, Tier::Gpu, true, 0);
+        }
+    }
+    let mut query = system.clone();
+    query.extend((0..64).map(|_| BlockKey(rng.next_u64())));
+    let mut scratch = MatchScratch::default();
+    bencher.bench_local(|| {
+        index.match_into(&query, BLOCK_TOKENS, NOW, &mut scratch);
+        scratch.result.instances.len()
+    });
+}
+
 /// A router of a large fleet applying its peers' loads, as the gossip loop does every tick
 /// under the routing lock: 127 peers, each publishing its 512 busiest of 8,000 instances
 /// (the most a load value carries, membership's `LOAD_MAX_ENTRIES`; a fleet of 100,000
