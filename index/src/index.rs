@@ -518,9 +518,19 @@ impl Fold {
     }
 
     /// Raises the depths the folded keys extend; done before any other key is walked.
-    fn flush(&mut self, nodes: &[Node], slot_of: &[u32], result: &mut MatchResult) {
+    fn flush(
+        &mut self,
+        nodes: &[Node],
+        slot_of: &[u32],
+        result: &mut MatchResult,
+        chain: &mut Chain,
+    ) {
         if self.keys == 0 {
             return;
+        }
+        if self.in_l2 {
+            // It raises every instance's L2 depth: the chain's members first.
+            chain.finish(result);
         }
         let (at, to) = (self.at, self.at + self.keys);
         let raise = |v: &mut u32| {
@@ -530,6 +540,7 @@ impl Fold {
         };
         for h in nodes[self.node as usize].holders() {
             if let Some(&pos) = slot_of.get(h.instance as usize).filter(|&&p| p != NONE) {
+                chain.touch(pos as usize, result);
                 let m = &mut result.instances[pos as usize];
                 raise(&mut m.gpu);
                 raise(&mut m.l1);
@@ -547,6 +558,137 @@ impl Fold {
     }
 }
 
+/// Gate bits of a chain member ([`Chain`]): which of its depths the base key raised, and
+/// how. `G_OBS`, `G_GPU`, `G_L1`, `G_L2`: a depth at least the key's `from` goes to its end;
+/// `G_PRED`: a prediction, raising the GPU, L1 and L2 depths to the end whatever they were.
+const G_OBS: u8 = 1;
+const G_GPU: u8 = 2;
+const G_L1: u8 = 4;
+const G_L2: u8 = 8;
+const G_PRED: u8 = 16;
+/// The member's depths are still as the base key left them (the chain's folds not applied).
+const G_LAZY: u8 = 128;
+
+/// Reported keys folded into the walk of an earlier reported key (the base) across the
+/// unreported keys between them, in [`PrefixIndex::match_into`]: where agents report one
+/// key in several, a prefix observed on thousands of instances has the same holders on
+/// each reported key, and other holders (or none) on the keys between.
+///
+/// A reported key `d` whose holders repeat the base's, and whose `from` is the end of the
+/// chain's last key, raises each holder's gated depths that reach `from` to `d + 1`, as the
+/// base did. A member nothing has touched since the base ("lazy") has its gated depths at
+/// the base's end or below it, so the chain's folds compose into one: depths at least the
+/// base's end go to the last folded key's end, applied when something reads the member or
+/// the chain ends. A member a key between has read or moved is applied each fold at once
+/// ("eager").
+#[derive(Clone, Debug, Default)]
+struct Chain {
+    /// The base key's node; `NONE`: no chain.
+    base: u32,
+    /// The base key's end, and the end of the last key folded (where a lazy member's depths
+    /// at least `base_end` stand).
+    base_end: u32,
+    end: u32,
+    /// Result positions of the instances the base key raised, and those touched since.
+    members: Vec<u32>,
+    eager: Vec<u32>,
+    /// Gate bits ([`G_OBS`] …) by result position; 0 for non-members.
+    gate: Vec<u8>,
+    /// The base's prediction time of each [`G_PRED`] member, by result position.
+    predicted_at: Vec<u64>,
+}
+
+impl Chain {
+    fn active(&self) -> bool {
+        !self.members.is_empty()
+    }
+
+    /// Starts a chain at the reported key walked at depth `d`; [`Chain::join`] then records
+    /// what that walk raised.
+    fn start(&mut self, node: u32, d: u32) {
+        debug_assert!(self.members.is_empty());
+        self.base = node;
+        self.base_end = d + 1;
+        self.end = d + 1;
+    }
+
+    /// The base's walk raised the depths in `gate` of the member at `pos`.
+    fn join(&mut self, pos: usize, gate: u8, predicted_at: u64) {
+        if self.gate.len() <= pos {
+            self.gate.resize(pos + 1, 0);
+            self.predicted_at.resize(pos + 1, 0);
+        }
+        if self.gate[pos] == 0 {
+            self.members.push(pos as u32);
+        }
+        self.gate[pos] = gate | G_LAZY;
+        self.predicted_at[pos] = predicted_at;
+    }
+
+    /// Brings the member at `pos`, if lazy, up to the chain's folds, before it is read or
+    /// moved by anything else.
+    fn touch(&mut self, pos: usize, result: &mut MatchResult) {
+        let Some(g) = self.gate.get(pos).copied().filter(|g| g & G_LAZY != 0) else {
+            return;
+        };
+        self.gate[pos] = g & !G_LAZY;
+        self.eager.push(pos as u32);
+        let (at, to) = (self.base_end, self.end);
+        let m = &mut result.instances[pos];
+        let raise = |v: &mut u32, on: bool| {
+            if on && *v >= at {
+                *v = to;
+            }
+        };
+        raise(&mut m.observed_gpu, g & G_OBS != 0);
+        raise(&mut m.gpu, g & (G_GPU | G_PRED) != 0);
+        raise(&mut m.l1, g & (G_L1 | G_PRED) != 0);
+        raise(&mut m.l2, g & (G_L2 | G_PRED) != 0);
+    }
+
+    /// Folds the reported key at depth `d` (whose `from` is `self.end`): the eager members
+    /// as the walk would, the lazy ones by moving the chain's end.
+    fn fold(&mut self, d: u32, result: &mut MatchResult) {
+        let from = self.end;
+        for &pos in &self.eager {
+            let g = self.gate[pos as usize];
+            let m = &mut result.instances[pos as usize];
+            if g & G_OBS != 0 && m.observed_gpu >= from {
+                m.observed_gpu = d + 1;
+            }
+            if g & G_PRED != 0 {
+                m.predicted_at = self.predicted_at[pos as usize];
+                m.gpu = m.gpu.max(d + 1);
+                m.l1 = m.l1.max(d + 1);
+                m.l2 = m.l2.max(d + 1);
+                continue;
+            }
+            if g & G_GPU != 0 && m.gpu >= from {
+                m.gpu = d + 1;
+            }
+            if g & G_L1 != 0 && m.l1 >= from {
+                m.l1 = d + 1;
+            }
+            if g & G_L2 != 0 && m.l2 >= from {
+                m.l2 = d + 1;
+            }
+        }
+        self.end = d + 1;
+    }
+
+    /// Ends the chain, bringing every lazy member up to its folds.
+    fn finish(&mut self, result: &mut MatchResult) {
+        for i in 0..self.members.len() {
+            let pos = self.members[i] as usize;
+            self.touch(pos, result);
+            self.gate[pos] = 0;
+        }
+        self.members.clear();
+        self.eager.clear();
+        self.base = NONE;
+    }
+}
+
 /// Reusable buffers for matching without allocating on the request path.
 #[derive(Clone, Debug, Default)]
 pub struct MatchScratch {
@@ -559,6 +701,7 @@ pub struct MatchScratch {
     /// (see [`PrefixIndex::match_into`]).
     path: Vec<(u32, u32, u32, u32)>,
     pub result: MatchResult,
+    chain: Chain,
     /// Walk every key (tests compare it with the folded walk).
     #[cfg(test)]
     no_fold: bool,
@@ -945,6 +1088,7 @@ impl PrefixIndex {
             slot_of,
             path,
             result,
+            chain,
             ..
         } = scratch;
         #[cfg(test)]
@@ -988,17 +1132,20 @@ impl PrefixIndex {
         // (`Fold`): the same result, in time linear in the holders rather than in holders
         // times keys.
         let mut fold = Fold::default();
+        // Reported keys whose holders repeat an earlier reported key's across unreported
+        // keys (a prefix agents observe on thousands of instances): `Chain`.
+        debug_assert!(!chain.active(), "every match finishes its chain");
         // A run (every depth below is at most `d` here) that reaches `from` extends to d + 1.
         for (j, &(d, idx, from, tail)) in path.iter().enumerate() {
             let node = &self.nodes[idx as usize];
             if node.children >= 2 {
                 result.shared = d + 1;
             }
-            // Folding needs the key right before this one, and this key to extend only what
-            // reaches its own depth (`from == d`: it is unreported, or it and the key before
-            // it are both reported); then what is at depth `d` after the key before is
-            // exactly what that key extended, and this one extends the same.
-            if folding && from == d && j > 0 {
+            let reported = tail == NONE;
+            // An unreported key can fold into the key right before it: it extends only what
+            // reaches its own depth (`from == d`), so what is at depth `d` after the key
+            // before is exactly what that key extended, and this one extends the same.
+            if folding && !reported && j > 0 {
                 let (pd, pidx, _, _) = path[j - 1];
                 let prev = &self.nodes[pidx as usize];
                 if pd + 1 == d && node.matches_like(prev) {
@@ -1007,7 +1154,26 @@ impl PrefixIndex {
                     continue;
                 }
             }
-            fold.flush(&self.nodes, slot_of, result);
+            // A reported key can fold into the chain whose last key is the query's previous
+            // reported key, when its holders are the chain's base's.
+            if folding && reported && chain.active() && from == chain.end {
+                let base = &self.nodes[chain.base as usize];
+                if node.matches_like(base) {
+                    debug_assert!(node.same_holders_as(base), "signatures collided");
+                    fold.flush(&self.nodes, slot_of, result, chain);
+                    chain.fold(d, result);
+                    continue;
+                }
+            }
+            fold.flush(&self.nodes, slot_of, result, chain);
+            // A reported key walked ends the chain; one not in L2 starts the next.
+            if reported || node.in_l2() {
+                chain.finish(result);
+            }
+            let base = folding && reported && !node.in_l2();
+            if base {
+                chain.start(idx, d);
+            }
             for h in node.holders() {
                 let meta = &self.metas[h.instance as usize];
                 let tiers = meta.tiers(h, now);
@@ -1020,6 +1186,7 @@ impl PrefixIndex {
                     let inst = h.instance as usize;
                     if tail != NONE && meta.live(h) && now < h.predicted_until {
                         if let Some(&pos) = slot_of.get(inst).filter(|&&p| p != NONE) {
+                            chain.touch(pos as usize, result);
                             let m = &mut result.instances[pos as usize];
                             if m.gpu == d && m.observed_gpu > 0 && m.observed_gpu >= tail {
                                 m.gpu = d + 1;
@@ -1050,17 +1217,25 @@ impl PrefixIndex {
                         });
                         result.instances.len() - 1
                     }
-                    slot => slot as usize,
+                    slot => {
+                        chain.touch(slot as usize, result);
+                        slot as usize
+                    }
                 };
                 let m = &mut result.instances[pos];
-                if h.observed & GPU != 0 && m.observed_gpu >= from {
+                let observed_gpu = h.observed & GPU != 0;
+                if observed_gpu && m.observed_gpu >= from {
                     m.observed_gpu = d + 1;
                 }
+                let obs = if observed_gpu { G_OBS } else { 0 };
                 if meta.predicts(h, now) {
                     m.predicted_at = h.predicted_until.saturating_sub(ttl);
                     m.gpu = m.gpu.max(d + 1);
                     m.l1 = m.l1.max(d + 1);
                     m.l2 = m.l2.max(d + 1);
+                    if base {
+                        chain.join(pos, obs | G_PRED, m.predicted_at);
+                    }
                     continue;
                 }
                 if tiers & GPU != 0 && m.gpu >= from {
@@ -1071,6 +1246,10 @@ impl PrefixIndex {
                 }
                 if m.l2 >= from {
                     m.l2 = d + 1;
+                }
+                if base {
+                    let gpu = if tiers & GPU != 0 { G_GPU } else { 0 };
+                    chain.join(pos, obs | gpu | G_L1 | G_L2, 0);
                 }
             }
             if node.in_l2() {
@@ -1085,7 +1264,8 @@ impl PrefixIndex {
                 }
             }
         }
-        fold.flush(&self.nodes, slot_of, result);
+        fold.flush(&self.nodes, slot_of, result, chain);
+        chain.finish(result);
     }
 
     /// Convenience form of [`PrefixIndex::match_into`] that allocates.
@@ -2100,6 +2280,33 @@ mod tests {
         }
     }
 
+    /// A prediction refreshed on a key between two reported keys (a peer's sampled
+    /// decision) moves the instance's prediction time there; the reported key after it,
+    /// folded into the chain, restores the time its own holder carries, as its walk does.
+    #[test]
+    fn a_chain_fold_restores_the_prediction_time_a_key_between_moved() {
+        let (chain, at) = reported_chain(64, 4);
+        let d = (0..at.len() - 1)
+            .find(|&i| at[i + 1] > at[i] + 1)
+            .map(|i| at[i + 1])
+            .expect("two reported keys with unreported ones between");
+        let mut index = reporting_every(4);
+        for i in 0..3 {
+            index.record_route(&chain[..=d], InstanceId(i), 0);
+        }
+        // A peer's sample names the key before `d` on instance 0, later.
+        index.record_shared(&chain[d - 1..d], InstanceId(0), 500);
+        let mut folded = MatchScratch::default();
+        index.match_into(&chain[..=d], BT, 600, &mut folded);
+        let mut walked = MatchScratch {
+            no_fold: true,
+            ..MatchScratch::default()
+        };
+        index.match_into(&chain[..=d], BT, 600, &mut walked);
+        assert_eq!(folded.result, walked.result);
+        assert_eq!(folded.result.of(InstanceId(0)).predicted_at, 0);
+    }
+
     proptest! {
         /// Folding keys whose holders repeat the key before them changes no match: the
         /// folded walk equals the walk of every key, for routed prefixes shared by many
@@ -2107,7 +2314,7 @@ mod tests {
         /// predictions and removed instances.
         #[test]
         fn folded_matches_equal_walked_ones(
-            ops in prop::collection::vec((0u8..7, 0u32..10, 0usize..2, 1usize..24, 0usize..24, 0u64..400), 1..80),
+            ops in prop::collection::vec((0u8..9, 0u32..10, 0usize..2, 1usize..24, 0usize..24, 0u64..400), 1..80),
             queries in prop::collection::vec((0usize..2, 1usize..24, 0u64..1500), 1..6),
             every in prop::sample::select(vec![1u32, 2, 4]),
         ) {
@@ -2126,9 +2333,10 @@ mod tests {
                 let ks = branch(b);
                 let i = InstanceId(inst);
                 match kind {
-                    0 | 1 => {
+                    0 => {
                         index.record_route(&ks[..len], i, now);
                     }
+                    1 => index.record_shared(&sparse_keys(&ks[..len], from.min(len)), i, now),
                     2 | 3 => {
                         let tier = if kind == 2 { Tier::Gpu } else { Tier::L1 };
                         for d in from.min(len - 1)..len {
@@ -2143,8 +2351,19 @@ mod tests {
                         }
                     }
                     5 => index.forget_predictions_before(i, now.saturating_sub(dt / 2)),
-                    _ if inst == 0 => index.remove_instance(i),
-                    _ => index.expire(now),
+                    6 if inst == 0 => index.remove_instance(i),
+                    6 => index.expire(now),
+                    _ => {
+                        // Agents of instances `inst..10` report the reported keys of a
+                        // prefix (present, or evicted by the last of them), without parents:
+                        // the same holders on every reported key, none between.
+                        for j in inst..10 {
+                            for &key in ks[..len].iter().filter(|&&key| crate::keys::reported(key, every)) {
+                                let present = kind == 7 || j + 1 < 10;
+                                index.observe(InstanceId(j), key, None, Tier::Gpu, present, now);
+                            }
+                        }
+                    }
                 }
             }
             for (b, len, later) in queries {
