@@ -150,6 +150,25 @@ fn record_route_existing(bencher: divan::Bencher) {
 /// 1,024-token question. What a match costs when the fleet holds one prefix everywhere.
 #[divan::bench]
 fn match_prefix_observed_on_8000(bencher: divan::Bencher) {
+    let (index, query) = observed_on_8000();
+    let mut scratch = MatchScratch::default();
+    bencher.bench_local(|| {
+        index.match_into(&query, BLOCK_TOKENS, NOW, &mut scratch);
+        scratch.result.instances.len()
+    });
+}
+
+/// Recording a route of that query ([`match_prefix_observed_on_8000`]) on one of the 8,000
+/// instances, as every decision does: each of its blocks' holder lists searched for it.
+#[divan::bench]
+fn record_route_prefix_observed_on_8000(bencher: divan::Bencher) {
+    let (mut index, query) = observed_on_8000();
+    let mut rng = Rng::new(9);
+    bencher.bench_local(|| index.record_route(&query, InstanceId(rng.below(8_000) as u32), NOW));
+}
+
+/// The index and query of [`match_prefix_observed_on_8000`].
+fn observed_on_8000() -> (PrefixIndex, Vec<BlockKey>) {
     const FLEET: u32 = 8_000;
     let mut rng = Rng::new(8);
     let every = warmpath_index::keys::report_every(BLOCK_TOKENS);
@@ -163,13 +182,9 @@ fn match_prefix_observed_on_8000(bencher: divan::Bencher) {
             index.observe(InstanceId(i), k, None, Tier::Gpu, true, 0);
         }
     }
-    let mut query = system.clone();
+    let mut query = system;
     query.extend((0..64).map(|_| BlockKey(rng.next_u64())));
-    let mut scratch = MatchScratch::default();
-    bencher.bench_local(|| {
-        index.match_into(&query, BLOCK_TOKENS, NOW, &mut scratch);
-        scratch.result.instances.len()
-    });
+    (index, query)
 }
 
 /// A router of a large fleet applying its peers' loads, as the gossip loop does every tick

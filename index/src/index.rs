@@ -343,14 +343,11 @@ impl Node {
         } else {
             self.more_at(instance).map(Some)
         };
-        // Where the instance is (or goes) in this list: likely where it is in the next
-        // block's, as a prompt's blocks gain their holders together.
-        *hint = match pos {
-            Some(Some(at)) => at,
-            Some(None) => usize::MAX,
-            None if self.first.is_none() => usize::MAX,
-            None => self.more_len(),
-        };
+        // Where the instance is in this list is likely where it is in the next list that
+        // has it, as a prompt's blocks (or its reported ones) gain their holders together.
+        if let Some(Some(at)) = pos {
+            *hint = at;
+        }
         let holder = match pos {
             Some(at) => {
                 let h = match at {
