@@ -6,6 +6,9 @@
 //! `FLEET_SECONDS`, simulated seconds of arrivals per host sample, default 10;
 //! `FLEET_REPS`, repetitions of the latency measurements, default 3;
 //! `FLEET_POLICY`, the routers' strategy, default `kv-aware`;
+//! `FLEET_SHARED_OBSERVED`, if set, the routing measurements' cores also have the
+//! workload's shared prefixes observed on every instance, as agents report them (a system
+//! prompt cached fleet-wide);
 //! `FLEET_REPORT_EVERY`, the agent reports one block key in this many, default
 //! the protocol's for its 16-token blocks ([`report_every`], records 0115 and 0117; 1: every
 //! block, as before them)).
@@ -61,7 +64,7 @@ use std::time::{Duration, Instant};
 use std::io::Write as _;
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
-use warmpath_index::keys::{report_every, BlockKey};
+use warmpath_index::keys::{report_every, reported, BlockKey};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore, APPLY_CHUNK};
@@ -411,6 +414,27 @@ fn filled_core(instances: u32, rng: &mut Rng) -> (RouterCore, usize, usize) {
     (c, s.bytes_per_entry, s.entries)
 }
 
+/// The prefixes several of `w`'s requests share (a system prompt, a template): for each first
+/// block, the longest prefix two or more requests starting with it have in common.
+fn shared_prefixes(w: &Workload) -> Vec<Vec<BlockKey>> {
+    let mut by_first: std::collections::BTreeMap<BlockKey, Vec<&[BlockKey]>> = Default::default();
+    for r in &w.requests {
+        if let Some(&first) = r.keys.first() {
+            by_first.entry(first).or_default().push(&r.keys);
+        }
+    }
+    by_first
+        .values()
+        .filter(|group| group.len() >= 2)
+        .map(|group| {
+            let common = group[1..].iter().fold(group[0].len(), |n, ks| {
+                n.min(ks.iter().zip(group[0]).take_while(|(a, b)| a == b).count())
+            });
+            group[0][..common].to_vec()
+        })
+        .collect()
+}
+
 /// Median p50/p99 (µs) of route calls on `c`, each preceded by `applies` observe calls,
 /// and ns per observe. Each route takes `c`'s lock as the router's request path does, and
 /// its time includes the wait for it (see [`route_latency_beside`]).
@@ -660,8 +684,26 @@ fn main() {
     // Every measurement starts from the same filled index and routes the same requests: a
     // route leaves predictions behind and an apply evicts, so a core measured twice is not
     // the same core twice.
+    let observed_everywhere = std::env::var_os("FLEET_SHARED_OBSERVED").is_some();
+    let shared = shared_prefixes(&w);
+    if observed_everywhere {
+        println!(
+            "(FLEET_SHARED_OBSERVED: the workload's {} shared prefixes, {} blocks in all, observed on every instance at one key in {every}, as agents report them)",
+            shared.len(),
+            shared.iter().map(Vec::len).sum::<usize>()
+        );
+    }
     let fresh = |instances| {
-        let (c, bpe, entries) = filled_core(instances, &mut Rng::new(11));
+        let (mut c, bpe, entries) = filled_core(instances, &mut Rng::new(11));
+        if observed_everywhere {
+            for prefix in &shared {
+                for &key in prefix.iter().filter(|&&k| reported(k, every)) {
+                    for i in 0..instances {
+                        c.observe(InstanceId(i), key, None, Tier::Gpu, true, 0);
+                    }
+                }
+            }
+        }
         (Mutex::new(c), bpe, entries)
     };
     let mut alone = Vec::new();
