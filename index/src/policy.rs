@@ -545,10 +545,21 @@ fn prefix_aware(
     // Candidates holding none of it: least cached data first, so new prefixes spread over
     // the fleet's memory (saturation still keeps the load even).
     let every = view.index.report_every(config.block_tokens);
+    // A match's worth depends on its depths alone, and most candidates share theirs with
+    // the candidate before: it is figured again only when they change.
+    let memo = std::cell::Cell::new(None::<((u32, u32, u32), u64)>);
+    let worth_of = |m: &InstanceMatch| match memo.get() {
+        Some((depths, worth)) if depths == (m.gpu, m.l1, m.l2) => worth,
+        _ => {
+            let worth = worth_rank(view, config, m);
+            memo.set(Some(((m.gpu, m.l1, m.l2), worth)));
+            worth
+        }
+    };
     let rank_of = |m: InstanceMatch, i: InstanceId| {
         let held = view.index.held_blocks_of(i, every) as u64;
         let busy = u64::from(load(i));
-        let worth = worth_rank(view, config, &m);
+        let worth = worth_of(&m);
         if m.l2 == 0 {
             (worth, m.l2, Reverse(held), Reverse(busy))
         } else {
@@ -599,7 +610,7 @@ fn prefix_aware(
         .collect();
     if open.is_empty() {
         let pick = pick_best(candidates, &mut state.rng, |i| {
-            (Reverse(load(i)), worth_rank(view, config, &scratch.of(i)))
+            (Reverse(load(i)), worth_of(&scratch.of(i)))
         });
         return (pick, Reason::AllSaturated);
     }
@@ -672,11 +683,19 @@ fn kv_aware(
     let bt = u64::from(config.block_tokens);
     let profile = view.profile;
     let scratch = &state.scratch;
-    // A candidate that holds nothing of the prompt is estimated from its load and GPU
-    // fullness alone: its match's part is figured once.
+    // The match's part of an estimate depends on its depths alone, and most candidates
+    // share theirs with the candidate before (none of the prompt, or a prefix the fleet
+    // holds everywhere): it is figured again only when they change.
     let blank = scratch.of(InstanceId(u32::MAX));
-    let blank_cost = MatchCost::of(profile, config.block_tokens, req.prompt_tokens, blank);
-    let blank_incoming_ms = chunked_prefill_ms(profile, u64::from(req.prompt_tokens));
+    let priced = |m: InstanceMatch| {
+        let incoming = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.gpu) * bt);
+        (
+            (m.gpu, m.l1, m.l2),
+            MatchCost::of(profile, config.block_tokens, req.prompt_tokens, m),
+            chunked_prefill_ms(profile, incoming),
+        )
+    };
+    let mut memo = priced(blank);
     // One pass for what each candidate is estimated at, its load and its own tokens.
     let figures = &mut state.kv;
     figures.clear();
@@ -684,12 +703,10 @@ fn kv_aware(
     for &i in candidates {
         let m = scratch.of(i);
         let load = view.load.get(i);
-        let is_blank = (m.gpu, m.l1, m.l2) == (blank.gpu, blank.l1, blank.l2);
-        let cost = if is_blank {
-            blank_cost
-        } else {
-            MatchCost::of(profile, config.block_tokens, req.prompt_tokens, m)
-        };
+        if memo.0 != (m.gpu, m.l1, m.l2) {
+            memo = priced(m);
+        }
+        let (_, cost, incoming_ms) = memo;
         let ttft = cost.ttft_ms(profile, load);
         // On a full cache, what this request computes evicts as much cached data.
         let capacity = view.kv_capacity.get(i.0 as usize).copied().unwrap_or(0);
@@ -699,13 +716,7 @@ fn kv_aware(
             // GPU fullness: blocks it keeps in host memory alone take no GPU room.
             let held = view.index.gpu_holders_of(i) as f64 * bt as f64;
             let full = (held / capacity as f64).min(1.0);
-            // Loaded blocks take GPU memory as computed ones do.
-            let incoming_ms = if is_blank {
-                blank_incoming_ms
-            } else {
-                let incoming = u64::from(req.prompt_tokens).saturating_sub(u64::from(m.gpu) * bt);
-                chunked_prefill_ms(profile, incoming)
-            };
+            // Loaded blocks take GPU memory as computed ones do (`incoming_ms`).
             ttft + EVICTION_WEIGHT * full * incoming_ms
         };
         min_in_flight = min_in_flight.min(load.in_flight);
