@@ -464,27 +464,7 @@ fn pick_best<K: Ord>(
     rng: &mut Rng,
     mut rank: impl FnMut(InstanceId) -> K,
 ) -> InstanceId {
-    let mut best = candidates[0];
-    let mut best_rank = rank(best);
-    let mut ties = 1u64;
-    for &c in &candidates[1..] {
-        let r = rank(c);
-        match r.cmp(&best_rank) {
-            std::cmp::Ordering::Greater => {
-                best = c;
-                best_rank = r;
-                ties = 1;
-            }
-            std::cmp::Ordering::Equal => {
-                ties += 1;
-                if rng.below(ties) == 0 {
-                    best = c;
-                }
-            }
-            std::cmp::Ordering::Less => {}
-        }
-    }
-    best
+    pick_best_where(candidates, candidates, |_| true, rng, |c, _| rank(c))
 }
 
 /// The share of the prefill of tokens `from..to` (after `from` cached ones) that loading
@@ -636,8 +616,8 @@ pub fn estimate_ttft_ms(
 }
 
 /// The part of [`estimate_ttft_ms`] that depends on the match alone: the same for every
-/// candidate with the same depths (every one that holds nothing of the prompt), so a
-/// policy figures it once for them.
+/// candidate with the same depths (those holding nothing of the prompt, or a prefix the
+/// fleet holds everywhere), so a policy figures it once for them.
 #[derive(Clone, Copy, Debug)]
 struct MatchCost {
     /// Prefill of what is not cached.
