@@ -270,14 +270,33 @@ impl Node {
         &self.more[..self.more_len()]
     }
 
+    /// Where `instance`'s holder is: `Some(None)` inline, `Some(Some(i))` at `more[i]`,
+    /// trying `more[hint]` before the scan.
+    fn find(&self, instance: u32, hint: usize) -> Option<Option<usize>> {
+        if self.first.is_some_and(|h| h.instance == instance) {
+            Some(None)
+        } else if self
+            .more()
+            .get(hint)
+            .is_some_and(|h| h.instance == instance)
+        {
+            Some(Some(hint))
+        } else {
+            self.more_at(instance).map(Some)
+        }
+    }
+
+    fn holder_at(&mut self, at: Option<usize>) -> &mut Holder {
+        match at {
+            None => self.first.as_mut().expect("found inline"),
+            Some(i) => &mut self.more[i],
+        }
+    }
+
     /// Runs `f` on the holder of `instance`, if any, keeping [`Node::sig`] in step.
     fn update_holder<R>(&mut self, instance: u32, f: impl FnOnce(&mut Holder) -> R) -> Option<R> {
-        let holder = if self.first.is_some_and(|h| h.instance == instance) {
-            self.first.as_mut().expect("checked just above")
-        } else {
-            let at = self.more_at(instance)?;
-            &mut self.more[at]
-        };
+        let at = self.find(instance, usize::MAX)?;
+        let holder = self.holder_at(at);
         let before = holder_sig(holder);
         let out = f(holder);
         let after = holder_sig(holder);
@@ -332,17 +351,7 @@ impl Node {
             queued: false,
             predicted_until: 0,
         };
-        let pos = if self.first.is_some_and(|h| h.instance == instance) {
-            Some(None)
-        } else if self
-            .more()
-            .get(*hint)
-            .is_some_and(|h| h.instance == instance)
-        {
-            Some(Some(*hint))
-        } else {
-            self.more_at(instance).map(Some)
-        };
+        let pos = self.find(instance, *hint);
         // Where the instance is in this list is likely where it is in the next list that
         // has it, as a prompt's blocks (or its reported ones) gain their holders together.
         if let Some(Some(at)) = pos {
@@ -350,12 +359,9 @@ impl Node {
         }
         let holder = match pos {
             Some(at) => {
-                let h = match at {
-                    None => self.first.as_mut().expect("checked just above"),
-                    Some(i) => &mut self.more[i],
-                };
                 // The caller changes it and adds it back to the node's signature.
-                self.sig = self.sig.wrapping_sub(holder_sig(h));
+                self.sig = self.sig.wrapping_sub(holder_sig(self.holder_at(at)));
+                let h = self.holder_at(at);
                 if meta.live(h) {
                     return (h, false);
                 }
@@ -580,7 +586,7 @@ const G_LAZY: u8 = 128;
 /// ("eager").
 #[derive(Clone, Debug, Default)]
 struct Chain {
-    /// The base key's node; `NONE`: no chain.
+    /// The base key's node (while [`Chain::active`]).
     base: u32,
     /// The base key's end, and the end of the last key folded (where a lazy member's depths
     /// at least `base_end` stand).
@@ -682,7 +688,6 @@ impl Chain {
         }
         self.members.clear();
         self.eager.clear();
-        self.base = NONE;
     }
 }
 
