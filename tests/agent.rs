@@ -26,6 +26,47 @@ pub(crate) fn agent(extra: &[&str]) -> (Proc, AgentAddr) {
     (p, addr)
 }
 
+/// An agent on a Unix socket in a scratch directory named `name` as well as on TCP, serving
+/// metrics, with `extra` flags: it, its TCP address, its socket's path and its metrics URL.
+fn agent_on_unix(name: &str, extra: &[&str]) -> (Proc, AgentAddr, std::path::PathBuf, String) {
+    let sock = scratch_dir(name).join("agent.sock");
+    let mut args = vec!["--unix", sock.to_str().expect("a UTF-8 path")];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--metrics-listen", "127.0.0.1:0"]);
+    let (mut p, addr) = agent(&args);
+    let unix_line = p.read_line();
+    assert!(unix_line.contains("unix:"), "{unix_line}");
+    let metrics_url = metrics_url_of(&mut p);
+    (p, addr, sock, metrics_url)
+}
+
+/// An engine-sim (50× speed-up) of 64 GPU blocks of 16 tokens (a prompt of 600 words holds
+/// about 40) offloading to the agent at `agent_at`, its blocks' bytes scaled by `scale`.
+fn offloading_engine(agent_at: &str, scale: &str) -> Proc {
+    crate::engine_sim(
+        "50",
+        &[
+            "--gpu-kv-tokens",
+            "1024",
+            "--agent",
+            agent_at,
+            "--agent-block-scale",
+            scale,
+        ],
+    )
+}
+
+/// The metrics address an agent started with `--metrics-listen` prints next.
+fn metrics_url_of(agent: &mut Proc) -> String {
+    agent
+        .read_line()
+        .split("metrics on ")
+        .nth(1)
+        .expect("the metrics address")
+        .trim()
+        .to_string()
+}
+
 async fn connect(addr: &AgentAddr) -> AgentClient {
     AgentClient::connect(addr, "", TIMEOUT)
         .await
@@ -113,27 +154,10 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_go_through_l1_and_redis_over_tcp_and_unix() {
     let redis = Redis::start();
-    let dir = scratch_dir("agent-tiers");
-    let sock = dir.join("agent.sock");
-    let (mut agent, addr) = agent(&[
-        "--unix",
-        sock.to_str().unwrap(),
-        "--l1-bytes",
-        "64KiB",
-        "--l2",
-        &redis.url(),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let unix_line = agent.read_line();
-    assert!(unix_line.contains("unix:"), "{unix_line}");
-    let metrics_line = agent.read_line();
-    let metrics_url = metrics_line
-        .split("metrics on ")
-        .nth(1)
-        .expect("the metrics address")
-        .trim()
-        .to_string();
+    let (_agent, addr, sock, metrics_url) = agent_on_unix(
+        "agent-tiers",
+        &["--l1-bytes", "64KiB", "--l2", &redis.url()],
+    );
 
     let c = connect(&addr).await;
     // Eight 16 KiB blocks into a 64 KiB L1: four stay, four go to Redis when evicted.
@@ -511,18 +535,7 @@ fn tier_tokens(v: &Value) -> (u64, u64, u64) {
 async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
     let (mut agent_proc, addr) = agent(&["--l1-bytes", "4MiB"]);
     let agent_at = addr.to_string();
-    // 64 GPU blocks of 16 tokens; prompts of 600 words hold about 40 blocks each.
-    let engine = crate::engine_sim(
-        "50",
-        &[
-            "--gpu-kv-tokens",
-            "1024",
-            "--agent",
-            &agent_at,
-            "--agent-block-scale",
-            "0.001",
-        ],
-    );
+    let engine = offloading_engine(&agent_at, "0.001");
     let http = client();
     let ask = |seed: u64| {
         let http = http.clone();
@@ -563,7 +576,18 @@ async fn engine_sim_offloads_to_its_agent_and_survives_the_agent_restarting() {
     }
     // A new agent on the same address: the engine reconnects, offloads and loads again.
     let (_agent2, _) = agent_on(&agent_at);
-    eventually("loads from the restarted agent", || {
+    eventually_loaded_from_l1("loads from the restarted agent", &engine).await;
+}
+
+/// Asks `engine` for prompts 2 to 4 (pushing prompt 1 out of its GPU), then prompt 1 again,
+/// until prompt 1 is loaded from the agent's L1 (`what` names the wait).
+async fn eventually_loaded_from_l1(what: &str, engine: &Proc) {
+    let http = client();
+    let ask = |seed: u64| {
+        let (http, url) = (http.clone(), engine.url.clone());
+        async move { complete_long(&http, &url, seed, 2).await.json() }
+    };
+    eventually(what, || {
         let ask = &ask;
         async move {
             for seed in 2..5 {
@@ -596,17 +620,7 @@ async fn dropped_offloads(engine: &Proc) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine() {
     let (mut agent_proc, addr) = agent(&["--l1-bytes", "4MiB"]);
-    let engine = crate::engine_sim(
-        "50",
-        &[
-            "--gpu-kv-tokens",
-            "1024",
-            "--agent",
-            &addr.to_string(),
-            "--agent-block-scale",
-            "0.001",
-        ],
-    );
+    let engine = offloading_engine(&addr.to_string(), "0.001");
     let http = client();
     let mut seed = 0;
     let mut ask = || {
@@ -1493,13 +1507,7 @@ async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_miss
             "127.0.0.1:0",
         ],
     );
-    let metrics_line = r.agent.read_line();
-    let metrics_url = metrics_line
-        .split("metrics on ")
-        .nth(1)
-        .expect("the metrics address")
-        .trim()
-        .to_string();
+    let metrics_url = metrics_url_of(&mut r.agent);
     let prefetched = |result: &'static str| {
         let url = metrics_url.clone();
         async move {
@@ -1882,4 +1890,325 @@ async fn two_tenants_with_the_same_prompt_never_see_each_others_residency() {
     );
     let s = c.stats().await.unwrap();
     assert_eq!(s.kv_unresolved, 0, "{s:?}");
+}
+
+/// A hand-written Unix client (std, blocking): shakes hands, then sends frames whose first
+/// byte carries `fds` (`SCM_RIGHTS`), as a sealed put does, and reads the answers.
+struct RawUnix(std::os::unix::net::UnixStream);
+
+impl RawUnix {
+    fn connect(sock: &std::path::Path) -> RawUnix {
+        use std::io::{Read, Write};
+        let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        s.write_all(&proto::encode_hello(b"").unwrap()).unwrap();
+        let mut prefix = [0u8; 9];
+        s.read_exact(&mut prefix).unwrap();
+        let (version, status, len) = proto::decode_welcome_prefix(&prefix).unwrap();
+        assert_eq!((version, status, len), (proto::VERSION, proto::HELLO_OK, 0));
+        RawUnix(s)
+    }
+
+    fn send(&mut self, id: u64, request: &Request, fds: &[std::os::fd::BorrowedFd<'_>]) {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let frame = proto::encode_frame(id, request, Vec::new());
+        let mut space =
+            vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() {
+            assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+        }
+        let n = rustix::net::sendmsg(
+            &self.0,
+            &[std::io::IoSlice::new(&frame.head)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .unwrap();
+        assert_eq!(n, frame.head.len());
+    }
+
+    /// The next answer, or None when the agent closed the connection.
+    fn answer(&mut self) -> Option<(u64, Response)> {
+        use std::io::Read;
+        let mut len = [0u8; 4];
+        self.0.read_exact(&mut len).ok()?;
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        self.0.read_exact(&mut body).ok()?;
+        let frame = proto::decode_body::<Response>(Bytes::from(body)).unwrap();
+        Some((frame.id, frame.header))
+    }
+}
+
+/// A memfd holding `bytes`, unsealed (what a careless or hostile engine might pass).
+fn memfd_of(bytes: &[u8]) -> std::fs::File {
+    use std::os::unix::fs::FileExt;
+    let fd = rustix::fs::memfd_create("test-block", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    let f = std::fs::File::from(fd);
+    f.write_all_at(bytes, 0).unwrap();
+    f
+}
+
+/// Sealed blocks (record 0120) through a real agent: the crate's client on the Unix socket
+/// puts and gets memfds; they come back byte for byte over the socket too, through L1's
+/// eviction into Redis and back, and from blocks that were put through the socket; a second
+/// writer of other bytes is refused and the first bytes stay; the writer cannot change a
+/// block it passed (the agent sealed it); and descriptors that are not a block of the
+/// announced length (a pipe, a short memfd), none at all, or on TCP, are clear errors that
+/// store nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealed_blocks_cross_the_unix_socket_as_memfds_and_nothing_else_does() {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+    let redis = Redis::start();
+    let (agent, addr, sock, metrics_url) = agent_on_unix(
+        "agent-sealed",
+        &["--l1-bytes", "1MiB", "--l2", &redis.url()],
+    );
+    const LEN: usize = 256 << 10;
+    let u = AgentClient::connect(&AgentAddr::Unix(sock.clone()), "", TIMEOUT)
+        .await
+        .unwrap();
+    assert!(
+        u.is_sealed(),
+        "a Unix client of a version-3 agent passes memfds"
+    );
+    let t = connect(&addr).await;
+    assert!(!t.is_sealed());
+
+    // Six blocks into an L1 of four: two are evicted into Redis (read out of their memfds).
+    put_chain(&u, 1..7, LEN).await;
+    let keys: Vec<u64> = (1..7).collect();
+    eventually("evicted sealed blocks written to redis", || async {
+        let (lease, tiers) = u.lookup(LAYOUT, keys.clone(), TIMEOUT).await.unwrap();
+        u.release(lease).await.unwrap();
+        tiers.len() == 6
+    })
+    .await;
+    // L1 holds the four it has room for as memfds, and says so (the gets below promote
+    // L2's blocks into L1 in memory).
+    eventually("four sealed blocks counted", || async {
+        let text = get_text(&metrics_url).await;
+        text.lines()
+            .find(|l| l.starts_with("warmpath_agent_sealed_blocks "))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            == Some(4.0)
+    })
+    .await;
+    // Sealed gets (L1's memfds as they are, L2's blocks as payloads) and socket gets (L1's
+    // memfds read into memory) bring back the same bytes.
+    for c in [&u, &t] {
+        // What the last get's promotions evicted reaches Redis in the background.
+        eventually("every block in L1 or L2", || async {
+            let (lease, tiers) = u.lookup(LAYOUT, keys.clone(), TIMEOUT).await.unwrap();
+            u.release(lease).await.unwrap();
+            tiers.len() == 6
+        })
+        .await;
+        let got = c.get(LAYOUT, keys.clone()).await.unwrap();
+        for (k, g) in keys.iter().zip(&got) {
+            let g = g.as_ref().unwrap_or_else(|| panic!("block {k} is served"));
+            assert_eq!(g.payload, payload(*k, LEN), "block {k}");
+        }
+        assert!(got.iter().flatten().any(|g| g.tier == StoreTier::L2));
+    }
+    // A block put through the socket comes back with the sealed ones, as a payload.
+    let plain = AgentClient::connect(&AgentAddr::Unix(sock.clone()), "", TIMEOUT)
+        .await
+        .unwrap()
+        .without_sealed();
+    put_chain(&plain, 100..101, LEN).await;
+    let got = u.get(LAYOUT, vec![100]).await.unwrap();
+    assert_eq!(got[0].as_ref().unwrap().payload, payload(100, LEN));
+
+    // First writer wins: other bytes under a held key are refused, the same bytes refresh.
+    let other = u
+        .put(LAYOUT, vec![(100, payload(7, LEN), false)])
+        .await
+        .unwrap();
+    assert_eq!(other.refused, vec![(0, PutRefusal::Conflict)]);
+    let same = u
+        .put(LAYOUT, vec![(100, payload(100, LEN), false)])
+        .await
+        .unwrap();
+    assert_eq!((same.stored, same.refused.len()), (1, 0));
+    assert_eq!(
+        t.get(LAYOUT, vec![100]).await.unwrap()[0]
+            .as_ref()
+            .unwrap()
+            .payload,
+        payload(100, LEN)
+    );
+
+    // By hand: a memfd passed unsealed is sealed by the agent, and its writer can no longer
+    // change it.
+    let mut raw = RawUnix::connect(&sock);
+    let item = |key, bytes| proto::PutItem {
+        key,
+        bytes,
+        pin: false,
+    };
+    let mine = memfd_of(&payload(200, LEN));
+    raw.send(
+        1,
+        &Request::PutSealed {
+            layout: LAYOUT,
+            blocks: vec![item(200, LEN as u32)],
+        },
+        &[mine.as_fd()],
+    );
+    assert!(matches!(
+        raw.answer(),
+        Some((1, Response::Put { stored: 1, .. }))
+    ));
+    assert!(
+        mine.write_all_at(b"changed", 0).is_err(),
+        "a sealed block cannot be written"
+    );
+    assert_eq!(
+        t.get(LAYOUT, vec![200]).await.unwrap()[0]
+            .as_ref()
+            .unwrap()
+            .payload,
+        payload(200, LEN)
+    );
+
+    // A pipe is no block; nor is a memfd shorter than announced: the put stores nothing,
+    // and the connection goes on.
+    let (pipe_r, _pipe_w) = rustix::pipe::pipe().unwrap();
+    raw.send(
+        2,
+        &Request::PutSealed {
+            layout: LAYOUT,
+            blocks: vec![item(201, 16)],
+        },
+        &[pipe_r.as_fd()],
+    );
+    match raw.answer() {
+        Some((2, Response::Error { kind, message })) => {
+            assert_eq!(kind, proto::ErrorKind::BadRequest);
+            assert!(message.contains("not a sealable memfd"), "{message}");
+        }
+        other => panic!("a pipe's put answered {other:?}"),
+    }
+    let short = memfd_of(&payload(202, 100));
+    raw.send(
+        3,
+        &Request::PutSealed {
+            layout: LAYOUT,
+            blocks: vec![item(202, LEN as u32)],
+        },
+        &[short.as_fd()],
+    );
+    match raw.answer() {
+        Some((3, Response::Error { kind, message })) => {
+            assert_eq!(kind, proto::ErrorKind::BadRequest);
+            assert!(message.contains("were announced"), "{message}");
+        }
+        other => panic!("a short memfd's put answered {other:?}"),
+    }
+    assert_eq!(
+        t.get(LAYOUT, vec![201, 202]).await.unwrap(),
+        vec![None, None]
+    );
+    // A sealed put with no descriptor is out of step: an error, then the connection ends.
+    raw.send(
+        4,
+        &Request::PutSealed {
+            layout: LAYOUT,
+            blocks: vec![item(203, 16)],
+        },
+        &[],
+    );
+    match raw.answer() {
+        Some((4, Response::Error { kind, message })) => {
+            assert_eq!(kind, proto::ErrorKind::Malformed);
+            assert!(message.contains("0 descriptors"), "{message}");
+        }
+        other => panic!("a put without its descriptors answered {other:?}"),
+    }
+    assert!(raw.answer().is_none(), "the connection ends");
+
+    // Over TCP there are no descriptors: a sealed request is refused, the connection stays.
+    let mut tcp = tokio::net::TcpStream::connect(match &addr {
+        AgentAddr::Tcp(a) => a.clone(),
+        AgentAddr::Unix(_) => unreachable!(),
+    })
+    .await
+    .unwrap();
+    tcp.write_all(&proto::encode_hello(b"").unwrap())
+        .await
+        .unwrap();
+    let mut welcome = [0u8; 9];
+    tcp.read_exact(&mut welcome).await.unwrap();
+    let frame = proto::encode_frame(
+        9,
+        &Request::GetSealed {
+            layout: LAYOUT,
+            keys: vec![1],
+        },
+        Vec::new(),
+    );
+    tcp.write_all(&frame.head).await.unwrap();
+    let mut len = [0u8; 4];
+    tcp.read_exact(&mut len).await.unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    tcp.read_exact(&mut body).await.unwrap();
+    match proto::decode_body::<Response>(Bytes::from(body))
+        .unwrap()
+        .header
+    {
+        Response::Error { kind, message } => {
+            assert_eq!(kind, proto::ErrorKind::BadRequest);
+            assert!(message.contains("Unix socket only"), "{message}");
+        }
+        other => panic!("a sealed get over TCP answered {other:?}"),
+    }
+    let stats = t.stats().await.unwrap();
+    assert!(stats.l1.bytes <= 1 << 20, "{stats:?}");
+    // L1's memfds are open descriptors: the agent raised its soft limit to the hard one.
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", agent.pid())).unwrap();
+    let files: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("a limit on open files")
+        .split_whitespace()
+        .collect();
+    assert_eq!(files[3], files[4], "soft and hard limits: {files:?}");
+    drop(redis);
+}
+
+/// engine-sim on the agent's Unix socket: its offloads (blocks of about 100 KiB here) go as
+/// sealed memfds, which the agent keeps as L1 blocks, and a prompt pushed out of the GPU
+/// comes back from them byte for byte (engine-sim checks every block it loads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_sim_offloads_sealed_blocks_over_the_unix_socket() {
+    let (_agent, _, sock, metrics_url) =
+        agent_on_unix("agent-sealed-engine", &["--l1-bytes", "32MiB"]);
+    // Blocks of about 100 KiB: past the 64 KiB from which puts go as memfds.
+    let engine = offloading_engine(&format!("unix:{}", sock.display()), "0.05");
+    complete_long(&client(), &engine.url, 1, 2).await;
+    eventually_loaded_from_l1("prompt 1 loaded from sealed L1 blocks", &engine).await;
+    // The agent publishes its L1 gauges every 100 ms.
+    eventually("L1 holding the engine's blocks as memfds", || async {
+        crate::router::metric(
+            &get_text(&metrics_url).await,
+            "warmpath_agent_sealed_blocks",
+        ) > 0.0
+    })
+    .await;
+    let text = get_text(&format!("{}/metrics", engine.url)).await;
+    let name = |op: &str| {
+        format!("warmpath_engine_agent_blocks_total{{model_name=\"sim-llama\",op=\"{op}\"}}")
+    };
+    assert!(text.contains(&name("bad")), "{text}");
+    assert_eq!(
+        crate::router::metric(&text, &name("bad")),
+        0.0,
+        "every block loaded back is the one offloaded"
+    );
+    assert!(
+        crate::router::metric(&text, &name("fetched")) > 0.0,
+        "{text}"
+    );
 }

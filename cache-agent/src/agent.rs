@@ -20,12 +20,13 @@ use crate::config::{AgentConfig, L2Config, WritePolicy};
 use crate::hyperpod::request::ObjectName;
 use crate::hyperpod::ObjectEvent;
 use crate::ingest::{Ingest, ObjectTier, Tenants};
-use crate::l1::{Evicted, PutError, L1};
+use crate::l1::{Evicted, PutError, Stored, L1};
 use crate::l2::{AnyL2, DirL2, L2Backend, L2Error, RedisL2};
 use crate::pool::BufPool;
 use crate::proto::{
     AgentStats, ErrorKind, GotBlock, PutItem, PutRefusal, Request, Response, StoreTier,
 };
+use crate::sealed::Sealed;
 use warmpath_residency::{Change, L2Window, Publisher, Scope};
 use warmpath_tiers::{BlockId, Owner, Refused};
 
@@ -46,7 +47,7 @@ pub struct Agent {
     l1: Mutex<L1>,
     l2: Option<Arc<AnyL2>>,
     /// Background L2 writes; full means dropped (counted), never a stalled put.
-    l2_writes: Option<mpsc::Sender<(BlockId, Block)>>,
+    l2_writes: Option<mpsc::Sender<(BlockId, Stored)>>,
     /// Lease times are microseconds since this instant.
     epoch: Instant,
     /// Shared with the background L2 writer, which counts its failures here too.
@@ -59,6 +60,9 @@ pub struct Agent {
     report: Arc<Report>,
     /// The buffers payloads are read into, used again when blocks leave L1.
     pool: BufPool,
+    /// Sealed memfds L1 may hold (each an open descriptor): past it a sealed put is read
+    /// into memory instead ([`sealed_fd_budget`]).
+    sealed_cap: usize,
     /// Prefetches running (at most [`PREFETCHES_IN_FLIGHT`]; more are dropped).
     prefetch_slots: Arc<tokio::sync::Semaphore>,
     /// The layouts of the latest puts, newest first (at most [`PREFETCH_LAYOUTS`]): a
@@ -169,6 +173,7 @@ impl Agent {
             l2: Mutex::new(L2Window::new(config.residency_l2_blocks)),
             changed: Arc::new(tokio::sync::Notify::new()),
         });
+        let pool = BufPool::new(pool_bytes(config.l1_bytes));
         let l2_writes = l2.as_ref().map(|l2| {
             let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
             let seal = seal_of(&config);
@@ -178,6 +183,7 @@ impl Agent {
                 counters.clone(),
                 report.clone(),
                 seal,
+                pool.clone(),
             ));
             tx
         });
@@ -197,7 +203,6 @@ impl Agent {
         // to it, and CPU-tier blocks that come before any GPU store are reported.
         ingest.set_block_tokens(Some(config.kv_block_tokens));
         let ingest = Arc::new(Mutex::new(ingest));
-        let config_l1_bytes = config.l1_bytes;
         let agent = Arc::new(Agent {
             l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),
             config,
@@ -208,7 +213,8 @@ impl Agent {
             ingest,
             resyncs: tokio::sync::watch::Sender::new(0),
             report,
-            pool: BufPool::new(pool_bytes(config_l1_bytes)),
+            pool,
+            sealed_cap: sealed_fd_budget(),
             prefetch_slots: Arc::new(tokio::sync::Semaphore::new(PREFETCHES_IN_FLIGHT)),
             layouts: Mutex::new(Vec::new()),
         });
@@ -322,15 +328,27 @@ impl Agent {
     /// payloads follow its header on the wire.
     /// `owner` is the connection's: its pins and leases are its own, counted against its
     /// quotas, and end with it ([`Agent::connection_closed`]).
+    /// A sealed put's descriptors (`sealed.rs`) come in `fds`, one per block in order; a
+    /// sealed get's answer carries its blocks' descriptors in the third part.
     pub async fn handle(
         &self,
         owner: Owner,
         request: Request,
         payloads: Vec<Block>,
-    ) -> (Response, Vec<Bytes>) {
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> (Response, Vec<Bytes>, Vec<Arc<Sealed>>) {
         let started = Instant::now();
+        let mut sealed = Vec::new();
         let (op, answer) = match request {
             Request::Put { layout, blocks } => ("put", self.put(owner, layout, &blocks, payloads)),
+            Request::PutSealed { layout, blocks } => {
+                ("put", self.put_sealed(owner, layout, &blocks, fds))
+            }
+            Request::GetSealed { layout, keys } => {
+                let (answer, fds) = self.get_sealed(layout, &keys).await;
+                sealed = fds;
+                ("get", answer)
+            }
             Request::Lookup {
                 layout,
                 keys,
@@ -347,7 +365,7 @@ impl Agent {
             counter!(crate::metric_names::AGENT_REQUEST_ERRORS_TOTAL, "op" => op, "kind" => error_label(*kind))
                 .increment(1);
         }
-        answer
+        (answer.0, answer.1, sealed)
     }
 
     /// Ends the pins and leases of a block API connection that closed (counted).
@@ -395,11 +413,10 @@ impl Agent {
                 "payloads do not match the put's blocks".into(),
             );
         }
-        self.saw_layout(layout);
         let mut refused = Vec::new();
         // Each payload arrived in a buffer of its own (so no block keeps its neighbours'
         // bytes alive) with its checksum: stored as it is, no copy.
-        let owned: Vec<Option<Block>> = items
+        let owned: Vec<Option<Stored>> = items
             .iter()
             .zip(payloads)
             .enumerate()
@@ -408,10 +425,98 @@ impl Agent {
                     refused.push((i as u32, PutRefusal::TooLarge));
                     None
                 } else {
-                    Some(p)
+                    Some(Stored::Memory(p))
                 }
             })
             .collect();
+        self.store(owner, layout, items, owned, refused)
+    }
+
+    /// A put whose payloads are sealed memfds (`sealed.rs`): each is sealed here, its length
+    /// checked against its item, and kept as the L1 block (no copy; its checksum taken when
+    /// first needed, here only for a key L1 holds already), or read into memory when L1
+    /// holds its share of the open-file limit in memfds. A
+    /// descriptor that is not a sealable memfd of its item's length fails the whole put
+    /// (nothing stored): the engine is out of step or not one.
+    fn put_sealed(
+        &self,
+        owner: Owner,
+        layout: u64,
+        items: &[PutItem],
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> (Response, Vec<Bytes>) {
+        if let Some(e) = self.too_many(items.len()) {
+            return e;
+        }
+        if fds.len() != items.len() {
+            return error(
+                ErrorKind::Malformed,
+                format!(
+                    "{} descriptors for a put of {} blocks",
+                    fds.len(),
+                    items.len()
+                ),
+            );
+        }
+        // The blocks L1 holds already under these keys: a second put must be compared, so
+        // both checksums are taken here, outside the lock.
+        let (keep, held): (bool, Vec<Option<Stored>>) = {
+            let l1 = self.lock_l1();
+            let keep = l1.sealed_blocks() + items.len() <= self.sealed_cap;
+            let held = items
+                .iter()
+                .map(|i| l1.peek(&BlockId::new(layout, i.key)))
+                .collect();
+            (keep, held)
+        };
+        let mut refused = Vec::new();
+        let mut owned = Vec::with_capacity(items.len());
+        for (i, ((item, fd), held)) in items.iter().zip(fds).zip(held).enumerate() {
+            if u64::from(item.bytes) > self.config.max_block_bytes {
+                refused.push((i as u32, PutRefusal::TooLarge));
+                owned.push(None);
+                continue;
+            }
+            let sealed = match Sealed::adopt(fd, u64::from(item.bytes)) {
+                Ok(s) => Arc::new(s),
+                Err(e) => {
+                    counter!(crate::metric_names::AGENT_PROTOCOL_ERRORS_TOTAL).increment(1);
+                    return error(ErrorKind::BadRequest, format!("block {i}: {e}"));
+                }
+            };
+            if let Some(held) = held {
+                let taken = sealed.checksum().and_then(|_| match &held {
+                    Stored::Sealed(h) => h.checksum().map(|_| ()),
+                    Stored::Memory(_) => Ok(()),
+                });
+                if let Err(e) = taken {
+                    return error(ErrorKind::Internal, format!("block {i}: {e}"));
+                }
+            }
+            let stored = Stored::Sealed(sealed);
+            owned.push(Some(if keep {
+                stored
+            } else {
+                match stored.to_block(&self.pool) {
+                    Ok(b) => Stored::Memory(b),
+                    Err(e) => return error(ErrorKind::Internal, format!("block {i}: {e}")),
+                }
+            }));
+        }
+        self.store(owner, layout, items, owned, refused)
+    }
+
+    /// A put's blocks into L1 (`None`: refused already, listed in `refused`), reported,
+    /// counted and queued for L2 per the write policy.
+    fn store(
+        &self,
+        owner: Owner,
+        layout: u64,
+        items: &[PutItem],
+        owned: Vec<Option<Stored>>,
+        mut refused: Vec<(u32, PutRefusal)>,
+    ) -> (Response, Vec<Bytes>) {
+        self.saw_layout(layout);
         let mut evicted: Evicted = Vec::new();
         let mut stored_blocks = Vec::new();
         {
@@ -453,10 +558,7 @@ impl Agent {
             stored_blocks.iter().map(|(id, _)| *id),
             evicted.iter().map(|(id, _)| *id),
         );
-        let bytes_in: u64 = stored_blocks
-            .iter()
-            .map(|(_, b)| b.payload.len() as u64)
-            .sum();
+        let bytes_in: u64 = stored_blocks.iter().map(|(_, b)| b.len() as u64).sum();
         counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => "l1", "direction" => "in")
             .increment(bytes_in);
         counter!(crate::metric_names::AGENT_EVICTIONS_TOTAL, "tier" => "l1")
@@ -486,7 +588,7 @@ impl Agent {
         }
     }
 
-    fn queue_l2(&self, blocks: impl Iterator<Item = (BlockId, Block)>) {
+    fn queue_l2(&self, blocks: impl Iterator<Item = (BlockId, Stored)>) {
         let Some(tx) = &self.l2_writes else { return };
         for (id, block) in blocks {
             if tx.try_send((id, block)).is_err() {
@@ -588,8 +690,118 @@ impl Agent {
         if let Some(e) = self.too_many(keys.len()) {
             return e;
         }
+        let found = self.find(layout, keys).await;
+        let mut blocks = Vec::with_capacity(found.len());
+        let mut payloads = Vec::new();
+        for f in found {
+            // A sealed block goes out over the socket read into memory (a copy).
+            let block = f.and_then(|(stored, tier)| match stored.to_block(&self.pool) {
+                Ok(b) => Some((b, tier)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a sealed L1 block could not be read");
+                    None
+                }
+            });
+            match block {
+                Some((block, tier)) => {
+                    self.count_hit(tier, block.payload.len());
+                    blocks.push(Some(GotBlock {
+                        bytes: block.payload.len() as u32,
+                        checksum: block.checksum,
+                        tier,
+                    }));
+                    payloads.push(block.payload);
+                }
+                None => {
+                    self.count_miss();
+                    blocks.push(None);
+                }
+            }
+        }
+        (Response::Get { blocks }, payloads)
+    }
+
+    /// A get whose blocks L1 holds sealed are answered with their memfds as they are (no
+    /// copy here; the engine reads each once); the others (in memory, or read from L2)
+    /// follow as payloads, as a get's do. No descriptor is made for an answer: every one
+    /// sent is L1's own, so what answers hold open is bounded by what L1 holds.
+    async fn get_sealed(
+        &self,
+        layout: u64,
+        keys: &[u64],
+    ) -> ((Response, Vec<Bytes>), Vec<Arc<Sealed>>) {
+        if let Some(e) = self.too_many(keys.len()) {
+            return (e, Vec::new());
+        }
+        if keys.len() > crate::sealed::MAX_FDS_PER_FRAME {
+            return (
+                error(
+                    ErrorKind::BadRequest,
+                    format!(
+                        "{} keys in a sealed get; at most {}",
+                        keys.len(),
+                        crate::sealed::MAX_FDS_PER_FRAME
+                    ),
+                ),
+                Vec::new(),
+            );
+        }
+        let found = self.find(layout, keys).await;
+        let mut blocks = Vec::with_capacity(found.len());
+        let (mut payloads, mut fds) = (Vec::new(), Vec::new());
+        for f in found {
+            match f {
+                Some((Stored::Sealed(s), tier)) => {
+                    self.count_hit(tier, s.len());
+                    // Its checksum where known (0 where not: the engine reads sealed
+                    // bytes as they were sealed, and does not check them).
+                    let got = GotBlock {
+                        bytes: s.len() as u32,
+                        checksum: s.known_checksum().unwrap_or(0),
+                        tier,
+                    };
+                    blocks.push(Some((got, true)));
+                    fds.push(s);
+                }
+                Some((Stored::Memory(b), tier)) => {
+                    self.count_hit(tier, b.payload.len());
+                    let got = GotBlock {
+                        bytes: b.payload.len() as u32,
+                        checksum: b.checksum,
+                        tier,
+                    };
+                    blocks.push(Some((got, false)));
+                    payloads.push(b.payload);
+                }
+                None => {
+                    self.count_miss();
+                    blocks.push(None);
+                }
+            }
+        }
+        ((Response::GetSealed { blocks }, payloads), fds)
+    }
+
+    fn count_hit(&self, tier: StoreTier, bytes: usize) {
+        let c = match tier {
+            StoreTier::L1 => &self.counters.l1_hits,
+            StoreTier::L2 => &self.counters.l2_hits,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+        counter!(crate::metric_names::AGENT_HITS_TOTAL, "tier" => tier.name()).increment(1);
+        counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => tier.name(), "direction" => "out")
+            .increment(bytes as u64);
+    }
+
+    fn count_miss(&self) {
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        counter!(crate::metric_names::AGENT_MISSES_TOTAL).increment(1);
+    }
+
+    /// The blocks of `keys` from L1, then what L1 lacks from L2 (promoted into L1).
+    async fn find(&self, layout: u64, keys: &[u64]) -> Vec<Option<(Stored, StoreTier)>> {
         let ids: Vec<BlockId> = keys.iter().map(|&k| BlockId::new(layout, k)).collect();
-        let mut found: Vec<Option<(Block, StoreTier)>> = {
+        let mut found: Vec<Option<(Stored, StoreTier)>> = {
             let mut l1 = self.lock_l1();
             ids.iter()
                 .map(|id| l1.get(id).map(|b| (b, StoreTier::L1)))
@@ -602,40 +814,12 @@ impl Agent {
             for (i, got) in missing.into_iter().zip(reads) {
                 if let Some(block) = got {
                     promoted.push((ids[i], block.clone()));
-                    found[i] = Some((block, StoreTier::L2));
+                    found[i] = Some((Stored::Memory(block), StoreTier::L2));
                 }
             }
             self.promote(&promoted);
         }
-        let mut blocks = Vec::with_capacity(ids.len());
-        let mut payloads = Vec::new();
-        for f in found {
-            match f {
-                Some((block, tier)) => {
-                    let c = match tier {
-                        StoreTier::L1 => &self.counters.l1_hits,
-                        StoreTier::L2 => &self.counters.l2_hits,
-                    };
-                    c.fetch_add(1, Ordering::Relaxed);
-                    counter!(crate::metric_names::AGENT_HITS_TOTAL, "tier" => tier.name())
-                        .increment(1);
-                    counter!(crate::metric_names::AGENT_BYTES_TOTAL, "tier" => tier.name(), "direction" => "out")
-                        .increment(block.payload.len() as u64);
-                    blocks.push(Some(GotBlock {
-                        bytes: block.payload.len() as u32,
-                        checksum: block.checksum,
-                        tier,
-                    }));
-                    payloads.push(block.payload);
-                }
-                None => {
-                    self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                    counter!(crate::metric_names::AGENT_MISSES_TOTAL).increment(1);
-                    blocks.push(None);
-                }
-            }
-        }
-        (Response::Get { blocks }, payloads)
+        found
     }
 
     /// Puts blocks read from L2 into L1 (last first, so that a chain's head is evicted
@@ -880,7 +1064,11 @@ impl Agent {
     }
 
     fn publish_l1(&self) {
-        let s = self.lock_l1().stats();
+        let (s, sealed) = {
+            let l1 = self.lock_l1();
+            (l1.stats(), l1.sealed_blocks())
+        };
+        gauge!(crate::metric_names::AGENT_SEALED_BLOCKS).set(sealed as f64);
         gauge!(crate::metric_names::AGENT_OCCUPANCY_BYTES, "tier" => "l1").set(s.bytes as f64);
         gauge!(crate::metric_names::AGENT_BLOCKS, "tier" => "l1").set(s.blocks as f64);
         gauge!(crate::metric_names::AGENT_LEASES).set(s.leases as f64);
@@ -928,6 +1116,28 @@ fn new_epoch() -> u64 {
     nanos ^ (u64::from(std::process::id()) << 48)
 }
 
+/// Sealed memfds L1 may hold: half of the open-file limit left after 4,096 for
+/// connections, L2 and the rest and the block API's unsettled descriptors
+/// ([`crate::sealed::MAX_UNSETTLED_FDS`]), the soft limit first raised to the hard one (a
+/// memfd is an open descriptor for as long as L1 holds the block).
+fn sealed_fd_budget() -> usize {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    // No limit reads as None; the kernel caps descriptors at 2^20 by default anyway.
+    const CAP: u64 = 1 << 20;
+    let limit = getrlimit(Resource::Nofile);
+    let (current, maximum) = (limit.current.unwrap_or(CAP), limit.maximum.unwrap_or(CAP));
+    let raised = Rlimit {
+        current: Some(maximum.min(CAP)),
+        maximum: limit.maximum,
+    };
+    let n = if current < maximum && setrlimit(Resource::Nofile, raised).is_ok() {
+        maximum.min(CAP)
+    } else {
+        current.min(CAP)
+    };
+    (n as usize).saturating_sub(4096 + crate::sealed::MAX_UNSETTLED_FDS) / 2
+}
+
 fn error(kind: ErrorKind, message: String) -> (Response, Vec<Bytes>) {
     (Response::Error { kind, message }, Vec::new())
 }
@@ -958,16 +1168,17 @@ fn writer_id(config: &AgentConfig) -> u64 {
 
 async fn write_l2(
     l2: Arc<AnyL2>,
-    mut rx: mpsc::Receiver<(BlockId, Block)>,
+    mut rx: mpsc::Receiver<(BlockId, Stored)>,
     counters: Arc<Counters>,
     report: Arc<Report>,
     seal: Option<(crate::block::SealKey, u64)>,
+    pool: BufPool,
 ) {
     const CONCURRENT: usize = 8;
     let mut in_flight = tokio::task::JoinSet::new();
     // The same block queued twice while a write is in flight is written once.
     let mut pending: HashMap<BlockId, ()> = HashMap::new();
-    while let Some((id, block)) = rx.recv().await {
+    while let Some((id, stored)) = rx.recv().await {
         while in_flight.len() >= CONCURRENT {
             if let Some(Ok(done)) = in_flight.join_next().await {
                 pending.remove(&done);
@@ -980,10 +1191,20 @@ async fn write_l2(
             continue;
         }
         let (l2, counters, report) = (l2.clone(), counters.clone(), report.clone());
-        let seal = seal.clone();
+        let (seal, pool) = (seal.clone(), pool.clone());
         in_flight.spawn(async move {
             let started = Instant::now();
-            let len = block.payload.len() as u64;
+            let len = stored.len() as u64;
+            // A sealed block is read into memory for the write (a copy).
+            let block = match stored.to_block(&pool) {
+                Ok(b) => b,
+                Err(e) => {
+                    counters.l2_errors.fetch_add(1, Ordering::Relaxed);
+                    counter!(crate::metric_names::AGENT_L2_ERRORS_TOTAL, "op" => "put").increment(1);
+                    tracing::debug!(error = %e, "a sealed block could not be read for l2");
+                    return id;
+                }
+            };
             match l2.put_block_sealed(id, &block, seal.as_ref()).await {
                 Ok(evicted) => {
                     report.l2_stored(id, &evicted);
@@ -1090,6 +1311,10 @@ fn describe_metrics() {
     describe_gauge!(
         crate::metric_names::AGENT_PINNED_BLOCKS,
         "L1 blocks pinned."
+    );
+    describe_gauge!(
+        crate::metric_names::AGENT_SEALED_BLOCKS,
+        "L1 blocks held as sealed memfds an engine passed on the Unix socket (each an open descriptor)."
     );
     describe_gauge!(
         crate::metric_names::AGENT_LEARNED_TENANTS,

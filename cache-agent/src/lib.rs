@@ -17,6 +17,8 @@
 //!   written from borrowed slices, a reader that trusts no reply).
 //! - [`l2`]: the L2 backend trait, the directory and Redis backends (I/O).
 //! - [`io`]: vectored socket writes, shared by the server and the Redis backend.
+//! - [`sealed`]: blocks as sealed memfds passed over the Unix socket (the block API's
+//!   shared-memory data plane, record 0120), and the Unix stream that carries descriptors.
 //! - [`agent`]: the service that answers requests from both tiers (I/O shell).
 //! - [`kv_subscribe`]: the ZMQ subscriptions to the engines' KV events (I/O).
 //! - What the agent reports to routers goes through `warmpath-residency` (the session,
@@ -42,6 +44,7 @@ pub mod metric_names;
 pub mod pool;
 pub mod proto;
 pub mod resp;
+pub mod sealed;
 pub mod server;
 pub mod zmtp;
 

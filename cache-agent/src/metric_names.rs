@@ -42,6 +42,7 @@ pub const AGENT_MISSES_TOTAL: &str = "warmpath_agent_misses_total";
 pub const AGENT_OCCUPANCY_BYTES: &str = "warmpath_agent_occupancy_bytes";
 pub const AGENT_OP_DURATION_SECONDS: &str = "warmpath_agent_op_duration_seconds";
 pub const AGENT_PINNED_BLOCKS: &str = "warmpath_agent_pinned_blocks";
+pub const AGENT_SEALED_BLOCKS: &str = "warmpath_agent_sealed_blocks";
 pub const AGENT_PINS_ENDED_TOTAL: &str = "warmpath_agent_pins_ended_total";
 pub const AGENT_LM_REQUESTS_TOTAL: &str = "warmpath_agent_lm_requests_total";
 pub const AGENT_HANDSHAKES_DISPLACED_TOTAL: &str = "warmpath_agent_handshakes_displaced_total";
@@ -93,6 +94,7 @@ pub const ALL: &[&str] = &[
     AGENT_OCCUPANCY_BYTES,
     AGENT_OP_DURATION_SECONDS,
     AGENT_PINNED_BLOCKS,
+    AGENT_SEALED_BLOCKS,
     AGENT_PINS_ENDED_TOTAL,
     AGENT_LM_REQUESTS_TOTAL,
     AGENT_HANDSHAKES_DISPLACED_TOTAL,

@@ -13,10 +13,14 @@
 //! version and 2 a missing or wrong token are followed by the server closing the connection,
 //! and the message says what is wrong. The token is compared before any frame is read.
 //!
-//! Versions: 2 added [`PutRefusal::Conflict`] and [`PutRefusal::PinLimit`]. An agent
-//! speaks 1 and 2 ([`MIN_VERSION`]..=[`VERSION`]) and tells a version-1 client either
-//! refusal as [`PutRefusal::Full`] (not stored, which is all a version-1 client can act on),
-//! so engines of the older release keep working against a newer agent.
+//! Versions: 2 added [`PutRefusal::Conflict`] and [`PutRefusal::PinLimit`]; 3 added sealed
+//! blocks on the Unix socket ([`Request::PutSealed`], [`Request::GetSealed`],
+//! [`Response::GetSealed`]: payloads as memfd descriptors passed with the frame, see
+//! `sealed.rs`). An agent speaks 1 to 3 ([`MIN_VERSION`]..=[`VERSION`]) and tells a
+//! version-1 client either refusal of version 2 as [`PutRefusal::Full`] (not stored, which
+//! is all a version-1 client can act on), so engines of older releases keep working against
+//! a newer agent; a client learns the agent's version from its welcome, and one that an
+//! older agent refused connects again speaking the version the refusal names.
 //!
 //! # Frames
 //!
@@ -26,7 +30,9 @@
 //!
 //! The header is a [`Request`] or [`Response`] in postcard; the payloads are block bytes
 //! back to back, as many and as long as the header says, outside postcard so that they are
-//! never copied to decode (a payload is a slice of the frame). A body longer than the
+//! never copied to decode (a payload is a slice of the frame). A sealed frame has no
+//! payloads: its blocks' descriptors come with its first byte (`SCM_RIGHTS`), one per
+//! block of a put, one per found block of an answer, in order. A body longer than the
 //! receiver's limit, a header that does not decode or payload lengths that do not add up are
 //! [`ProtoError`]s: the server answers them with an error and, where the stream can no
 //! longer be trusted, closes the connection.
@@ -39,7 +45,7 @@ use serde::{Deserialize, Serialize};
 use warmpath_tiers::LedgerStats;
 
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// The oldest version an agent still serves.
 pub const MIN_VERSION: u16 = 1;
 pub const MAGIC: &[u8; 4] = b"WPKV";
@@ -96,6 +102,11 @@ pub enum Request {
     Unpin { layout: u64, keys: Vec<u64> },
     /// The agent's counters.
     Stats,
+    /// A [`Request::Put`] whose payloads are sealed memfds passed with the frame, one per
+    /// block in order, each exactly `bytes` long (version 3, Unix socket only).
+    PutSealed { layout: u64, blocks: Vec<PutItem> },
+    /// A [`Request::Get`] answered with [`Response::GetSealed`] (version 3, Unix socket only).
+    GetSealed { layout: u64, keys: Vec<u64> },
 }
 
 /// Why a block of a put was not stored.
@@ -212,6 +223,12 @@ pub enum Response {
         kind: ErrorKind,
         message: String,
     },
+    /// A [`Response::Get`] whose found blocks that L1 holds sealed come as their memfds,
+    /// passed with the frame in order (`true` beside the block); the others' payloads
+    /// follow the header in order, as a get's do.
+    GetSealed {
+        blocks: Vec<Option<(GotBlock, bool)>>,
+    },
 }
 
 /// Why bytes on the wire were not accepted.
@@ -229,14 +246,19 @@ pub enum ProtoError {
     Malformed(String),
 }
 
-/// A client's handshake.
+/// A client's handshake, in this build's version.
 pub fn encode_hello(token: &[u8]) -> Result<Vec<u8>, ProtoError> {
+    encode_hello_version(token, VERSION)
+}
+
+/// A client's handshake in `version` (an older agent's, which refused this build's).
+pub fn encode_hello_version(token: &[u8], version: u16) -> Result<Vec<u8>, ProtoError> {
     if token.len() > MAX_TOKEN_BYTES {
         return Err(ProtoError::TokenTooLong(token.len()));
     }
     let mut out = Vec::with_capacity(8 + token.len());
     out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
     out.extend_from_slice(&(token.len() as u16).to_le_bytes());
     out.extend_from_slice(token);
     Ok(out)
@@ -290,6 +312,8 @@ pub fn decode_welcome_prefix(prefix: &[u8; 9]) -> Result<(u16, u8, usize), Proto
 pub struct Outgoing {
     pub head: Bytes,
     pub payloads: Vec<Bytes>,
+    /// Sealed blocks whose descriptors go with the frame's first byte (Unix socket only).
+    pub fds: Vec<std::sync::Arc<crate::sealed::Sealed>>,
 }
 
 impl Outgoing {
@@ -315,6 +339,7 @@ pub fn encode_frame<H: Serialize>(id: u64, header: &H, payloads: Vec<Bytes>) -> 
     Outgoing {
         head: head.freeze(),
         payloads,
+        fds: Vec::new(),
     }
 }
 

@@ -16,6 +16,11 @@
 //! connection's in-flight budget before their body is read, and a frame's bytes are taken
 //! from the connection's budget and the agent's before its body is read and given back
 //! when its answer is ready. A connection's pins and leases end when it closes.
+//!
+//! On the Unix socket a connection also carries descriptors (`sealed.rs`): a sealed put's
+//! come with its frame's first byte and are taken, in order, by that frame (a frame whose
+//! descriptors did not come ends the connection); a sealed get's answer carries L1's own.
+//! Over TCP a sealed request is refused and the connection goes on.
 
 use std::net::IpAddr;
 use std::path::Path;
@@ -33,6 +38,7 @@ use crate::block::Block;
 use crate::handshakes::Unproven;
 use crate::pool::BufPool;
 use crate::proto::{self, ErrorKind, Outgoing, ProtoError, Request, Response};
+use crate::sealed::{FdStream, Fds};
 
 /// Time a new connection has to present its handshake (a local engine needs microseconds).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -80,7 +86,7 @@ pub async fn serve(
             match l.accept().await {
                 Ok((s, peer)) => {
                     let _ = s.set_nodelay(true);
-                    spawn_conn(&agent, &limit, Some(peer.ip()), s);
+                    spawn_conn(&agent, &limit, Some(peer.ip()), s, None);
                 }
                 Err(e) => {
                     accept_failed(e);
@@ -89,13 +95,17 @@ pub async fn serve(
             }
         }
     };
+    let fd_budget = Arc::new(Semaphore::new(crate::sealed::MAX_UNSETTLED_FDS));
     let unix_loop = async {
         let Some(l) = unix else {
             return std::future::pending().await;
         };
         loop {
             match l.accept().await {
-                Ok((s, _)) => spawn_conn(&agent, &limit, None, s),
+                Ok((s, _)) => {
+                    let (s, fds) = FdStream::with_budget(s, Some(fd_budget.clone()));
+                    spawn_conn(&agent, &limit, None, s, Some(fds))
+                }
                 Err(e) => {
                     accept_failed(e);
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -145,14 +155,20 @@ async fn take(
 /// Owners of pins and leases: one per connection, never reused (0 is nobody's).
 static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 
-fn spawn_conn<S>(agent: &Arc<Agent>, shared: &Arc<Shared>, source: Option<IpAddr>, stream: S)
-where
+/// `fds`: the descriptors of a Unix connection (sealed blocks, `sealed.rs`); None on TCP.
+fn spawn_conn<S>(
+    agent: &Arc<Agent>,
+    shared: &Arc<Shared>,
+    source: Option<IpAddr>,
+    stream: S,
+    fds: Option<Arc<Fds>>,
+) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (agent, shared) = (agent.clone(), shared.clone());
     tokio::spawn(async move {
         let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = connection(&agent, &shared, source, owner, stream).await {
+        if let Err(e) = connection(&agent, &shared, source, owner, stream, fds).await {
             counter!(crate::metric_names::AGENT_PROTOCOL_ERRORS_TOTAL).increment(1);
             tracing::debug!(error = %e, "block api connection ended");
         }
@@ -166,6 +182,7 @@ async fn connection<S>(
     source: Option<IpAddr>,
     owner: u64,
     stream: S,
+    fds: Option<Arc<Fds>>,
 ) -> Result<(), ProtoError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -226,17 +243,8 @@ where
         .await
         .map_err(io)?;
 
-    let (tx, mut rx) = mpsc::channel::<Outgoing>(IN_FLIGHT);
-    let writer = tokio::spawn(async move {
-        while let Some(out) = rx.recv().await {
-            if write_frame(&mut wr, &out).await.is_err() {
-                return;
-            }
-            if rx.is_empty() && wr.flush().await.is_err() {
-                return;
-            }
-        }
-    });
+    let (tx, rx) = mpsc::channel::<Outgoing>(IN_FLIGHT);
+    let writer = tokio::spawn(write_frames(wr, rx, fds.clone()));
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let budget = Arc::new(Semaphore::new(
         agent.config().connection_inflight_bytes() as usize
@@ -248,6 +256,9 @@ where
         _ => None,
     };
     let result = loop {
+        if let Some(f) = &fds {
+            f.room().await;
+        }
         let mut len = [0u8; 4];
         match rd.read_exact(&mut len).await {
             Ok(_) => {}
@@ -295,15 +306,53 @@ where
                 continue;
             }
         };
+        // A sealed frame's descriptors came with its first byte; they are the next ones
+        // queued. Fewer than it names: the stream is out of step, and ends.
+        let mut passed = None;
+        match (&header, &fds) {
+            (Request::PutSealed { blocks, .. }, Some(f)) => match f.take(blocks.len()) {
+                Some(got) => passed = Some(got),
+                None => {
+                    let e = ProtoError::Malformed(format!(
+                        "a sealed put of {} blocks came with {} descriptors",
+                        blocks.len(),
+                        f.queued()
+                    ));
+                    let _ = tx.send(error_frame(id, ErrorKind::Malformed, &e)).await;
+                    break Err(e);
+                }
+            },
+            (Request::PutSealed { .. } | Request::GetSealed { .. }, None) => {
+                let e =
+                    ProtoError::Malformed("sealed blocks travel on the Unix socket only".into());
+                if tx
+                    .send(error_frame(id, ErrorKind::BadRequest, &e))
+                    .await
+                    .is_err()
+                {
+                    break Ok(());
+                }
+                continue;
+            }
+            _ => {}
+        }
         let Ok(slot) = slots.clone().acquire_owned().await else {
             break Ok(());
         };
         let (agent, tx) = (agent.clone(), tx.clone());
         tokio::spawn(async move {
-            let (response, payloads) = agent.handle(owner, header, payloads).await;
+            // The descriptors' share of the budget is given back when the put is done.
+            let (fds, permits) = match passed {
+                Some(t) => t.split(),
+                None => (Vec::new(), None),
+            };
+            let (response, payloads, sealed) = agent.handle(owner, header, payloads, fds).await;
+            drop(permits);
             drop(held);
             let response = response.for_version(version);
-            let _ = tx.send(proto::encode_frame(id, &response, payloads)).await;
+            let mut out = proto::encode_frame(id, &response, payloads);
+            out.fds = sealed;
+            let _ = tx.send(out).await;
             drop(slot);
         });
     };
@@ -443,6 +492,27 @@ async fn skip<R: AsyncRead + Unpin>(rd: &mut R, n: usize) -> std::io::Result<()>
         return Err(std::io::ErrorKind::UnexpectedEof.into());
     }
     Ok(())
+}
+
+/// Writes the frames `rx` brings, in order, until it closes or a write fails (a
+/// connection's writer task, the agent's and the client's); on a Unix connection (`fds`)
+/// each frame's sealed blocks go with its first byte. Flushes when no frame is waiting.
+pub async fn write_frames<W: AsyncWrite + Unpin>(
+    mut w: W,
+    mut rx: mpsc::Receiver<Outgoing>,
+    fds: Option<Arc<Fds>>,
+) {
+    while let Some(out) = rx.recv().await {
+        if let Some(f) = &fds {
+            f.send_with_next_write(out.fds.clone());
+        }
+        if write_frame(&mut w, &out).await.is_err() {
+            return;
+        }
+        if rx.is_empty() && w.flush().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Writes a frame, its head and its payloads as they are, with vectored writes: a frame of

@@ -1,8 +1,9 @@
 //! The cache-agent's tiers against the plain tools that bound them, side by side in one run:
 //!
-//! - L1 put and get through the block API (a real `warmpath agent` process, over its Unix
-//!   socket and over loopback TCP, the crate's client, 4 requests in flight) for 1 MiB and
-//!   16 MiB blocks, on a full L1 (steady state: every put evicts), against a plain memcpy
+//! - L1 put and get through the block API (a real `warmpath agent` process, the crate's
+//!   client, 4 requests in flight) for 1 MiB and 16 MiB blocks: as sealed memfds on the
+//!   Unix socket (`memfd`, the client's default there, record 0120), through the Unix
+//!   socket (`unix`) and through loopback TCP (`tcp`), on a full L1 (steady state: every put evicts), against a plain memcpy
 //!   of the same sizes in this process, both into one hot block and into 256 MiB of
 //!   distinct blocks.
 //! - lookup-and-lease of a 64-key chain held in L1: p50 and p99, one call at a time.
@@ -228,6 +229,13 @@ fn main() {
                 .await
                 .expect("connect"),
         );
+        let unix_copy = Arc::new(
+            AgentClient::connect(&AgentAddr::Unix(sock.clone()), "", Duration::from_secs(30))
+                .await
+                .expect("connect")
+                .without_sealed(),
+        );
+        assert!(c.is_sealed(), "the Unix client passes sealed memfds");
         let over_tcp = Arc::new(
             AgentClient::connect(&tcp, "", Duration::from_secs(30))
                 .await
@@ -242,7 +250,7 @@ fn main() {
             "{:>8} {:>5} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
             "block", "via", "cpy hot", "cpy 256M", "put", "put/hot", "put/256M", "get", "get/hot", "get/256M"
         );
-        for (via, c) in [("unix", &c), ("tcp", &over_tcp)] {
+        for (via, c) in [("memfd", &c), ("unix", &unix_copy), ("tcp", &over_tcp)] {
         for size in [MIB, 16 * MIB] {
             let total = 256 * MIB;
             let (mut h, mut m, mut p, mut g) = (vec![], vec![], vec![], vec![]);

@@ -431,11 +431,13 @@ pub fn agent_frame(data: &[u8]) {
                 let lease = l1.lease(&ids, 0, u64::from(lease_ms) * 1000);
                 l1.release(lease);
             }
-            Request::Get { layout, keys } => {
+            Request::Get { layout, keys } | Request::GetSealed { layout, keys } => {
                 for k in keys {
                     assert!(l1.get(&BlockId::new(layout, k)).is_none());
                 }
             }
+            // Its blocks are descriptors, which bytes cannot carry: decoding is what is fuzzed.
+            Request::PutSealed { .. } => {}
             Request::Release { lease } => assert!(l1.release(lease).is_none()),
             Request::Unpin { layout, keys } => {
                 for k in keys {
@@ -449,11 +451,22 @@ pub fn agent_frame(data: &[u8]) {
         assert_eq!(stats.bytes, l1.payload_bytes());
     }
     if let Ok(frame) = decode_body::<Response>(body.clone()) {
-        if let Response::Get { blocks } = frame.header {
-            let lens = blocks.iter().flatten().map(|b| b.bytes);
-            if let Ok(parts) = split_payloads(frame.payloads, lens) {
-                assert_eq!(parts.len(), blocks.iter().flatten().count());
+        match frame.header {
+            Response::Get { blocks } => {
+                let lens = blocks.iter().flatten().map(|b| b.bytes);
+                if let Ok(parts) = split_payloads(frame.payloads, lens) {
+                    assert_eq!(parts.len(), blocks.iter().flatten().count());
+                }
             }
+            // Only the blocks not passed as descriptors have payloads in the frame.
+            Response::GetSealed { blocks } => {
+                let inline = blocks.iter().flatten().filter(|(_, sealed)| !sealed);
+                let lens = inline.clone().map(|(b, _)| b.bytes);
+                if let Ok(parts) = split_payloads(frame.payloads, lens) {
+                    assert_eq!(parts.len(), inline.count());
+                }
+            }
+            _ => {}
         }
     }
     let id = BlockId::new(1, 2);
@@ -743,6 +756,49 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
             "agent_frame",
             "get-answer",
             frame(encode_frame(3, &got, vec![Bytes::from_static(b"abc")])),
+        );
+        let put_sealed = Request::PutSealed {
+            layout: 1,
+            blocks: vec![PutItem {
+                key: 4,
+                bytes: 65536,
+                pin: false,
+            }],
+        };
+        add(
+            "agent_frame",
+            "put-sealed",
+            frame(encode_frame(4, &put_sealed, Vec::new())),
+        );
+        let got_sealed = Response::GetSealed {
+            blocks: vec![
+                Some((
+                    GotBlock {
+                        bytes: 65536,
+                        checksum: 0,
+                        tier: StoreTier::L1,
+                    },
+                    true,
+                )),
+                Some((
+                    GotBlock {
+                        bytes: 2,
+                        checksum: 9,
+                        tier: StoreTier::L2,
+                    },
+                    false,
+                )),
+                None,
+            ],
+        };
+        add(
+            "agent_frame",
+            "get-sealed-answer",
+            frame(encode_frame(
+                5,
+                &got_sealed,
+                vec![Bytes::from_static(b"de")],
+            )),
         );
         add(
             "agent_frame",
