@@ -806,16 +806,14 @@ async fn a_queued_request_is_looked_up_while_it_waits() {
     .await;
     let asked = bench.metric(&arrival("asked")).await;
     let b = send(p, 1);
+    // `in_time` counts an answer that found its request still queued (not yet admitted):
+    // the proof that B was looked up while it waited, whatever the queue holds by the time
+    // this test reads it (on a loaded machine C1 may have finished by then).
     eventually("B's lookup answered while it waits", || {
         let (bench, name) = (&bench, arrival("in_time"));
         async move { bench.metric(&name).await >= 1.0 }
     })
     .await;
-    assert_eq!(
-        gauge("vllm:num_requests_waiting").await,
-        2.0,
-        "B still waits"
-    );
     assert_eq!(bench.metric(&arrival("asked")).await, asked + 1.0);
     let b = b.await.unwrap();
     let (_, l1, l2) = tier_tokens(&b);

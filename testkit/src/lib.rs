@@ -17,9 +17,14 @@ pub use tools::{package_of, system_tool};
 
 use std::path::PathBuf;
 
-/// A scratch directory unique to this process and `name`.
+/// A new scratch directory, `name` saying whose: unique to this process and this call, so
+/// that tests running side by side never share one (two runs of one helper once shared a
+/// certificate directory and each overwrote the other's CA).
 pub fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("warmpath-it-{}-{name}", std::process::id()));
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("warmpath-it-{}-{n}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir is writable");
     dir
 }
