@@ -50,8 +50,12 @@
 //!    a router of the fleet sees (events applied/s ÷ its requests/s, capped), and beside a
 //!    second thread that applies events as the router's residency task does
 //!    ([`APPLY_CHUNK`] per hold of the lock) at 0, the worst row's rate and about 1 M/s;
-//!    medians of `FLEET_REPS` repetitions of p50/p99. Also the cost of one `observe`, hence
-//!    the share of a core that applying the fleet's residency takes.
+//!    medians of `FLEET_REPS` repetitions of p50/p99, and of the p99 of each route's wait
+//!    for the lock alone. Also the cost of one `observe`, hence the share of a core that
+//!    applying the fleet's residency takes. `FLEET_PIN=1` runs the routes on CPU 0 and the
+//!    applier on CPU 1 (`sched_setaffinity`), so that the two threads share the lock and
+//!    memory but not a core: what the lock costs, apart from two threads on two cores
+//!    shared with everything else.
 //!
 //! Nothing here asserts a timing: it prints what it measured, on what, and how often.
 
@@ -435,26 +439,50 @@ fn shared_prefixes(w: &Workload) -> Vec<Vec<BlockKey>> {
         .collect()
 }
 
-/// Median p50/p99 (µs) of route calls on `c`, each preceded by `applies` observe calls,
-/// and ns per observe. Each route takes `c`'s lock as the router's request path does, and
-/// its time includes the wait for it (see [`route_latency_beside`]).
+/// Route latencies (µs) on `c`: medians over the repetitions of p50, p99 and the p99 of
+/// the wait for the lock alone.
+struct Latency {
+    p50: f64,
+    p99: f64,
+    wait_p99: f64,
+}
+
+/// [`Latency`] of route calls on `c`, each preceded by `applies` observe calls, and ns per
+/// observe. Each route takes `c`'s lock as the router's request path does, and its time
+/// includes the wait for it (see [`route_latency_beside`]). Back to back, or one every
+/// `pace` (a router's requests arrive with gaps between them, in which others may hold
+/// the lock).
 fn route_latency(
     c: &Mutex<RouterCore>,
     w: &Workload,
     instances: u32,
     applies: usize,
+    pace: Option<Duration>,
     reps: usize,
     rng: &mut Rng,
-) -> (f64, f64, f64) {
+) -> (Latency, f64) {
     let lock = || c.lock().unwrap_or_else(|e| e.into_inner());
     let routes = if applies > 0 { 1500 } else { 5000 };
     let (mut p50s, mut p99s, mut per_apply) = (Vec::new(), Vec::new(), Vec::new());
+    let mut wait_p99s = Vec::new();
     let mut now = 1_000_000u64;
     for _ in 0..reps {
         let mut lat = Vec::with_capacity(routes);
+        let mut waits = Vec::with_capacity(routes);
         let mut apply_ns = 0f64;
         let mut inflight: VecDeque<(u32, u32, u64)> = VecDeque::new();
+        let start = Instant::now();
         for i in 0..routes {
+            if let Some(pace) = pace {
+                let at = start + pace * i as u32;
+                while let Some(left) = at.checked_duration_since(Instant::now()) {
+                    if left > Duration::from_micros(200) {
+                        std::thread::sleep(left - Duration::from_micros(100));
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
             let r = &w.requests[i % w.requests.len()];
             now += 100;
             if applies > 0 {
@@ -472,9 +500,12 @@ fn route_latency(
                 prompt_tokens: r.prompt_tokens,
             };
             let t = Instant::now();
-            let d = lock()
+            let mut core = lock();
+            waits.push(t.elapsed().as_nanos() as f64 / 1e3);
+            let d = core
                 .route("t", &policy(), MODEL, &rr, &[], false, now)
                 .expect("pool has instances");
+            drop(core);
             lat.push(t.elapsed().as_nanos() as f64 / 1e3);
             inflight.push_back((d.instance.0, d.uncached_tokens, d.decided_at));
             if inflight.len() > 512 {
@@ -484,56 +515,82 @@ fn route_latency(
         }
         let _ = lock().take_outbox();
         lat.sort_by(f64::total_cmp);
+        waits.sort_by(f64::total_cmp);
         p50s.push(percentile(&lat, 0.5));
         p99s.push(percentile(&lat, 0.99));
+        wait_p99s.push(percentile(&waits, 0.99));
         per_apply.push(apply_ns / (routes * applies.max(1)) as f64);
     }
-    (median(p50s), median(p99s), median(per_apply))
+    let latency = Latency {
+        p50: median(p50s),
+        p99: median(p99s),
+        wait_p99: median(wait_p99s),
+    };
+    (latency, median(per_apply))
+}
+
+/// Runs the calling thread on `cpu` alone where `FLEET_PIN=1` (and the machine has it).
+fn pin_to(cpu: usize) {
+    if std::env::var("FLEET_PIN").as_deref() != Ok("1") {
+        return;
+    }
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu);
+    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
+        eprintln!("FLEET_PIN: cannot pin to CPU {cpu}: {e}");
+    }
 }
 
 /// [`route_latency`] on one thread while another applies `events_per_s` residency events
 /// to `c` as the router's residency task does: [`APPLY_CHUNK`] events per hold of the lock,
-/// paced in 1 ms steps. Returns route p50/p99 (µs) and the events applied per second.
+/// paced in 1 ms steps. Returns the routes' [`Latency`] and the events applied per second.
 fn route_latency_beside(
     c: &Mutex<RouterCore>,
     w: &Workload,
     instances: u32,
     events_per_s: f64,
+    pace: Option<Duration>,
     reps: usize,
     rng: &mut Rng,
-) -> (f64, f64, f64) {
+) -> (Latency, f64) {
     let stop = AtomicBool::new(false);
     let applied = AtomicU64::new(0);
     let started = Instant::now();
-    let (p50, p99) = std::thread::scope(|s| {
+    let latency = std::thread::scope(|s| {
         s.spawn(|| {
+            pin_to(1);
             let mut rng = Rng::new(99);
             let mut owed = 0.0;
             let mut step = Instant::now();
             while !stop.load(Ordering::Relaxed) {
                 owed += events_per_s * step.elapsed().as_secs_f64();
                 step = Instant::now();
-                while owed >= 1.0 {
-                    let n = (owed as usize).min(APPLY_CHUNK);
-                    let mut core = c.lock().unwrap_or_else(|e| e.into_inner());
-                    for _ in 0..n {
+                let n = owed as usize;
+                let events: Vec<(InstanceId, BlockKey)> = (0..n)
+                    .map(|_| {
                         let inst = InstanceId(rng.below(u64::from(instances)) as u32);
-                        let key = BlockKey(rng.next_u64());
+                        (inst, BlockKey(rng.next_u64()))
+                    })
+                    .collect();
+                let apply = |core: &mut RouterCore, step: &[(InstanceId, BlockKey)]| {
+                    for &(inst, key) in step {
                         core.observe(inst, key, None, Tier::Gpu, true, 1_000_000);
                     }
-                    drop(core);
-                    owed -= n as f64;
-                    applied.fetch_add(n as u64, Ordering::Relaxed);
+                };
+                for chunk in events.chunks(APPLY_CHUNK) {
+                    apply(&mut c.lock().unwrap_or_else(|e| e.into_inner()), chunk);
                 }
+                owed -= n as f64;
+                applied.fetch_add(n as u64, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(1));
             }
         });
-        let (p50, p99, _) = route_latency(c, w, instances, 0, reps, rng);
+        let (latency, _) = route_latency(c, w, instances, 0, pace, reps, rng);
         stop.store(true, Ordering::Relaxed);
-        (p50, p99)
+        latency
     });
     let rate = applied.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
-    (p50, p99, rate)
+    (latency, rate)
 }
 
 fn kb(b: f64) -> String {
@@ -710,12 +767,14 @@ fn main() {
     for hosts in HOSTS {
         let instances = (hosts * u64::from(ENGINES_PER_HOST)) as u32;
         let (c, bpe, entries) = fresh(instances);
-        let (p50, p99, _) = route_latency(&c, &w, instances, 0, reps, &mut Rng::new(12));
+        let (Latency { p50, p99, .. }, _) =
+            route_latency(&c, &w, instances, 0, None, reps, &mut Rng::new(12));
         // The worst ratio of events applied per routed request among the rows, capped so
         // a repetition stays within seconds.
         let applies = (ratio.round() as usize).clamp(1, 200);
         let (c, _, _) = fresh(instances);
-        let (lp50, lp99, ns) = route_latency(&c, &w, instances, applies, reps, &mut Rng::new(12));
+        let (loaded, ns) = route_latency(&c, &w, instances, applies, None, reps, &mut Rng::new(12));
+        let (lp50, lp99) = (loaded.p50, loaded.p99);
         println!(
             "| {instances} | {entries} | {bpe} | {:.0} | {ns:.0} | {p50:.1} | {p99:.1} | {applies} | {lp50:.1} | {lp99:.1} | {:.2} cores |",
             (entries * bpe) as f64 / 1e6,
@@ -725,19 +784,42 @@ fn main() {
     }
     // As a router runs them: the residency task on its own thread, APPLY_CHUNK events per
     // hold of the routing lock, beside the routes (0 events/s: the harness alone).
-    println!("\n## routing beside a residency task on another thread ({APPLY_CHUNK} events per hold of the routing lock)");
-    println!("| instances | events applied/s | route p50 µs | route p99 µs | alone p50 µs | alone p99 µs | p99 beside / alone |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
-    for &(instances, p50, p99) in &alone {
-        for events in [0.0, worst_events.min(1e6), 1e6] {
+    let pinned = std::env::var("FLEET_PIN").as_deref() == Ok("1");
+    println!(
+        "\n## routing beside a residency task on another thread ({APPLY_CHUNK} events per hold of the routing lock{})",
+        if pinned {
+            "; routes on CPU 0, the applier on CPU 1"
+        } else {
+            ""
+        }
+    );
+    println!("Routes back to back (the lock busy with routes, as a saturated router's is) and paced at half that rate (busy half the time: the capacity model's sizing).");
+    println!("| instances | routes | events applied/s | route p50 µs | route p99 µs | lock wait p99 µs | alone p50 µs | alone p99 µs | p99 beside / alone |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    pin_to(0);
+    for &(instances, p50, _) in &alone {
+        for (routes, pace) in [
+            ("back to back", None),
+            ("paced", Some(Duration::from_secs_f64(2.0 * p50 * 1e-6))),
+        ] {
+            // Alone again here, pinned and paced as the routes beside the applier are.
             let (c, _, _) = fresh(instances);
-            let (bp50, bp99, rate) =
-                route_latency_beside(&c, &w, instances, events, reps, &mut Rng::new(12));
-            println!(
-                "| {instances} | {:.2} M | {bp50:.1} | {bp99:.1} | {p50:.1} | {p99:.1} | {:.2} |",
-                rate / 1e6,
-                bp99 / p99
-            );
+            let (solo, _) = route_latency(&c, &w, instances, 0, pace, reps, &mut Rng::new(12));
+            for events in [0.0, worst_events.min(1e6), 1e6] {
+                let (c, _, _) = fresh(instances);
+                let (beside, rate) =
+                    route_latency_beside(&c, &w, instances, events, pace, reps, &mut Rng::new(12));
+                println!(
+                    "| {instances} | {routes} | {:.2} M | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |",
+                    rate / 1e6,
+                    beside.p50,
+                    beside.p99,
+                    beside.wait_p99,
+                    solo.p50,
+                    solo.p99,
+                    beside.p99 / solo.p99
+                );
+            }
         }
     }
     if let Some((row, events, ratio)) = worst {
