@@ -49,7 +49,9 @@
 //!    core's lock: alone, interleaved on the same thread with `observe` calls at the ratio
 //!    a router of the fleet sees (events applied/s ÷ its requests/s, capped), and beside a
 //!    second thread that applies events as the router's residency task does
-//!    ([`APPLY_CHUNK`] per hold of the lock) at 0, the worst row's rate and about 1 M/s;
+//!    ([`APPLY_CHUNK`] per hold of the lock) at 0, the worst row's rate and about 1 M/s,
+//!    with the routes back to back (the lock always busy with them) and paced at half that
+//!    rate (busy half the time, as the capacity model sizes routers);
 //!    medians of `FLEET_REPS` repetitions of p50/p99, and of the p99 of each route's wait
 //!    for the lock alone. Also the cost of one `observe`, hence the share of a core that
 //!    applying the fleet's residency takes. `FLEET_PIN=1` runs the routes on CPU 0 and the
