@@ -128,8 +128,11 @@ pub struct SharedDecision {
     pub keys: Vec<BlockKey>,
 }
 
-/// Residency changes a router applies under one hold of the routing core's lock: requests
-/// routed meanwhile wait for at most one such slice.
+/// Residency changes a router applies under one hold of the routing core's lock. A
+/// request that arrives meanwhile waits for the slice, and often for the next ones too:
+/// the lock is not fair, and the residency task takes it back before the request it woke
+/// runs (BENCHMARKS.md, "Routes paced as a router's arrive": a wait p99 of milliseconds
+/// beside a million changes a second).
 pub const APPLY_CHUNK: usize = 256;
 
 /// The cluster's budget for shared decisions, block keys per second, which routers share

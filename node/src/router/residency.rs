@@ -336,8 +336,8 @@ async fn apply(core: Arc<Mutex<RouterState>>, mut rx: mpsc::Receiver<Outcome>) {
             } => (instances, removed, "reset", false),
             Outcome::Nothing => continue,
         };
-        // The routing core's lock is taken per chunk, not for a whole snapshot or burst:
-        // requests routed meanwhile wait for at most one chunk.
+        // The routing core's lock is taken per chunk, not for a whole snapshot or burst
+        // (a request routed meanwhile may still wait for several chunks: APPLY_CHUNK).
         let mut applied = 0;
         core.lock()
             .unwrap_or_else(|e| e.into_inner())
