@@ -57,14 +57,16 @@
 //!    applying the fleet's residency takes. `FLEET_PIN=1` runs the routes on CPU 0 and the
 //!    applier on CPU 1 (`sched_setaffinity`), so that the two threads share the lock and
 //!    memory but not a core: what the lock costs, apart from two threads on two cores
-//!    shared with everything else.
+//!    shared with everything else. `FLEET_FAIR_LOCK=1` puts the core behind parking_lot's
+//!    mutex, the applier handing the lock to a waiting route after each chunk
+//!    (`unlock_fair`) where std's lets it take the lock straight back (the router's lock
+//!    is std's).
 //!
 //! Nothing here asserts a timing: it prints what it measured, on what, and how often.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use std::io::Write as _;
@@ -441,6 +443,65 @@ fn shared_prefixes(w: &Workload) -> Vec<Vec<BlockKey>> {
         .collect()
 }
 
+/// The routing core behind the router's lock (std's mutex), or with `FLEET_FAIR_LOCK=1`
+/// behind parking_lot's, whose holder can hand it to a waiter on release (`unlock_fair`):
+/// the residency applier then hands it over after each chunk rather than taking it back.
+enum CoreLock {
+    Std(std::sync::Mutex<RouterCore>),
+    Fair(parking_lot::Mutex<RouterCore>),
+}
+
+enum CoreGuard<'a> {
+    Std(std::sync::MutexGuard<'a, RouterCore>),
+    Fair(parking_lot::MutexGuard<'a, RouterCore>),
+}
+
+impl CoreLock {
+    fn new(core: RouterCore) -> CoreLock {
+        if std::env::var("FLEET_FAIR_LOCK").as_deref() == Ok("1") {
+            CoreLock::Fair(parking_lot::Mutex::new(core))
+        } else {
+            CoreLock::Std(std::sync::Mutex::new(core))
+        }
+    }
+
+    fn lock(&self) -> CoreGuard<'_> {
+        match self {
+            CoreLock::Std(m) => CoreGuard::Std(m.lock().unwrap_or_else(|e| e.into_inner())),
+            CoreLock::Fair(m) => CoreGuard::Fair(m.lock()),
+        }
+    }
+}
+
+impl CoreGuard<'_> {
+    /// Lets the lock go, to a waiting thread first where the lock can.
+    fn release_to_waiter(self) {
+        match self {
+            CoreGuard::Std(g) => drop(g),
+            CoreGuard::Fair(g) => parking_lot::MutexGuard::unlock_fair(g),
+        }
+    }
+}
+
+impl std::ops::Deref for CoreGuard<'_> {
+    type Target = RouterCore;
+    fn deref(&self) -> &RouterCore {
+        match self {
+            CoreGuard::Std(g) => g,
+            CoreGuard::Fair(g) => g,
+        }
+    }
+}
+
+impl std::ops::DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut RouterCore {
+        match self {
+            CoreGuard::Std(g) => g,
+            CoreGuard::Fair(g) => g,
+        }
+    }
+}
+
 /// Route latencies (µs) on `c`: medians over the repetitions of p50, p99 and the p99 of
 /// the wait for the lock alone.
 struct Latency {
@@ -455,7 +516,7 @@ struct Latency {
 /// `pace` (a router's requests arrive with gaps between them, in which others may hold
 /// the lock).
 fn route_latency(
-    c: &Mutex<RouterCore>,
+    c: &CoreLock,
     w: &Workload,
     instances: u32,
     applies: usize,
@@ -463,7 +524,7 @@ fn route_latency(
     reps: usize,
     rng: &mut Rng,
 ) -> (Latency, f64) {
-    let lock = || c.lock().unwrap_or_else(|e| e.into_inner());
+    let lock = || c.lock();
     let routes = if applies > 0 { 1500 } else { 5000 };
     let (mut p50s, mut p99s, mut per_apply) = (Vec::new(), Vec::new(), Vec::new());
     let mut wait_p99s = Vec::new();
@@ -547,7 +608,7 @@ fn pin_to(cpu: usize) {
 /// to `c` as the router's residency task does: [`APPLY_CHUNK`] events per hold of the lock,
 /// paced in 1 ms steps. Returns the routes' [`Latency`] and the events applied per second.
 fn route_latency_beside(
-    c: &Mutex<RouterCore>,
+    c: &CoreLock,
     w: &Workload,
     instances: u32,
     events_per_s: f64,
@@ -580,7 +641,9 @@ fn route_latency_beside(
                     }
                 };
                 for chunk in events.chunks(APPLY_CHUNK) {
-                    apply(&mut c.lock().unwrap_or_else(|e| e.into_inner()), chunk);
+                    let mut core = c.lock();
+                    apply(&mut core, chunk);
+                    core.release_to_waiter();
                 }
                 owed -= n as f64;
                 applied.fetch_add(n as u64, Ordering::Relaxed);
@@ -763,7 +826,7 @@ fn main() {
                 }
             }
         }
-        (Mutex::new(c), bpe, entries)
+        (CoreLock::new(c), bpe, entries)
     };
     let mut alone = Vec::new();
     for hosts in HOSTS {
@@ -788,7 +851,12 @@ fn main() {
     // hold of the routing lock, beside the routes (0 events/s: the harness alone).
     let pinned = std::env::var("FLEET_PIN").as_deref() == Ok("1");
     println!(
-        "\n## routing beside a residency task on another thread ({APPLY_CHUNK} events per hold of the routing lock{})",
+        "\n## routing beside a residency task on another thread ({APPLY_CHUNK} events per hold of the routing lock{}{})",
+        if std::env::var("FLEET_FAIR_LOCK").as_deref() == Ok("1") {
+            "; FLEET_FAIR_LOCK: parking_lot's mutex, handed to a waiting route after each chunk"
+        } else {
+            ""
+        },
         if pinned {
             "; routes on CPU 0, the applier on CPU 1"
         } else {
