@@ -34,6 +34,27 @@ pub fn checksum(payload: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(payload)
 }
 
+/// [`checksum`] of a payload taken a piece at a time, as it arrives or is read.
+#[derive(Default)]
+pub struct Checksum(xxhash_rust::xxh3::Xxh3);
+
+impl std::fmt::Debug for Checksum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Checksum").field(&self.digest()).finish()
+    }
+}
+
+impl Checksum {
+    pub fn update(&mut self, piece: &[u8]) {
+        self.0.update(piece);
+    }
+
+    /// The checksum of every piece so far, in order: [`checksum`] of their concatenation.
+    pub fn digest(&self) -> u64 {
+        self.0.digest()
+    }
+}
+
 /// A payload and its checksum, computed once when it entered the agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Block {
@@ -213,6 +234,16 @@ fn check_fields(id: &BlockId, header: &[u8], payload: Bytes) -> Result<Block, Da
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_checksum_taken_in_pieces_is_the_checksum_of_the_whole() {
+        let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        for piece in [1, 4096, 65_536, 300_000] {
+            let mut sum = Checksum::default();
+            payload.chunks(piece).for_each(|p| sum.update(p));
+            assert_eq!(sum.digest(), checksum(&payload), "pieces of {piece}");
+        }
+    }
 
     #[test]
     fn objects_round_trip_and_damage_is_named() {

@@ -203,7 +203,7 @@ impl AgentClient {
             return Err(ClientError::Refused(message));
         }
         // Sealed blocks need the Unix socket and an agent and a connection of version 3.
-        let fds = fds.filter(|_| version >= 3 && speak >= 3);
+        let fds = fds.filter(|_| version.min(speak) >= proto::SEALED_VERSION);
         Ok(Self::start(s, timeout, fds))
     }
 

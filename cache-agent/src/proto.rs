@@ -46,6 +46,9 @@ use warmpath_tiers::LedgerStats;
 
 /// The protocol version this build speaks.
 pub const VERSION: u16 = 3;
+
+/// The first version with sealed blocks ([`Request::PutSealed`], [`Request::GetSealed`]).
+pub const SEALED_VERSION: u16 = 3;
 /// The oldest version an agent still serves.
 pub const MIN_VERSION: u16 = 1;
 pub const MAGIC: &[u8; 4] = b"WPKV";

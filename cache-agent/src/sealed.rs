@@ -173,7 +173,7 @@ impl Sealed {
             return Ok(c);
         }
         let mut chunk = vec![0u8; CHUNK.min(self.len.max(1))];
-        let mut sum = xxhash_rust::xxh3::Xxh3::new();
+        let mut sum = crate::block::Checksum::default();
         let mut at = 0;
         while at < self.len {
             let n = (self.len - at).min(CHUNK);

@@ -463,7 +463,7 @@ async fn read_payload<R: AsyncRead + Unpin>(
     pool: &BufPool,
 ) -> std::io::Result<Block> {
     let mut buf = pool.take(len);
-    let mut sum = xxhash_rust::xxh3::Xxh3::new();
+    let mut sum = crate::block::Checksum::default();
     while buf.len() < len {
         let before = buf.len();
         // Into the buffer's spare capacity: never zeroed first.
@@ -502,9 +502,9 @@ pub async fn write_frames<W: AsyncWrite + Unpin>(
     mut rx: mpsc::Receiver<Outgoing>,
     fds: Option<Arc<Fds>>,
 ) {
-    while let Some(out) = rx.recv().await {
+    while let Some(mut out) = rx.recv().await {
         if let Some(f) = &fds {
-            f.send_with_next_write(out.fds.clone());
+            f.send_with_next_write(std::mem::take(&mut out.fds));
         }
         if write_frame(&mut w, &out).await.is_err() {
             return;
