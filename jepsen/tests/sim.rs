@@ -19,7 +19,8 @@
 //! (one leader per term) and, after the heal, every router holding every other's last
 //! gossiped decision batch.
 //!
-//! Seeds: `WARMPATH_SIM_SEEDS` (`a..b` or a count from 1, default 1..=12) and simulated
+//! Seeds: `WARMPATH_SIM_SEEDS` (`a..b` or a count from 1, default 1..=12; as many run at
+//! once as there are CPUs, each on its own thread and runtime) and simulated
 //! seconds each `WARMPATH_SIM_SECS` (default 40). A failing seed prints its faults and the
 //! checkers' details and is rerun alone with `WARMPATH_SIM_SEEDS=N..N`.
 
@@ -879,67 +880,98 @@ fn raft_group_under_simulated_faults() {
         route_within_ms: None,
         rate_limit: None,
     };
+    // Seeds are independent (each its own runtime, clock and directory): they run on every
+    // CPU, each printing its report in seed order once all are done.
+    let seeds: Vec<u64> = seeds().collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = Mutex::new(BTreeMap::new());
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|s| {
+        for _ in 0..workers.min(seeds.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&seed) = seeds.get(i) else { break };
+                let outcome = check_seed(seed, secs, &expect);
+                done.lock().unwrap().insert(seed, outcome);
+            });
+        }
+    });
     let mut failed = Vec::new();
-    for seed in seeds() {
-        let wall = std::time::Instant::now();
-        let run = run_seed(seed, secs, true);
-        let h = &run.history;
-        let mut checks = check::all(h, &expect);
-        let terms = one_leader_per_term(h);
-        let ok = |f: F| {
-            h.ops
-                .iter()
-                .filter(|o| o.f == f && o.outcome == Outcome::Ok)
-                .count()
-        };
-        let (writes, reads, creates) = (ok(F::Write), ok(F::Read), ok(F::Create));
-        println!(
-            "seed {seed}: {secs} s simulated in {:.1} s; {} ops: {writes} writes, {reads} reads, \
-             {creates} creates ok; {} faults; messages {} delivered, {} lost; {} forwarded \
-             writes arrived past their deadline",
-            wall.elapsed().as_secs_f64(),
-            h.ops.len(),
-            h.faults.len(),
-            run.delivered,
-            run.lost,
-            run.late_writes
-        );
-        checks.retain(|c| c.pass.is_some());
-        let mut problems: Vec<String> = checks
-            .iter()
-            .filter(|c| c.pass == Some(false))
-            .map(|c| format!("{}: {} {:?}", c.name, c.summary, c.details))
-            .collect();
-        problems.extend(terms);
-        problems.extend(run.late_submitted.iter().cloned());
-        problems.extend(
-            h.ops
-                .iter()
-                .filter(|o| o.detail.starts_with("gossip batches") && o.outcome != Outcome::Ok)
-                .map(|o| format!("router {} after the heal: {}", o.node + 1, o.detail)),
-        );
-        // Progress, not only safety: the faults leave time for work to get done.
-        if writes < 20 || reads < 20 || creates < 20 {
-            problems.push(format!(
-                "too little progress: {writes} writes, {reads} reads, {creates} creates"
-            ));
-        }
-        for c in &checks {
-            println!(
-                "   {} {}: {}",
-                if c.pass == Some(true) { "pass" } else { "FAIL" },
-                c.name,
-                c.summary
-            );
-        }
-        if !problems.is_empty() {
-            for f in &h.faults {
-                println!("   {:>8.1} s  {}", f.at_ms / 1e3, f.what);
-            }
-            failed.push(format!("seed {seed}: {problems:#?}"));
-        }
+    for (report, failure) in done.into_inner().unwrap().into_values() {
+        print!("{report}");
+        failed.extend(failure);
     }
     assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// One seed of [`raft_group_under_simulated_faults`]: its report, and what failed if any.
+fn check_seed(seed: u64, secs: u64, expect: &Expect) -> (String, Option<String>) {
+    use std::fmt::Write;
+    let mut report = String::new();
+    let mut failure = None;
+    let wall = std::time::Instant::now();
+    let run = run_seed(seed, secs, true);
+    let h = &run.history;
+    let mut checks = check::all(h, expect);
+    let terms = one_leader_per_term(h);
+    let ok = |f: F| {
+        h.ops
+            .iter()
+            .filter(|o| o.f == f && o.outcome == Outcome::Ok)
+            .count()
+    };
+    let (writes, reads, creates) = (ok(F::Write), ok(F::Read), ok(F::Create));
+    writeln!(
+        report,
+        "seed {seed}: {secs} s simulated in {:.1} s; {} ops: {writes} writes, {reads} reads, \
+         {creates} creates ok; {} faults; messages {} delivered, {} lost; {} forwarded \
+         writes arrived past their deadline",
+        wall.elapsed().as_secs_f64(),
+        h.ops.len(),
+        h.faults.len(),
+        run.delivered,
+        run.lost,
+        run.late_writes
+    )
+    .expect("writing to a String");
+    checks.retain(|c| c.pass.is_some());
+    let mut problems: Vec<String> = checks
+        .iter()
+        .filter(|c| c.pass == Some(false))
+        .map(|c| format!("{}: {} {:?}", c.name, c.summary, c.details))
+        .collect();
+    problems.extend(terms);
+    problems.extend(run.late_submitted.iter().cloned());
+    problems.extend(
+        h.ops
+            .iter()
+            .filter(|o| o.detail.starts_with("gossip batches") && o.outcome != Outcome::Ok)
+            .map(|o| format!("router {} after the heal: {}", o.node + 1, o.detail)),
+    );
+    // Progress, not only safety: the faults leave time for work to get done.
+    if writes < 20 || reads < 20 || creates < 20 {
+        problems.push(format!(
+            "too little progress: {writes} writes, {reads} reads, {creates} creates"
+        ));
+    }
+    for c in &checks {
+        writeln!(
+            report,
+            "   {} {}: {}",
+            if c.pass == Some(true) { "pass" } else { "FAIL" },
+            c.name,
+            c.summary
+        )
+        .expect("writing to a String");
+    }
+    if !problems.is_empty() {
+        for f in &h.faults {
+            writeln!(report, "   {:>8.1} s  {}", f.at_ms / 1e3, f.what)
+                .expect("writing to a String");
+        }
+        failure = Some(format!("seed {seed}: {problems:#?}"));
+    }
+    (report, failure)
 }
 
 /// The same seed gives the same history: what makes a failing seed worth rerunning. The
