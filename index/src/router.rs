@@ -128,13 +128,6 @@ pub struct SharedDecision {
     pub keys: Vec<BlockKey>,
 }
 
-/// Residency changes a router applies under one hold of the routing core's lock. A
-/// request that arrives meanwhile waits for the slice, and often for the next ones too:
-/// the lock is not fair, and the residency task takes it back before the request it woke
-/// runs (BENCHMARKS.md, "Routes paced as a router's arrive": a wait p99 of milliseconds
-/// beside a million changes a second).
-pub const APPLY_CHUNK: usize = 256;
-
 /// The cluster's budget for shared decisions, block keys per second, which routers share
 /// equally ([`PublishBudget`], record 0118): 500,000 keys are about 5.5 MB/s on the wire (8
 /// bytes a key, 10.7 once base64-encoded, and a few a decision), three quarters of what

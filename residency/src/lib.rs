@@ -12,10 +12,11 @@
 //! - `tls`: mutual TLS from one cluster CA, and the development CA (`warmpath certs`).
 //! - [`metric_names`]: the metrics the link exports, on both ends.
 //! - [`follow`]: which routers follow an agent when not all do (decision 0105). Pure.
+//! - [`steps`]: how a router applies residency beside its requests under one lock.
 //!
 //! Cargo feature `net` (on by default) builds `net` and `tls` and brings in tokio, quinn,
 //! rustls, rcgen, metrics and tracing. The simulator turns it off (`default-features =
-//! false`) and gets the session alone: serde and postcard, no runtime, no sockets.
+//! false`) and gets the session alone: serde, postcard and parking_lot, no runtime, no sockets.
 
 mod session;
 
@@ -24,6 +25,7 @@ pub mod follow;
 pub mod metric_names;
 #[cfg(feature = "net")]
 pub mod net;
+pub mod steps;
 #[cfg(feature = "net")]
 pub mod tls;
 

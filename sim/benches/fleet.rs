@@ -49,7 +49,8 @@
 //!    core's lock: alone, interleaved on the same thread with `observe` calls at the ratio
 //!    a router of the fleet sees (events applied/s ÷ its requests/s, capped), and beside a
 //!    second thread that applies events as the router's residency task does
-//!    ([`APPLY_CHUNK`] per hold of the lock) at 0, the worst row's rate and about 1 M/s,
+//!    (a batch every 1 ms, the lock handed to a waiting route between steps,
+//!    [`apply_in_steps`]) at 0, the worst row's rate and about 1 M/s,
 //!    with the routes back to back (the lock always busy with them) and paced at half that
 //!    rate (busy half the time, as the capacity model sizes routers);
 //!    medians of `FLEET_REPS` repetitions of p50/p99, and of the p99 of each route's wait
@@ -57,10 +58,8 @@
 //!    applying the fleet's residency takes. `FLEET_PIN=1` runs the routes on CPU 0 and the
 //!    applier on CPU 1 (`sched_setaffinity`), so that the two threads share the lock and
 //!    memory but not a core: what the lock costs, apart from two threads on two cores
-//!    shared with everything else. `FLEET_FAIR_LOCK=1` puts the core behind parking_lot's
-//!    mutex, the applier handing the lock to a waiting route after each chunk
-//!    (`unlock_fair`) where std's lets it take the lock straight back (the router's lock
-//!    is std's).
+//!    shared with everything else. `FLEET_LOCK=std` puts the core behind std's
+//!    mutex taken for 256 events at a time, as the router did before it handed the lock over.
 //!
 //! Nothing here asserts a timing: it prints what it measured, on what, and how often.
 
@@ -75,8 +74,9 @@ use warmpath_index::index::IndexConfig;
 use warmpath_index::keys::{report_every, reported, BlockKey};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
-use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore, APPLY_CHUNK};
+use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
 use warmpath_index::InstanceId;
+use warmpath_residency::steps::{apply_in_steps, APPLY_STEP, SHARE};
 use warmpath_residency::{encode, Change, Msg, Publisher, Scope, Wire};
 use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use warmpath_sim::tiers::TierSet;
@@ -443,44 +443,65 @@ fn shared_prefixes(w: &Workload) -> Vec<Vec<BlockKey>> {
         .collect()
 }
 
-/// The routing core behind the router's lock (std's mutex), or with `FLEET_FAIR_LOCK=1`
-/// behind parking_lot's, whose holder can hand it to a waiter on release (`unlock_fair`):
-/// the residency applier then hands it over after each chunk rather than taking it back.
+/// The routing core behind the router's lock: parking_lot's mutex, which the residency
+/// task holds through a batch and hands to a waiting route between steps of
+/// [`APPLY_STEP`] events ([`apply_in_steps`]). `FLEET_LOCK=std`: the router's lock before that, std's
+/// mutex taken for [`STD_CHUNK`] events at a time and let go without a hand-over, so the
+/// applier often takes it straight back before the route it woke runs.
 enum CoreLock {
     Std(std::sync::Mutex<RouterCore>),
-    Fair(parking_lot::Mutex<RouterCore>),
+    Router(parking_lot::Mutex<RouterCore>),
 }
+
+/// Events per hold of the lock under `FLEET_LOCK=std`, as the router applied them then.
+const STD_CHUNK: usize = 256;
 
 enum CoreGuard<'a> {
     Std(std::sync::MutexGuard<'a, RouterCore>),
-    Fair(parking_lot::MutexGuard<'a, RouterCore>),
+    Router(parking_lot::MutexGuard<'a, RouterCore>),
 }
 
 impl CoreLock {
     fn new(core: RouterCore) -> CoreLock {
-        if std::env::var("FLEET_FAIR_LOCK").as_deref() == Ok("1") {
-            CoreLock::Fair(parking_lot::Mutex::new(core))
-        } else {
+        if std_lock() {
             CoreLock::Std(std::sync::Mutex::new(core))
+        } else {
+            CoreLock::Router(parking_lot::Mutex::new(core))
         }
     }
 
     fn lock(&self) -> CoreGuard<'_> {
         match self {
             CoreLock::Std(m) => CoreGuard::Std(m.lock().unwrap_or_else(|e| e.into_inner())),
-            CoreLock::Fair(m) => CoreGuard::Fair(m.lock()),
+            CoreLock::Router(m) => CoreGuard::Router(m.lock()),
+        }
+    }
+
+    /// Applies `events` as the router's residency task applies a batch of changes.
+    fn apply(&self, events: &[(InstanceId, BlockKey)]) {
+        let observe = |core: &mut RouterCore, step: &[(InstanceId, BlockKey)]| {
+            for &(inst, key) in step {
+                core.observe(inst, key, None, Tier::Gpu, true, 1_000_000);
+            }
+        };
+        match self {
+            CoreLock::Std(m) => {
+                for chunk in events.chunks(STD_CHUNK) {
+                    observe(&mut m.lock().unwrap_or_else(|e| e.into_inner()), chunk);
+                }
+            }
+            CoreLock::Router(m) => {
+                apply_in_steps(&mut m.lock(), events, |core, step| {
+                    observe(core, step);
+                    step.len()
+                });
+            }
         }
     }
 }
 
-impl CoreGuard<'_> {
-    /// Lets the lock go, to a waiting thread first where the lock can.
-    fn release_to_waiter(self) {
-        match self {
-            CoreGuard::Std(g) => drop(g),
-            CoreGuard::Fair(g) => parking_lot::MutexGuard::unlock_fair(g),
-        }
-    }
+fn std_lock() -> bool {
+    std::env::var("FLEET_LOCK").as_deref() == Ok("std")
 }
 
 impl std::ops::Deref for CoreGuard<'_> {
@@ -488,7 +509,7 @@ impl std::ops::Deref for CoreGuard<'_> {
     fn deref(&self) -> &RouterCore {
         match self {
             CoreGuard::Std(g) => g,
-            CoreGuard::Fair(g) => g,
+            CoreGuard::Router(g) => g,
         }
     }
 }
@@ -497,7 +518,7 @@ impl std::ops::DerefMut for CoreGuard<'_> {
     fn deref_mut(&mut self) -> &mut RouterCore {
         match self {
             CoreGuard::Std(g) => g,
-            CoreGuard::Fair(g) => g,
+            CoreGuard::Router(g) => g,
         }
     }
 }
@@ -605,8 +626,7 @@ fn pin_to(cpu: usize) {
 }
 
 /// [`route_latency`] on one thread while another applies `events_per_s` residency events
-/// to `c` as the router's residency task does: [`APPLY_CHUNK`] events per hold of the lock,
-/// paced in 1 ms steps. Returns the routes' [`Latency`] and the events applied per second.
+/// to `c` as the router's residency task does ([`CoreLock::apply`]), in a batch every 1 ms. Returns the routes' [`Latency`] and the events applied per second.
 fn route_latency_beside(
     c: &CoreLock,
     w: &Workload,
@@ -635,16 +655,7 @@ fn route_latency_beside(
                         (inst, BlockKey(rng.next_u64()))
                     })
                     .collect();
-                let apply = |core: &mut RouterCore, step: &[(InstanceId, BlockKey)]| {
-                    for &(inst, key) in step {
-                        core.observe(inst, key, None, Tier::Gpu, true, 1_000_000);
-                    }
-                };
-                for chunk in events.chunks(APPLY_CHUNK) {
-                    let mut core = c.lock();
-                    apply(&mut core, chunk);
-                    core.release_to_waiter();
-                }
+                c.apply(&events);
                 owed -= n as f64;
                 applied.fetch_add(n as u64, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(1));
@@ -847,15 +858,16 @@ fn main() {
         );
         alone.push((instances, p50, p99));
     }
-    // As a router runs them: the residency task on its own thread, APPLY_CHUNK events per
-    // hold of the routing lock, beside the routes (0 events/s: the harness alone).
+    // As a router runs them: the residency task on its own thread, handing the routing
+    // lock to a waiting route between steps (apply_in_steps), beside the routes (0 events/s: the
+    // harness alone).
     let pinned = std::env::var("FLEET_PIN").as_deref() == Ok("1");
     println!(
-        "\n## routing beside a residency task on another thread ({APPLY_CHUNK} events per hold of the routing lock{}{})",
-        if std::env::var("FLEET_FAIR_LOCK").as_deref() == Ok("1") {
-            "; FLEET_FAIR_LOCK: parking_lot's mutex, handed to a waiting route after each chunk"
+        "\n## routing beside a residency task on another thread ({}{})",
+        if std_lock() {
+            format!("FLEET_LOCK=std: std's mutex, {STD_CHUNK} events per hold, no hand-over")
         } else {
-            ""
+            format!("the router's lock: handed to a waiting route between steps of {APPLY_STEP} events, the applier keeping at least 1/{} of it", SHARE + 1)
         },
         if pinned {
             "; routes on CPU 0, the applier on CPU 1"

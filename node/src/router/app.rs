@@ -24,7 +24,9 @@ pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 pub struct App {
     pub config: RouterConfig,
     /// The routing core; shared with residency's apply task, which needs nothing else.
-    pub core: Arc<Mutex<RouterState>>,
+    /// parking_lot's mutex: that task hands it to a waiting request between steps
+    /// (`warmpath_residency::steps`), which std's cannot.
+    pub core: Arc<parking_lot::Mutex<RouterState>>,
     pub client: HttpClient,
     /// The tenant table, swapped whole on every configuration change (Raft), read by
     /// every request (a read lock held for a clone of an `Arc`).
@@ -178,7 +180,7 @@ impl App {
         let tokenizers = std::sync::RwLock::new(Arc::new(HashMap::new()));
         let app = App {
             config,
-            core: Arc::new(Mutex::new(core)),
+            core: Arc::new(parking_lot::Mutex::new(core)),
             client,
             tenants: std::sync::RwLock::new(Arc::new(tenants)),
             metrics,
@@ -196,10 +198,10 @@ impl App {
         app
     }
 
-    pub(super) fn core(&self) -> std::sync::MutexGuard<'_, RouterState> {
-        // A panic while holding the lock cannot leave the routing state half-written in
-        // a way that matters more than stopping the gateway would.
-        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    pub(super) fn core(&self) -> parking_lot::MutexGuard<'_, RouterState> {
+        // parking_lot's lock is not poisoned: a panic while holding it cannot leave the
+        // routing state half-written in a way that matters more than stopping would.
+        self.core.lock()
     }
 
     /// The current tenant table.

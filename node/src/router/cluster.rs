@@ -16,10 +16,7 @@ use warmpath_membership::gossip::{Cursor, Gossip};
 
 /// Runs the cluster loops until the task is aborted.
 pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every: Duration) {
-    app.core
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .enable_sharing();
+    app.core().enable_sharing();
     let mut cursor = Cursor::default();
     let mut ticker = tokio::time::interval(tick);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -27,7 +24,7 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
     loop {
         ticker.tick().await;
         let ((outbox, since_ms), loads) = {
-            let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            let mut core = app.core();
             (core.take_outbox(), core.own_loads())
         };
         if !outbox.is_empty() {
@@ -63,7 +60,7 @@ pub async fn run(app: Arc<App>, gossip: Arc<Gossip>, tick: Duration, load_every:
             }));
         }
         {
-            let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            let mut core = app.core();
             if !shared.is_empty() {
                 let unknown = core.apply_shared(&shared);
                 metrics::counter!(crate::metric_names::CLUSTER_DECISIONS_APPLIED_TOTAL)

@@ -478,7 +478,7 @@ async fn heal(State(app): State<Arc<App>>) -> impl IntoResponse {
 }
 
 async fn models(State(app): State<Arc<App>>) -> impl IntoResponse {
-    let models = app.core.lock().unwrap_or_else(|e| e.into_inner()).models();
+    let models = app.core().models();
     let data: Vec<_> = models
         .iter()
         .map(|m| serde_json::json!({"id": m, "object": "model", "owned_by": "warmpath"}))
@@ -493,12 +493,7 @@ async fn readyz(State(app): State<Arc<App>>) -> impl IntoResponse {
             format!("not following the cluster's configuration: {why}"),
         );
     }
-    if app
-        .core
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .any_healthy()
-    {
+    if app.core().any_healthy() {
         (StatusCode::OK, "ready".to_string())
     } else {
         (
@@ -510,7 +505,7 @@ async fn readyz(State(app): State<Arc<App>>) -> impl IntoResponse {
 
 async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
     {
-        let core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+        let core = app.core();
         let stats = core.index_stats();
         metrics::gauge!(crate::metric_names::INDEX_ENTRIES).set(stats.entries as f64);
         metrics::gauge!(crate::metric_names::INDEX_BYTES_PER_ENTRY)
@@ -562,7 +557,7 @@ async fn health_loop(app: Arc<App>) {
     loop {
         tick.tick().await;
         let urls: Vec<(InstanceId, String, bool)> = {
-            let core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            let core = app.core();
             core.active_instances()
                 .into_iter()
                 .map(|(id, url)| {
@@ -603,7 +598,7 @@ async fn health_loop(app: Arc<App>) {
                 slow.resize(i + 1, 0);
             }
             slow[i] = if timed_out { slow[i] + 1 } else { 0 };
-            let mut core = app.core.lock().unwrap_or_else(|e| e.into_inner());
+            let mut core = app.core();
             let was = core.instances()[i].healthy;
             // Up stays up through fewer than SLOW_CHECKS_TO_DOWN slow checks in a row.
             let ok = ok || (was && timed_out && slow[i] < SLOW_CHECKS_TO_DOWN);

@@ -38,8 +38,6 @@ use warmpath_residency::Outcome;
 
 use super::state::RouterState;
 
-use warmpath_index::router::APPLY_CHUNK;
-
 /// How often a `dns:` agent entry is resolved again (and its addresses' followers chosen
 /// again).
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
@@ -125,7 +123,7 @@ impl Residency {
     /// applying what every followed agent reports to the routing core `core`.
     /// `followers`: routers per agent (0: all, decision 0105).
     pub fn start(
-        core: Arc<Mutex<RouterState>>,
+        core: Arc<parking_lot::Mutex<RouterState>>,
         fixed: &[String],
         tls: &TlsFiles,
         expiry: Duration,
@@ -314,7 +312,7 @@ fn reconcile<K: Clone + Ord + std::hash::Hash, T>(
 }
 
 /// Applies every follower's outcomes to the routing core.
-async fn apply(core: Arc<Mutex<RouterState>>, mut rx: mpsc::Receiver<Outcome>) {
+async fn apply(core: Arc<parking_lot::Mutex<RouterState>>, mut rx: mpsc::Receiver<Outcome>) {
     while let Some(outcome) = rx.recv().await {
         // Between a reset and the next snapshot an agent's engines are not observed: their
         // predictions then live out their time as without an agent.
@@ -336,18 +334,16 @@ async fn apply(core: Arc<Mutex<RouterState>>, mut rx: mpsc::Receiver<Outcome>) {
             } => (instances, removed, "reset", false),
             Outcome::Nothing => continue,
         };
-        // The routing core's lock is taken per chunk, not for a whole snapshot or burst
-        // (a request routed meanwhile may still wait for several chunks: APPLY_CHUNK).
-        let mut applied = 0;
-        core.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .set_observed(&instances, observed);
-        for chunk in changes.chunks(APPLY_CHUNK) {
-            applied += core
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .apply_residency(&instances, chunk);
-        }
+        // One hold of the routing core's lock for the whole outcome, handed to a waiting
+        // request between steps (`warmpath_residency::steps`): a request waits for one
+        // step, never for the rest of a snapshot or burst.
+        let applied = {
+            let mut core = core.lock();
+            core.set_observed(&instances, observed);
+            warmpath_residency::steps::apply_in_steps(&mut core, &changes, |core, step| {
+                core.apply_residency(&instances, step)
+            })
+        };
         metrics::counter!(crate::metric_names::ROUTER_RESIDENCY_CHANGES_TOTAL, "kind" => kind)
             .increment(applied as u64);
     }

@@ -102,10 +102,7 @@ pub async fn follow(app: Arc<App>, raft: Arc<RaftNode>, default_tenant: Option<S
             continue;
         }
         let (tenants, pools) = from_state(&state);
-        app.core
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .set_pools(&pools);
+        app.core().set_pools(&pools);
         app.set_tokenizers(&pools);
         // Rate-limit buckets carry over: a configuration change must not refill them.
         let table = TenantTable::next(
@@ -239,12 +236,7 @@ impl std::fmt::Debug for Info {
 
 impl crate::admin::RouterInfo for Info {
     fn index_stats(&self) -> serde_json::Value {
-        let stats = self
-            .app
-            .core
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .index_stats();
+        let stats = self.app.core().index_stats();
         serde_json::to_value(stats).unwrap_or_default()
     }
 
