@@ -23,8 +23,8 @@ pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 /// Shared state of the gateway.
 pub struct App {
     pub config: RouterConfig,
-    /// The routing core; shared with residency's apply task, which needs nothing else.
-    /// parking_lot's mutex: that task hands it to a waiting request between steps
+    /// The routing core; shared with residency's apply thread, which needs nothing else.
+    /// parking_lot's mutex: that thread hands it to a waiting request between steps
     /// (`warmpath_residency::steps`), which std's cannot.
     pub core: Arc<parking_lot::Mutex<RouterState>>,
     pub client: HttpClient,

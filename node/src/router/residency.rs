@@ -136,7 +136,14 @@ impl Residency {
         let bind: SocketAddr = "0.0.0.0:0".parse()?;
         let quic = endpoint(bind, None, Some(client)).map_err(anyhow::Error::msg)?;
         let (out, rx) = mpsc::channel::<Outcome>(1024);
-        tokio::spawn(apply(core, rx));
+        // Its own thread, not a tokio task: a snapshot is milliseconds to seconds of
+        // work under the routing lock (handed to requests between steps), which would
+        // hold a runtime worker and the tasks queued on it for as long. The thread ends
+        // when the last follower's sender is dropped.
+        std::thread::Builder::new()
+            .name("residency-apply".into())
+            .spawn(move || apply(&core, rx))
+            .map_err(|e| anyhow::anyhow!("starting the residency apply thread: {e}"))?;
         let residency = Arc::new(Residency {
             quic,
             expiry,
@@ -311,9 +318,9 @@ fn reconcile<K: Clone + Ord + std::hash::Hash, T>(
     }
 }
 
-/// Applies every follower's outcomes to the routing core.
-async fn apply(core: Arc<parking_lot::Mutex<RouterState>>, mut rx: mpsc::Receiver<Outcome>) {
-    while let Some(outcome) = rx.recv().await {
+/// Applies every follower's outcomes to the routing core, on the thread it is given.
+fn apply(core: &parking_lot::Mutex<RouterState>, mut rx: mpsc::Receiver<Outcome>) {
+    while let Some(outcome) = rx.blocking_recv() {
         // Between a reset and the next snapshot an agent's engines are not observed: their
         // predictions then live out their time as without an agent.
         let (instances, changes, kind, observed) = match outcome {
