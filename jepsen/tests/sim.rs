@@ -883,21 +883,10 @@ fn raft_group_under_simulated_faults() {
     // Seeds are independent (each its own runtime, clock and directory): they run on every
     // CPU, each printing its report in seed order once all are done.
     let seeds: Vec<u64> = seeds().collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let done = Mutex::new(BTreeMap::new());
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
-    std::thread::scope(|s| {
-        for _ in 0..workers.min(seeds.len()) {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&seed) = seeds.get(i) else { break };
-                let outcome = check_seed(seed, secs, &expect);
-                done.lock().unwrap().insert(seed, outcome);
-            });
-        }
-    });
+    let outcomes =
+        warmpath::simulate::on_every_cpu(&seeds, |_, &seed| check_seed(seed, secs, &expect), || {});
     let mut failed = Vec::new();
-    for (report, failure) in done.into_inner().unwrap().into_values() {
+    for (report, failure) in outcomes {
         print!("{report}");
         failed.extend(failure);
     }

@@ -6,7 +6,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use warmpath_index::index::IndexConfig;
@@ -411,59 +411,73 @@ fn run_all(
 ) -> Result<Vec<RunReport>> {
     let total = workload.requests.len() as u64 * configs.len() as u64;
     let done: Vec<AtomicU64> = configs.iter().map(|_| AtomicU64::new(0)).collect();
-    let next = AtomicU64::new(0);
-    let results: Mutex<Vec<Option<RunReport>>> = Mutex::new(vec![None; configs.len()]);
-    let errors: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(configs.len())
-        .max(1);
     let started = Instant::now();
-    let finished = AtomicU64::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
-                let Some(config) = configs.get(i) else { break };
-                let mut progress = |p: Progress| done[i].store(p.done, Ordering::Relaxed);
-                match simulate(config, workload, &mut progress) {
-                    Ok(r) => results.lock().expect("no panics hold this lock")[i] = Some(r),
-                    Err(e) => errors
-                        .lock()
-                        .expect("no panics hold this lock")
-                        .push(e.to_string()),
-                }
-                finished.fetch_add(1, Ordering::Relaxed);
-            });
-        }
-        // Progress bar on stderr for runs longer than a couple of seconds.
-        let mut shown = false;
-        while finished.load(Ordering::Relaxed) < configs.len() as u64 {
-            std::thread::sleep(Duration::from_millis(100));
+    // Progress bar on stderr for runs longer than a couple of seconds.
+    let mut shown = false;
+    let outcomes = on_every_cpu(
+        configs,
+        |i, config| {
+            let mut progress = |p: Progress| done[i].store(p.done, Ordering::Relaxed);
+            simulate(config, workload, &mut progress)
+        },
+        || {
             if show_progress && started.elapsed() > Duration::from_secs(2) {
                 let d: u64 = done.iter().map(|d| d.load(Ordering::Relaxed)).sum();
                 draw_progress(d, total, started.elapsed());
                 shown = true;
             }
+        },
+    );
+    if shown {
+        eprint!("\r{:78}\r", "");
+    }
+    let mut reports = Vec::with_capacity(outcomes.len());
+    for outcome in outcomes {
+        match outcome {
+            Ok(r) => reports.push(r),
+            Err(e) => bail!(e.to_string()),
         }
-        if shown {
-            eprint!("\r{:78}\r", "");
+    }
+    Ok(reports)
+}
+
+/// Runs `f` on each of `items` (with its position) on as many threads as there are CPUs,
+/// at most one per item, calling `tick` on this thread every 100 ms while any runs; the
+/// results come back in the items' order. A panic in `f` is a panic here once every
+/// thread has ended.
+pub fn on_every_cpu<T: Sync, R: Send>(
+    items: &[T],
+    f: impl Fn(usize, &T) -> R + Sync,
+    mut tick: impl FnMut(),
+) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new(items.iter().map(|_| None).collect());
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(items.len())
+        .max(1);
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    let r = f(i, item);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                })
+            })
+            .collect();
+        while threads.iter().any(|t| !t.is_finished()) {
+            std::thread::sleep(Duration::from_millis(100));
+            tick();
         }
     });
-    if let Some(e) = errors
+    results
         .into_inner()
-        .expect("no panics hold this lock")
+        .unwrap_or_else(|e| e.into_inner())
         .into_iter()
-        .next()
-    {
-        bail!(e);
-    }
-    Ok(results
-        .into_inner()
-        .expect("no panics hold this lock")
-        .into_iter()
-        .flatten()
-        .collect())
+        .map(|r| r.expect("every item ran: a thread that panicked ends the scope in a panic"))
+        .collect()
 }
 
 fn draw_progress(done: u64, total: u64, elapsed: Duration) {

@@ -346,9 +346,10 @@ fn apply(core: &parking_lot::Mutex<RouterState>, mut rx: mpsc::Receiver<Outcome>
         // step, never for the rest of a snapshot or burst.
         let applied = {
             let mut core = core.lock();
-            core.set_observed(&instances, observed);
+            let engines = core.agent_engines(&instances);
+            core.set_observed(&engines, observed);
             warmpath_residency::steps::apply_in_steps(&mut core, &changes, |core, step| {
-                core.apply_residency(&instances, step)
+                core.apply_residency(&engines, step)
             })
         };
         metrics::counter!(crate::metric_names::ROUTER_RESIDENCY_CHANGES_TOTAL, "kind" => kind)

@@ -208,12 +208,20 @@ impl RouterState {
             .finish(instance, prompt_tokens, prefilled, decided_at);
     }
 
-    /// Marks the engines an agent reports (by URL) as observed, or no longer.
-    pub fn set_observed(&mut self, instances: &[String], observed: bool) {
-        for url in instances {
-            if let Some(id) = self.core.instance_by_key(instance_key(url)) {
-                self.core.set_observed(id, observed);
-            }
+    /// The ids of an agent's engines, named by URL as the agent reports them (`None`: an
+    /// engine this router does not serve). Ids are never reused, so they stay right across
+    /// configuration changes for as long as they are held.
+    pub fn agent_engines(&self, instances: &[String]) -> Vec<Option<InstanceId>> {
+        instances
+            .iter()
+            .map(|url| self.core.instance_by_key(instance_key(url)))
+            .collect()
+    }
+
+    /// Marks an agent's engines ([`Self::agent_engines`]) as observed, or no longer.
+    pub fn set_observed(&mut self, engines: &[Option<InstanceId>], observed: bool) {
+        for &id in engines.iter().flatten() {
+            self.core.set_observed(id, observed);
         }
     }
 
@@ -238,21 +246,18 @@ impl RouterState {
         self.core.apply_shared(decisions, now)
     }
 
-    /// Applies an agent's residency changes (`warmpath_residency`): `instances` are the agent's
-    /// engines by URL, which `Scope::Gpu` indexes and whose host L1 `Scope::L1` means.
-    /// Engines this router does not serve are skipped; returns how many changes applied.
+    /// Applies an agent's residency changes (`warmpath_residency`): `ids` are the agent's
+    /// engines ([`Self::agent_engines`]), which `Scope::Gpu` indexes and whose host L1
+    /// `Scope::L1` means. Engines this router does not serve are skipped; returns how many
+    /// changes applied.
     pub fn apply_residency(
         &mut self,
-        instances: &[String],
+        ids: &[Option<InstanceId>],
         changes: &[warmpath_residency::Change],
     ) -> usize {
         use warmpath_index::cost::Tier;
         use warmpath_residency::Scope;
         let now = self.now_us();
-        let ids: Vec<Option<InstanceId>> = instances
-            .iter()
-            .map(|url| self.core.instance_by_key(instance_key(url)))
-            .collect();
         let mut applied = 0;
         for c in changes {
             let (key, parent) = (BlockKey(c.key), c.parent.map(BlockKey));
