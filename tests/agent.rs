@@ -1748,9 +1748,10 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     assert_eq!(s.kv_unresolved, 0, "{s:?}");
 }
 
-/// Records 0115 and 0117, coarse residency: an agent in its default mode reports one key
-/// per 64 tokens of what its engine stores (one in 4 of these 16-token blocks, as of vLLM's
-/// default size), and a router that never saw the prompt credits
+/// Records 0115, 0117 and 0122, coarse residency: an agent in its default mode reports one
+/// key per 64 tokens of what its engine stores (one in 4 of these 16-token blocks, as of
+/// vLLM's default size) for a chain's first 4,096 tokens and fewer past them, and a router
+/// that never saw the prompt credits
 /// each reported key for the blocks before it: it matches the prompt's stored chain (to
 /// its last reported key), all of it observed, far deeper than the blocks it was told of,
 /// and routes the prompt to that engine rather than to the other one of the pool.
@@ -1774,7 +1775,9 @@ async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
     let deadline = Instant::now() + Duration::from_secs(20);
     let (prompt, blocks, reported) = 'found: {
         for seed in 1100.. {
-            let prompt = warmpath_index::text::words(seed, 4000);
+            // Long enough to pass 4,096 tokens, past which reported keys thin out with
+            // depth (record 0122).
+            let prompt = warmpath_index::text::words(seed, 24_000);
             let before = c.stats().await.unwrap().residency_blocks;
             let body = completion(&prompt, 1, false);
             let done = post(&http, &feeder.url, "/v1/completions", body, &[]).await;
@@ -1796,10 +1799,11 @@ async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
         }
         unreachable!()
     };
-    // One key in 4: far fewer blocks reported than the engine stored.
-    assert!(blocks >= 32, "{blocks} blocks");
+    // One key in 4 for the first 256 blocks, then fewer: far fewer than one in 4 of a
+    // chain this long.
+    assert!(blocks >= 512, "{blocks} blocks");
     assert!(
-        reported * 2 < blocks,
+        reported * 5 < blocks,
         "{reported} of {blocks} blocks reported"
     );
     eventually("the router to observe what the agent reports", || async {

@@ -175,8 +175,9 @@ pub struct AgentConfig {
     /// [`warmpath_residency::L2Window`]); 0 reports none.
     pub residency_l2_blocks: usize,
     /// Residency reports every block with its parent (`--residency-every-block`), rather
-    /// than the protocol's one key per [`warmpath_index::keys::REPORT_TOKENS`] tokens of the
-    /// pool's blocks (records 0115, 0117).
+    /// than the protocol's sample ([`warmpath_index::keys::Reporting::Tokens`]: one key per
+    /// [`warmpath_index::keys::REPORT_TOKENS`] tokens of the pool's blocks, fewer deep in
+    /// long chains; records 0115, 0117, 0122).
     pub residency_every_block: bool,
     pub max_block_bytes: u64,
     /// Keys per request at most.

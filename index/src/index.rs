@@ -32,7 +32,7 @@
 //!
 //! Time is passed in as microseconds; nothing here reads a clock.
 
-use crate::keys::BlockKey;
+use crate::keys::{BlockKey, Reporting};
 use crate::InstanceId;
 use hashbrown::HashTable;
 use std::collections::VecDeque;
@@ -96,21 +96,20 @@ pub struct IndexConfig {
     pub capacity_blocks: usize,
     /// How long a routing decision's prediction lasts without an agent's confirmation.
     pub predicted_ttl_us: u64,
-    /// Agents report one key in this many ([`crate::keys::reported`]); an observed run is
-    /// credited from one reported key to the next (see [`PrefixIndex::match_into`]). `None`
-    /// (the default): the protocol's rate for the queried pool's block size,
-    /// [`crate::keys::report_every`]. `Some(1)`: every key is reported, and an observed run
-    /// needs every block.
+    /// Agents report one key in this many at every depth ([`crate::keys::reported`]); an
+    /// observed run is credited from one reported key to the next (see
+    /// [`PrefixIndex::match_into`]). `None` (the default): the protocol's rate for the
+    /// queried pool's block size, [`Reporting::Tokens`], which thins out with depth.
+    /// `Some(1)`: every key is reported, and an observed run needs every block.
     pub report_every: Option<u32>,
 }
 
 impl IndexConfig {
-    /// One key in how many agents report of a pool of `block_tokens`-token blocks: the
-    /// configured [`IndexConfig::report_every`], else the protocol's
-    /// [`crate::keys::report_every`].
-    pub fn report_every(&self, block_tokens: u32) -> u32 {
+    /// Which keys agents report of a pool of `block_tokens`-token blocks: the configured
+    /// [`IndexConfig::report_every`], else the protocol's rate.
+    pub fn reporting(&self, block_tokens: u32) -> Reporting {
         self.report_every
-            .unwrap_or_else(|| crate::keys::report_every(block_tokens))
+            .map_or(Reporting::Tokens(block_tokens), Reporting::Every)
     }
 }
 
@@ -835,7 +834,8 @@ impl PrefixIndex {
     }
 
     /// About how many blocks `instance` holds or is predicted to hold when agents report
-    /// one key in `every` ([`PrefixIndex::report_every`]): each block observed stands for
+    /// one key in `every` (the [`Reporting::base`] rate of [`PrefixIndex::reporting`]): each
+    /// block observed stands for
     /// `every` blocks of the engine's cache, the unreported ones around it (record 0115), so
     /// a cache seen through a sampling agent is not taken for `1 / every` of its size once
     /// the predictions that named the rest expire; the live holders when they say more
@@ -1057,8 +1057,9 @@ impl PrefixIndex {
 
     /// Per-instance matched depths of `keys` at `now`, into `scratch.result`.
     ///
-    /// Observed blocks count only as a run from the first block, and agents report one key
-    /// in [`PrefixIndex::report_every`] of the pool's `block_tokens` (records 0115, 0117):
+    /// Observed blocks count only as a run from the first block, and agents report the keys
+    /// [`PrefixIndex::reporting`] picks at each depth of the pool's `block_tokens` (records
+    /// 0115, 0117, 0122: one in 4 of 16-token blocks, fewer deep in long chains):
     /// a block whose key is reported
     /// extends an instance's run when the run reaches the end of the query's previous
     /// reported key (or the query's start), so it is credited for the unreported blocks
@@ -1108,12 +1109,12 @@ impl PrefixIndex {
         // Resolve the path first: the lookups are independent, so the CPU overlaps their
         // cache misses instead of taking them one walk step at a time.
         path.clear();
-        let every = self.report_every(block_tokens);
+        let reporting = self.reporting(block_tokens);
         // The end of the previous reported key of the query (0 before the first).
         let mut reported_end = 0;
         path.extend(keys.iter().enumerate().filter_map(|(d, &k)| {
             let d = d as u32;
-            let (from, tail) = if crate::keys::reported(k, every) {
+            let (from, tail) = if reporting.reported(k, Some(d + 1)) {
                 (std::mem::replace(&mut reported_end, d + 1), NONE)
             } else {
                 (d, reported_end)
@@ -1277,10 +1278,10 @@ impl PrefixIndex {
         scratch.result
     }
 
-    /// One key in how many agents report of a pool of `block_tokens`-token blocks
-    /// ([`IndexConfig::report_every`]).
-    pub fn report_every(&self, block_tokens: u32) -> u32 {
-        self.config.report_every(block_tokens)
+    /// Which keys agents report of a pool of `block_tokens`-token blocks
+    /// ([`IndexConfig::reporting`]).
+    pub fn reporting(&self, block_tokens: u32) -> Reporting {
+        self.config.reporting(block_tokens)
     }
 
     pub fn stats(&self) -> IndexStats {
@@ -1753,6 +1754,43 @@ mod tests {
         assert_eq!(got.global_l2, at[2] as u32 + 1);
         let m = got.of(InstanceId(1));
         assert_eq!((m.gpu, m.l2), (0, at[3] as u32 + 1));
+    }
+
+    #[test]
+    fn a_long_chain_reported_by_the_protocol_is_matched_to_its_last_reported_key() {
+        use crate::cost::Tier;
+        // The protocol's rule (record 0122): at 16-token blocks one key in 4 for 256 blocks,
+        // then fewer as the chain grows. An agent reporting by it, a router expecting it.
+        let rule = Reporting::Tokens(16);
+        let chain: Vec<BlockKey> = (1..=2000u64).map(|i| k(i * 0x9e37_79b9)).collect();
+        let at: Vec<usize> = (0..chain.len())
+            .filter(|&d| rule.reported(chain[d], Some(d as u32 + 1)))
+            .collect();
+        assert!(at.len() < 2000 / 6, "{}", at.len());
+        let mut idx = PrefixIndex::new(IndexConfig::default());
+        for &d in &at {
+            idx.observe(InstanceId(0), chain[d], None, Tier::Gpu, true, 0);
+        }
+        let last = *at.last().unwrap() as u32 + 1;
+        let m = idx.match_prefix(&chain, 16, 1).of(InstanceId(0));
+        assert_eq!((m.gpu, m.observed_gpu), (last, last));
+        // A deep reported key missing (its block evicted) ends the run at the one before.
+        let gone = at[at.len() - 3];
+        idx.observe(InstanceId(0), chain[gone], None, Tier::Gpu, false, 0);
+        let m = idx.match_prefix(&chain, 16, 1).of(InstanceId(0));
+        assert_eq!(m.observed_gpu, at[at.len() - 4] as u32 + 1);
+        // A router expecting one key in 4 everywhere (before 0122) stops at the first deep
+        // key it misses: never more than the chain holds.
+        let mut old = reporting_every(4);
+        for &d in &at {
+            old.observe(InstanceId(0), chain[d], None, Tier::Gpu, true, 0);
+        }
+        let m = old.match_prefix(&chain, 16, 1).of(InstanceId(0));
+        assert!(
+            m.observed_gpu >= 256 - 8 && m.observed_gpu < last,
+            "{}",
+            m.observed_gpu
+        );
     }
 
     #[test]

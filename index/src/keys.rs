@@ -44,8 +44,62 @@ pub const REPORT_TOKENS: u32 = 64;
 /// at every block size: at one key in 4 of Mooncake's 512-token blocks a reported key would
 /// stand for 2,048 tokens (record 0117).
 pub fn report_every(block_tokens: u32) -> u32 {
-    let every = (REPORT_TOKENS / block_tokens.max(1)).max(1);
-    1 << every.ilog2()
+    Reporting::Tokens(block_tokens).base()
+}
+
+/// Past `2 × REPORT_PRECISION × REPORT_TOKENS` tokens into a chain (4,096), reported keys
+/// thin out with depth: about one per `1 / REPORT_PRECISION` of the depth (record 0122), so
+/// each doubling of a chain's length adds about `REPORT_PRECISION` reported keys rather than
+/// one per [`REPORT_TOKENS`] tokens. A key then vouches for its prefix to within about 3% of
+/// its depth, where a miss costs that share of a long prefill.
+pub const REPORT_PRECISION: u32 = 32;
+
+/// Which keys of a chain an agent reports and a router expects to see reported (records
+/// 0115, 0117, 0122): [`Reporting::every_at`] a depth, picked by [`reported`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reporting {
+    /// One key in this many at every depth (1: every key; a fixed rate for comparisons,
+    /// `warmpath agent --residency-every-block`, `simulate --residency-report-every`).
+    Every(u32),
+    /// The protocol's rate for a pool of blocks of this many tokens: one key per
+    /// [`REPORT_TOKENS`] tokens (at least every block) of a chain's first 4,096 tokens, then
+    /// a stride of the largest power of two at most `depth / REPORT_PRECISION` tokens.
+    Tokens(u32),
+}
+
+impl Reporting {
+    /// One key in how many is reported at `depth` (the block's place in its chain, 1 for
+    /// the first block): a power of two, never less than at a shallower depth, so the keys
+    /// reported at a depth are among those reported at any shallower one.
+    pub fn every_at(self, depth: u32) -> u32 {
+        match self {
+            Reporting::Every(n) => n.max(1).next_power_of_two(),
+            Reporting::Tokens(block_tokens) => {
+                let block_tokens = u64::from(block_tokens.max(1));
+                let tokens = u64::from(depth.max(1)) * block_tokens;
+                let stride = (tokens / u64::from(REPORT_PRECISION)).max(u64::from(REPORT_TOKENS));
+                let every = (floor_pow2(stride) / block_tokens).max(1);
+                floor_pow2(every).min(1 << 31) as u32
+            }
+        }
+    }
+
+    /// One key in how many is reported at the start of a chain: the rate at which a key of
+    /// unknown depth is reported (a superset of what any depth asks for).
+    pub fn base(self) -> u32 {
+        self.every_at(1)
+    }
+
+    /// Whether `key` at `depth` is reported; at an unknown depth, at the [`Reporting::base`]
+    /// rate.
+    pub fn reported(self, key: BlockKey, depth: Option<u32>) -> bool {
+        reported(key, depth.map_or(self.base(), |d| self.every_at(d)))
+    }
+}
+
+/// The largest power of two at most `n` (1 for 0).
+fn floor_pow2(n: u64) -> u64 {
+    1 << n.max(1).ilog2()
 }
 
 /// Whether a block of key `key` is one agents report when they report one key in `every`
@@ -273,6 +327,52 @@ mod tests {
             .collect();
         assert_eq!(every, [64, 16, 4, 2, 2, 1, 1, 1, 1]);
         assert_eq!(report_every(0), 64);
+    }
+
+    #[test]
+    fn reported_keys_thin_out_with_depth_past_the_dense_start() {
+        // vLLM's 16-token blocks: one in 4 for the first 4,096 tokens (256 blocks), then
+        // the stride doubles with the depth.
+        let r = Reporting::Tokens(16);
+        let every: Vec<u32> = [1, 255, 256, 511, 512, 1023, 1024, 2048, 4096]
+            .iter()
+            .map(|&d| r.every_at(d))
+            .collect();
+        assert_eq!(every, [4, 4, 8, 8, 16, 16, 32, 64, 128]);
+        assert_eq!(r.base(), 4);
+        // Blocks of 64 tokens: every block up to 4,096 tokens; 512-token blocks (Mooncake)
+        // every block up to 32,768 tokens.
+        assert_eq!(Reporting::Tokens(64).every_at(63), 1);
+        assert_eq!(Reporting::Tokens(64).every_at(64), 2);
+        assert_eq!(Reporting::Tokens(512).every_at(63), 1);
+        assert_eq!(Reporting::Tokens(512).every_at(64), 2);
+        // A fixed rate is the same at every depth.
+        assert!([1, 100, 10_000]
+            .iter()
+            .all(|&d| Reporting::Every(4).every_at(d) == 4));
+        assert_eq!(Reporting::Every(0).every_at(7), 1);
+        // Never finer with depth, and what a depth reports is reported at every shallower
+        // depth (so a key of unknown depth, reported at the base rate, is never missing).
+        for b in [1, 16, 48, 64, 512] {
+            let r = Reporting::Tokens(b);
+            let mut prev = r.base();
+            for d in 1..100_000 {
+                let e = r.every_at(d);
+                assert!(e >= prev && e.is_power_of_two(), "{b} {d}");
+                prev = e;
+            }
+        }
+        for k in 0..10_000u64 {
+            let key = BlockKey(k);
+            if r.reported(key, Some(4096)) {
+                assert!(r.reported(key, Some(300)) && r.reported(key, None));
+            }
+        }
+        // A 64k-token chain of 16-token blocks reports about 64 + 4 × 32 keys, not 1,000.
+        let n = (1..=4000u32)
+            .filter(|&d| r.reported(BlockKey(u64::from(d) * 7919), Some(d)))
+            .count();
+        assert!((150..260).contains(&n), "{n}");
     }
 
     #[test]

@@ -524,7 +524,7 @@ fn prefix_aware(
     // Holders of the prefix: longest match, then least loaded, then least cached data.
     // Candidates holding none of it: least cached data first, so new prefixes spread over
     // the fleet's memory (saturation still keeps the load even).
-    let every = view.index.report_every(config.block_tokens);
+    let every = view.index.reporting(config.block_tokens).base();
     // A match's worth depends on its depths alone, and most candidates share theirs with
     // the candidate before: it is figured again only when they change.
     let memo = std::cell::Cell::new(None::<((u32, u32, u32), u64)>);

@@ -90,10 +90,11 @@ pub struct AgentArgs {
     /// whatever the cluster's size.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub residency_max_routers: u32,
-    /// Report every block to routers, not one key per 64 tokens of the pool's blocks (one
-    /// in 4 of vLLM's 16-token blocks; records 0115 and 0117, coarse residency): for
+    /// Report every block to routers, not the protocol's sample (one key per 64 tokens of
+    /// the pool's blocks for a chain's first 4,096 tokens, fewer past them: one in 4 of
+    /// vLLM's 16-token blocks there; records 0115, 0117 and 0122, coarse residency): for
     /// comparing with full residency. Routers of any build take it; at 16-token blocks it
-    /// costs 4 times the residency bandwidth.
+    /// costs 4 times the residency bandwidth of short prompts, 16 and more of long ones.
     #[arg(long)]
     pub residency_every_block: bool,
     /// Directory of the cluster's TLS files (`warmpath certs`): ca.pem, NAME.pem, NAME.key.

@@ -77,11 +77,12 @@ pub struct SimulateArgs {
     /// none). Binds only at fleet rates: 500,000 keys/s is about 5.5 MB/s of gossip.
     #[arg(long, default_value_t = warmpath_index::router::DECISION_BUDGET_KEYS_PER_S)]
     pub gossip_budget_keys: u64,
-    /// Agents report one block key in this many and routers credit each reported key for
-    /// the blocks before it (records 0115 and 0117, coarse residency; a power of two, else
-    /// the next one up); 1: every block, as before 0115. Default: the protocol's, one key
-    /// per 64 tokens of the workload's blocks (one in 4 of 16-token blocks, every one of the
-    /// Mooncake trace's 512-token blocks).
+    /// Agents report one block key in this many at every depth and routers credit each
+    /// reported key for the blocks before it (records 0115 and 0117, coarse residency; a
+    /// power of two, else the next one up); 1: every block, as before 0115. Default: the
+    /// protocol's, one key per 64 tokens of the workload's blocks (one in 4 of 16-token
+    /// blocks, every one of the Mooncake trace's 512-token blocks) up to 4,096 tokens into
+    /// a chain, then about one per 1/32 of the depth (record 0122).
     #[arg(long)]
     pub residency_report_every: Option<u32>,
     /// Tier loads stall the step that admits them, instead of running beside the batch as
@@ -186,7 +187,7 @@ pub struct ClusterSummary {
     pub agent_feed_ms: Option<f64>,
     /// Routers following each agent; None: all.
     pub residency_followers: Option<u32>,
-    /// Agents report one key in this many (1: every block).
+    /// Agents report one key in this many at a chain's start (1: every block).
     pub residency_report_every: u32,
     pub gpu_kv_tokens_per_instance: u64,
     pub l1_kv_tokens_per_host: u64,
@@ -378,7 +379,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             sharing,
             agent_feed_ms: (!args.no_agent_feed).then_some(args.agent_feed_ms),
             residency_followers: args.residency_followers,
-            residency_report_every: index.report_every(bt),
+            residency_report_every: index.reporting(bt).base(),
             gpu_kv_tokens_per_instance: u64::from(gpu_blocks) * u64::from(bt),
             l1_kv_tokens_per_host: args.l1_kv_tokens,
             l2_kv_tokens: args.l2_kv_tokens,

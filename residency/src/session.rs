@@ -19,20 +19,24 @@
 //! scope: one engine's GPU (by its index in the snapshot's instance list), the host's L1
 //! (every engine on the host can load from it), or the global L2.
 //!
-//! **Coarse residency** (records 0115, 0117): a publisher sends only the blocks whose keys
-//! [`warmpath_index::keys::reported`] picks, about one per
-//! [`warmpath_index::keys::REPORT_TOKENS`] tokens of its pool's blocks
-//! ([`Publisher::report_for_block_tokens`]; every block until it knows their size), in
-//! deltas and snapshots alike, and without a parent: the reported key before one is some
-//! blocks back, and an index that linked the two would see a branch where the router's own
-//! chain continues (record 0115 measured it). Routers credit a reported key for the
-//! unreported blocks before it. [`Publisher::reporting_every`]`(1)` reports every block
-//! with its parent, as publishers did before.
+//! **Coarse residency** (records 0115, 0117, 0122): a publisher sends only the blocks whose
+//! keys [`Reporting::Tokens`] picks at their depth, one per
+//! [`warmpath_index::keys::REPORT_TOKENS`] tokens of its pool's blocks for a chain's first
+//! 4,096 tokens and fewer past them ([`Publisher::report_for_block_tokens`]; every block
+//! until it knows their size), in deltas and snapshots alike, and without a parent: the
+//! reported key before one is some blocks back, and an index that linked the two would see
+//! a branch where the router's own chain continues (record 0115 measured it). A block's
+//! depth is learned from the chain its GPU store names (a parent, or none: a chain's first
+//! block); a put that names no chain (an L1 or L2 block the engine stored) takes the depth
+//! its GPU store told, else the shallowest rate, which includes whatever a router expects.
+//! Routers credit a reported key for the unreported blocks before it.
+//! [`Publisher::reporting_every`]`(1)` reports every block with its parent, as publishers
+//! did before.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
-use warmpath_index::keys::{report_every, reported, BlockKey};
+use warmpath_index::keys::{reported, BlockKey, Reporting};
 
 /// Where a block is held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -123,6 +127,11 @@ pub enum Wire {
     V1Reply(Reply),
 }
 
+/// Block depths a [`Publisher`] remembers: about what 16 engines' GPUs and an L1 of some
+/// hundred GB hold in 16-token blocks (24 bytes each with the map's and the queue's share);
+/// a depth forgotten costs only bandwidth (the block is reported at the shallowest rate).
+pub const MAX_DEPTHS: usize = 1 << 20;
+
 /// Blocks per snapshot chunk: keeps one message near 64 KiB.
 pub const SNAPSHOT_CHUNK: usize = 2048;
 
@@ -132,11 +141,17 @@ pub struct Publisher {
     epoch: u64,
     seq: u64,
     instances: Vec<String>,
-    /// One key in this many is reported ([`warmpath_index::keys::reported`]).
-    every: u32,
-    /// Whether `every` was fixed by [`Publisher::reporting_every`] rather than by the
+    /// Which keys are reported ([`Reporting`]).
+    reporting: Reporting,
+    /// Whether `reporting` was fixed by [`Publisher::reporting_every`] rather than by the
     /// pool's block size.
     fixed: bool,
+    /// Blocks' places in their chains (1: a chain's first block), learned from the changes
+    /// that name a parent: what [`Reporting::Tokens`] needs. At most [`MAX_DEPTHS`], the
+    /// oldest forgotten first (`depth_order`); a block whose depth is not known is reported
+    /// at the shallowest rate, which includes what any depth asks for.
+    depths: HashMap<u64, u32>,
+    depth_order: VecDeque<u64>,
     /// The reported blocks every tier holds now, with the parents they are reported with.
     held: HashMap<(Scope, u64), Option<u64>>,
     /// Changes of reported blocks not sent yet.
@@ -151,8 +166,10 @@ impl Publisher {
             epoch,
             seq: 0,
             instances,
-            every: 1,
+            reporting: Reporting::Every(1),
             fixed: false,
+            depths: HashMap::new(),
+            depth_order: VecDeque::new(),
             held: HashMap::new(),
             pending: Vec::new(),
         }
@@ -161,31 +178,57 @@ impl Publisher {
     /// This publisher reports one key in `every` whatever the block size (1: every block,
     /// as `warmpath agent --residency-every-block` does; a router takes any publisher that
     /// reports at least its keys). Set before anything is recorded.
-    pub fn reporting_every(mut self, every: u32) -> Self {
+    pub fn reporting_every(self, every: u32) -> Self {
+        self.reporting(Reporting::Every(every))
+    }
+
+    /// This publisher reports the keys `reporting` picks whatever the block size (the
+    /// simulator gives it its routers' rule). Set before anything is recorded.
+    pub fn reporting(mut self, reporting: Reporting) -> Self {
         debug_assert!(self.held.is_empty(), "set before recording");
-        self.every = every;
+        self.reporting = reporting;
         self.fixed = true;
         self
     }
 
-    /// The pool's blocks are `block_tokens` tokens: report one key in
-    /// [`warmpath_index::keys::report_every`] of them from now on, unless
-    /// [`Publisher::reporting_every`] fixed the rate. Until it is called a publisher
-    /// reports every block (it does not know how coarse to be; routers take more than they
-    /// ask for). Blocks reported before keep being reported until they go.
+    /// The pool's blocks are `block_tokens` tokens: report the keys the protocol picks of
+    /// them ([`Reporting::Tokens`]: one in 4 of 16-token blocks, fewer deep in long chains)
+    /// from now on, unless [`Publisher::reporting_every`] fixed the rate. Until it is called
+    /// a publisher reports every block (it does not know how coarse to be; routers take
+    /// more than they ask for). Blocks reported before keep being reported until they go.
     pub fn report_for_block_tokens(&mut self, block_tokens: u32) {
         if !self.fixed {
-            self.every = report_every(block_tokens);
+            self.reporting = Reporting::Tokens(block_tokens);
         }
     }
 
-    /// One key in how many this publisher reports now.
-    pub fn every(&self) -> u32 {
-        self.every
+    /// Which keys this publisher reports now.
+    pub fn rule(&self) -> Reporting {
+        self.reporting
     }
 
-    fn reported(&self, key: u64) -> bool {
-        reported(BlockKey(key), self.every)
+    /// Block `change`'s place in its chain, if known: remembered, else its parent's plus
+    /// one (a GPU block without a parent starts its chain; an L1 or L2 put names no chain),
+    /// remembered when the change stores it.
+    fn depth(&mut self, change: &Change) -> Option<u32> {
+        if let Some(&d) = self.depths.get(&change.key) {
+            return Some(d);
+        }
+        let d = match (change.parent, change.scope) {
+            (Some(p), _) => self.depths.get(&p).map(|&d| d.saturating_add(1)),
+            (None, Scope::Gpu(_)) => Some(1),
+            (None, _) => None,
+        }?;
+        if change.present {
+            if self.depth_order.len() >= MAX_DEPTHS {
+                if let Some(old) = self.depth_order.pop_front() {
+                    self.depths.remove(&old);
+                }
+            }
+            self.depths.insert(change.key, d);
+            self.depth_order.push_back(change.key);
+        }
+        Some(d)
     }
 
     pub fn epoch(&self) -> u64 {
@@ -201,11 +244,17 @@ impl Publisher {
         // A block reported at a finer rate before the block size was known is reported
         // until it goes.
         let goes = was && !change.present;
-        if !goes && !self.reported(change.key) {
+        let depth = match self.reporting {
+            Reporting::Every(_) => None,
+            Reporting::Tokens(_) => self.depth(&change),
+        };
+        let every = depth.map_or(self.reporting.base(), |d| self.reporting.every_at(d));
+        if !goes && !reported(BlockKey(change.key), every) {
             return;
         }
+        // A sampled block's parent is most likely not reported (record 0115).
         let mut change = change;
-        if self.every > 1 {
+        if every > 1 {
             change.parent = None;
         }
         if change.present {
@@ -727,13 +776,13 @@ mod tests {
         let unreported: Vec<u64> = chain.iter().copied().filter(|k| !at.contains(k)).collect();
         let mut p = Publisher::new(1, vec!["e0".into()]);
         // Before the block size is known: every block.
-        assert_eq!(p.every(), 1);
+        assert_eq!(p.rule(), Reporting::Every(1));
         p.record(add(Scope::L1, unreported[0], None));
         p.record(add(Scope::L1, unreported[1], None));
         assert!(matches!(p.next(false, 0), Some(Msg::Delta { changes, .. }) if changes.len() == 2));
         // 16-token blocks: one key in 4 (64 tokens); 512-token blocks would be every one.
         p.report_for_block_tokens(16);
-        assert_eq!(p.every(), 4);
+        assert_eq!(p.rule(), Reporting::Tokens(16));
         for &key in &chain {
             p.record(add(Scope::Gpu(0), key, None));
         }
@@ -750,10 +799,56 @@ mod tests {
         // A fixed rate stays fixed.
         let mut fixed = full(2, vec!["e0".into()]);
         fixed.report_for_block_tokens(16);
-        assert_eq!(fixed.every(), 1);
+        assert_eq!(fixed.rule(), Reporting::Every(1));
         let mut p = Publisher::new(3, vec!["e0".into()]);
         p.report_for_block_tokens(512);
-        assert_eq!(p.every(), 1);
+        assert_eq!(p.rule().base(), 1);
+    }
+
+    #[test]
+    fn a_publisher_thins_out_a_long_chain_by_depth_and_reports_puts_of_unknown_depth_densely() {
+        // A 16k-token chain of 16-token blocks, stored on the GPU with its parents.
+        let chain: Vec<u64> = (1..=1024u64).map(|k| k * 0x9e37_79b9).collect();
+        let rule = Reporting::Tokens(16);
+        let mut p = Publisher::new(1, vec!["e0".into()]);
+        p.report_for_block_tokens(16);
+        for (d, &key) in chain.iter().enumerate() {
+            p.record(add(Scope::Gpu(0), key, d.checked_sub(1).map(|d| chain[d])));
+        }
+        let Some(Msg::Delta { changes, .. }) = p.next(false, 0) else {
+            panic!("a delta");
+        };
+        let want: Vec<u64> = chain
+            .iter()
+            .enumerate()
+            .filter(|&(d, &k)| rule.reported(BlockKey(k), Some(d as u32 + 1)))
+            .map(|(_, &k)| k)
+            .collect();
+        assert_eq!(changes.iter().map(|c| c.key).collect::<Vec<_>>(), want);
+        assert!(changes.iter().all(|c| c.parent.is_none()));
+        // Fewer than one in 4 of the chain: 64 in its first 256 blocks, about 32 per
+        // doubling after.
+        assert!(want.len() < 160, "{}", want.len());
+        // An L1 put of a block whose depth the GPU's chain told is sampled at that depth; a
+        // put of a block never seen in a chain, at the shallowest rate.
+        let deep = chain[900];
+        let stranger = (0..)
+            .find(|&k| reported(BlockKey(k), 4) && !reported(BlockKey(k), 64))
+            .unwrap();
+        p.record(add(Scope::L1, deep, None));
+        p.record(add(Scope::L1, stranger, None));
+        let sent: Vec<u64> = match p.next(false, 0) {
+            Some(Msg::Delta { changes, .. }) => changes.iter().map(|c| c.key).collect(),
+            _ => Vec::new(),
+        };
+        assert_eq!(sent.contains(&deep), want.contains(&deep));
+        assert_eq!(
+            sent,
+            [deep, stranger]
+                .into_iter()
+                .filter(|k| *k == stranger || want.contains(k))
+                .collect::<Vec<_>>()
+        );
     }
 
     #[test]

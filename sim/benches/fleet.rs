@@ -9,9 +9,10 @@
 //! `FLEET_SHARED_OBSERVED`, if set, the routing measurements' cores also have the
 //! workload's shared prefixes observed on every instance, as agents report them (a system
 //! prompt cached fleet-wide);
-//! `FLEET_REPORT_EVERY`, the agent reports one block key in this many, default
-//! the protocol's for its 16-token blocks ([`report_every`], records 0115 and 0117; 1: every
-//! block, as before them)).
+//! `FLEET_REPORT_EVERY`, the agent reports one block key in this many at every depth;
+//! unset, the protocol's rule for its 16-token blocks ([`Reporting::Tokens`], records
+//! 0115, 0117 and 0122: one key in 4 for a chain's first 4,096 tokens, fewer past them);
+//! 1: every block, as before them).
 //!
 //! What is measured, and what is multiplied:
 //!
@@ -71,7 +72,7 @@ use std::time::{Duration, Instant};
 use std::io::Write as _;
 use warmpath_index::cost::{ModelProfile, Tier};
 use warmpath_index::index::IndexConfig;
-use warmpath_index::keys::{report_every, reported, BlockKey};
+use warmpath_index::keys::{BlockKey, Reporting};
 use warmpath_index::policy::{PolicyConfig, RouteRequest, Strategy};
 use warmpath_index::rng::Rng;
 use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
@@ -204,7 +205,7 @@ fn sample_at(samples: &[HostSample], host_rate: f64) -> HostSample {
 }
 
 /// Runs one host's engines on `w` for `seconds` of simulated time.
-fn sample_host(w: &Workload, host_rate: f64, seconds: f64, every: u32) -> HostSample {
+fn sample_host(w: &Workload, host_rate: f64, seconds: f64, rule: Reporting) -> HostSample {
     let cfg = EngineConfig::default();
     let profile = ModelProfile::dynamo_default();
     let mut engines: Vec<Engine> = (0..ENGINES_PER_HOST)
@@ -212,8 +213,8 @@ fn sample_host(w: &Workload, host_rate: f64, seconds: f64, every: u32) -> HostSa
         .collect();
     let mut router = core(ENGINES_PER_HOST, false);
     let mut l2 = TierSet::lru(0);
-    let mut publisher = Publisher::new(1, (0..ENGINES_PER_HOST).map(|i| format!("i{i}")).collect())
-        .reporting_every(every);
+    let mut publisher =
+        Publisher::new(1, (0..ENGINES_PER_HOST).map(|i| format!("i{i}")).collect()).reporting(rule);
     let parents: std::collections::HashMap<BlockKey, BlockKey> = w
         .requests
         .iter()
@@ -681,7 +682,17 @@ fn main() {
     let workloads: String = env_or("FLEET_WORKLOADS", "chat,conversation,longdoc".to_string());
     let seconds: f64 = env_or("FLEET_SECONDS", 10.0);
     let reps: usize = env_or("FLEET_REPS", 3);
-    let every: u32 = env_or("FLEET_REPORT_EVERY", report_every(BLOCK_TOKENS));
+    let rule = std::env::var("FLEET_REPORT_EVERY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Reporting::Tokens(BLOCK_TOKENS), Reporting::Every);
+    let every = match rule {
+        Reporting::Every(n) => format!("one key in {n}"),
+        Reporting::Tokens(_) => format!(
+            "the protocol's keys (one in {} for a chain's first 4,096 tokens, fewer past them)",
+            rule.base()
+        ),
+    };
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "fleet bench: {cores} CPUs visible, load average {}, {} simulated s per host sample, {reps} latency repetitions",
@@ -694,7 +705,7 @@ fn main() {
         seconds
     );
     println!(
-        "engine model: {ENGINES_PER_HOST} engines per host, vLLM defaults ({BLOCK_TOKENS}-token blocks, 25,600 GPU blocks, no L1), kv-aware placement inside the host; agents report one key in {every}"
+        "engine model: {ENGINES_PER_HOST} engines per host, vLLM defaults ({BLOCK_TOKENS}-token blocks, 25,600 GPU blocks, no L1), kv-aware placement inside the host; agents report {every}"
     );
     let mut lat_workload = None;
     let mut worst: Option<(String, f64, f64)> = None;
@@ -715,7 +726,7 @@ fn main() {
         for &hr in &host_rates {
             let w = workload(kind, hr, seconds, 5);
             let t = Instant::now();
-            let s = sample_host(&w, hr, seconds, every);
+            let s = sample_host(&w, hr, seconds, rule);
             println!(
                 "| {hr:.0} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {:.1} | {} | {:.1} |",
                 s.completed,
@@ -821,7 +832,7 @@ fn main() {
     let shared = shared_prefixes(&w);
     if observed_everywhere {
         println!(
-            "(FLEET_SHARED_OBSERVED: the workload's {} shared prefixes, {} blocks in all, observed on every instance at one key in {every}, as agents report them)",
+            "(FLEET_SHARED_OBSERVED: the workload's {} shared prefixes, {} blocks in all, observed on every instance, {every}, as agents report them)",
             shared.len(),
             shared.iter().map(Vec::len).sum::<usize>()
         );
@@ -830,7 +841,11 @@ fn main() {
         let (mut c, bpe, entries) = filled_core(instances, &mut Rng::new(11));
         if observed_everywhere {
             for prefix in &shared {
-                for &key in prefix.iter().filter(|&&k| reported(k, every)) {
+                let reported = prefix
+                    .iter()
+                    .enumerate()
+                    .filter(|&(d, &k)| rule.reported(k, Some(d as u32 + 1)));
+                for (_, &key) in reported {
                     for i in 0..instances {
                         c.observe(InstanceId(i), key, None, Tier::Gpu, true, 0);
                     }

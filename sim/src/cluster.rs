@@ -368,6 +368,9 @@ struct Feed {
     expiry_us: u64,
     /// Parent of each key of the workload, for the changes' chains (the index keeps trees).
     parent_of: HashMap<BlockKey, BlockKey>,
+    /// Each key's place in its chain (1: a prompt's first block): a restarted agent's
+    /// replay goes parents first, as an engine's replay does.
+    depth_of: HashMap<BlockKey, u32>,
 }
 
 /// An agent's state, as far as faults go.
@@ -382,10 +385,9 @@ enum Agent {
 }
 
 /// A host's residency publisher, reporting at the routers' rate for the engines' block size
-/// ([`IndexConfig::report_every`]): a simulated agent knows its block size from the start.
+/// ([`IndexConfig::reporting`]): a simulated agent knows its block size from the start.
 fn publisher(config: &ClusterConfig, epoch: u64, instances: Vec<String>) -> Publisher {
-    Publisher::new(epoch, instances)
-        .reporting_every(config.index.report_every(config.engine.block_tokens))
+    Publisher::new(epoch, instances).reporting(config.index.reporting(config.engine.block_tokens))
 }
 
 impl Feed {
@@ -419,9 +421,13 @@ impl Feed {
             })
             .collect();
         let mut parent_of = HashMap::new();
+        let mut depth_of = HashMap::new();
         for r in &workload.requests {
             for w in r.keys.windows(2) {
                 parent_of.insert(w[1], w[0]);
+            }
+            for (d, &k) in r.keys.iter().enumerate() {
+                depth_of.insert(k, d as u32 + 1);
             }
         }
         Feed {
@@ -433,6 +439,7 @@ impl Feed {
             links: vec![(0, true); config.routers as usize],
             expiry_us,
             parent_of,
+            depth_of,
         }
     }
 
@@ -975,7 +982,9 @@ impl<'a> Run<'a> {
             self.feed.starts += 1;
             let epoch = (self.feed.starts << 32) | (u64::from(h) + 1);
             let mut publisher = publisher(self.config, epoch, vec![format!("i{h}")]);
-            for key in self.engines[h as usize].gpu_keys() {
+            let mut keys = self.engines[h as usize].gpu_keys();
+            keys.sort_by_key(|k| (self.feed.depth_of.get(k).copied(), *k));
+            for key in keys {
                 publisher.record(Change {
                     scope: Scope::Gpu(0),
                     key: key.0,
