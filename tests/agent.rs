@@ -1759,7 +1759,12 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
 async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
     const BLOCK_TOKENS: u32 = 16;
     let engine_args = ["--block-tokens", "16", "--tokenizer", "tiktoken:o200k_base"];
-    let r = Residency::start("residency-sampled", &engine_args, &[]);
+    let mut r = Residency::start(
+        "residency-sampled",
+        &engine_args,
+        &["--metrics-listen", "127.0.0.1:0"],
+    );
+    let metrics_url = metrics_url_of(&mut r.agent);
     let other = crate::engine_sim("50", &engine_args);
     let config = r.pool_config("router.toml", &[&r.engine.url, &other.url], BLOCK_TOKENS);
     // A router whose pool is the agent's engine alone feeds it prompts (a router adds the
@@ -1821,6 +1826,13 @@ async fn a_router_learns_a_sampled_chain_from_a_real_agent_and_routes_on_it() {
         gpu > 2 * reported && gpu <= blocks,
         "matched {gpu} of {blocks} blocks, {reported} reported: {e}"
     );
+    // Both routers follow the agent over version 2 of the link (record 0123).
+    let links = |version: &str| {
+        let url = metrics_url.clone();
+        let name = format!("warmpath_agent_residency_links_total{{version=\"{version}\"}}");
+        async move { crate::router::metric(&get_text(&url).await, &name) }
+    };
+    assert!(links("2").await >= 2.0 && links("1").await == 0.0);
     println!("sampled residency: {blocks} blocks stored, {reported} reported, {gpu} matched");
 }
 

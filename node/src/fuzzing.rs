@@ -482,7 +482,7 @@ pub fn agent_frame(data: &[u8]) {
     // A residency message as a router reads it, fed to a subscriber: whatever it says, the
     // subscriber's view stays what its outcomes applied.
     use warmpath_residency::{decode, Outcome, Subscriber, Wire};
-    if let Ok(Wire::V1Msg(msg)) = decode(data) {
+    if let Some(msg) = decode(data).ok().and_then(Wire::into_msg) {
         let mut s = Subscriber::new(1_000);
         let mut view = std::collections::HashSet::new();
         for now in [0, 10] {
@@ -533,7 +533,8 @@ pub fn residency_wire(data: &[u8]) {
         wire
     );
     match wire {
-        Wire::V1Msg(m) => {
+        w @ (Wire::V1Msg(_) | Wire::V2Delta(_)) => {
+            let m = w.into_msg().expect("an agent's message");
             let _ = Subscriber::new(1_000_000).handle(0, m);
         }
         Wire::V1Reply(Reply::TenantsAt { version, tenants }) => {
@@ -974,6 +975,32 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
                     present: true,
                 }],
             })),
+        );
+        add(
+            "residency_wire",
+            "delta-v2",
+            wire(Wire::for_link(
+                Msg::Delta {
+                    epoch: 1,
+                    seq: 2,
+                    sent_ms: 5,
+                    changes: vec![
+                        Change {
+                            scope: Scope::Gpu(0),
+                            key: 7,
+                            parent: None,
+                            present: true,
+                        },
+                        Change {
+                            scope: Scope::L1,
+                            key: u64::MAX,
+                            parent: None,
+                            present: false,
+                        },
+                    ],
+                },
+                2,
+            )),
         );
         // vLLM's three frames (topic, sequence, batch), a long frame, then a command.
         let mut zmtp = vec![1, 5];

@@ -1,6 +1,8 @@
 //! The names of the metrics the residency link exports: the agent's end and the router's.
 //! The one place each name is written.
 
+/// Routers' links an agent served, by `version` of the link (1 or 2, record 0123).
+pub const AGENT_RESIDENCY_LINKS_TOTAL: &str = "warmpath_agent_residency_links_total";
 pub const AGENT_RESIDENCY_REFUSED_TOTAL: &str = "warmpath_agent_residency_refused_total";
 pub const AGENT_RESIDENCY_ROUTERS_REFUSED_TOTAL: &str =
     "warmpath_agent_residency_routers_refused_total";
@@ -12,6 +14,7 @@ pub const ROUTER_RESIDENCY_RESYNCS_TOTAL: &str = "warmpath_router_residency_resy
 
 /// Every name above.
 pub const ALL: &[&str] = &[
+    AGENT_RESIDENCY_LINKS_TOTAL,
     AGENT_RESIDENCY_REFUSED_TOTAL,
     AGENT_RESIDENCY_ROUTERS_REFUSED_TOTAL,
     AGENT_RESIDENCY_SNAPSHOTS_TOTAL,

@@ -138,12 +138,32 @@ pub async fn serve(
     }
 }
 
+/// The version of the link `conn`'s handshake settled on (its ALPN protocol): 2 where both
+/// ends offered [`crate::tls::ALPN_V2`], else 1.
+fn link_version(conn: &quinn::Connection) -> u8 {
+    let protocol = conn
+        .handshake_data()
+        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|h| h.protocol);
+    if protocol.as_deref() == Some(crate::tls::ALPN_V2) {
+        2
+    } else {
+        1
+    }
+}
+
 async fn session(
     conn: quinn::Connection,
     tx: &broadcast::Sender<Arc<Msg>>,
     residency: &Mutex<Publisher>,
     from_routers: FromRouters,
 ) -> Result<(), String> {
+    let version = link_version(&conn).min(crate::LINK_VERSION);
+    metrics::counter!(
+        crate::metric_names::AGENT_RESIDENCY_LINKS_TOTAL,
+        "version" => version.to_string()
+    )
+    .increment(1);
     let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
     // The first message must be a resync request.
     match tokio::time::timeout(Duration::from_secs(5), read_msg(&mut recv)).await {
@@ -191,7 +211,7 @@ async fn session(
         loop {
             tokio::select! {
                 m = rx.recv() => match m {
-                    Ok(m) => write_msg(&mut send, &Wire::V1Msg((*m).clone())).await?,
+                    Ok(m) => write_msg(&mut send, &Wire::for_link((*m).clone(), version)).await?,
                     Err(broadcast::error::RecvError::Lagged(_)) => break,
                     Err(broadcast::error::RecvError::Closed) => return Ok(()),
                 },
@@ -539,9 +559,8 @@ async fn read_loop(
         let msg = tokio::time::timeout(SILENCE, read_msg(recv))
             .await
             .map_err(|_| format!("nothing from the agent for {SILENCE:?}"))??;
-        let msg = match msg {
-            Wire::V1Msg(m) => m,
-            Wire::V1Reply(_) => return Err("an agent sent a router's message".into()),
+        let Some(msg) = msg.into_msg() else {
+            return Err("an agent sent a router's message".into());
         };
         let outcome = subscriber
             .lock()

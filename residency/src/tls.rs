@@ -10,7 +10,7 @@
 //! ([0102](../../docs/decisions/0102-certificate-roles.md)). A certificate of the cluster
 //! CA without a role, or with both, is refused on both sides.
 //!
-//! TLS 1.3 only (QUIC requires it), the `ring` provider, ALPN `warmpath-residency/1`.
+//! TLS 1.3 only (QUIC requires it), the `ring` provider, ALPN `warmpath-residency/2` or `/1`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,6 +23,16 @@ use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, Signatu
 
 /// The ALPN protocol of the residency session, version 1.
 pub const ALPN: &[u8] = b"warmpath-residency/1";
+
+/// Version 2 ([`crate::Wire::V2Delta`], record 0123). Agents and routers offer both, version 2
+/// first; an agent picks the first of its own list the router offered, so two ends of this
+/// build speak version 2 and either end of an older one speaks version 1.
+pub const ALPN_V2: &[u8] = b"warmpath-residency/2";
+
+/// The protocols both ends offer, preferred first.
+fn alpn_protocols() -> Vec<Vec<u8>> {
+    vec![ALPN_V2.to_vec(), ALPN.to_vec()]
+}
 
 /// What a certificate allows its holder to be on a residency link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -264,7 +274,7 @@ impl TlsFiles {
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain, key)
             .map_err(|e| format!("{}: {e}", self.cert.display()))?;
-        tls.alpn_protocols = vec![ALPN.to_vec()];
+        tls.alpn_protocols = alpn_protocols();
         let quic =
             quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| e.to_string())?;
         Ok(quinn::ServerConfig::with_crypto(Arc::new(quic)))
@@ -292,7 +302,7 @@ impl TlsFiles {
             .with_custom_certificate_verifier(verifier)
             .with_client_auth_cert(chain, key)
             .map_err(|e| format!("{}: {e}", self.cert.display()))?;
-        tls.alpn_protocols = vec![ALPN.to_vec()];
+        tls.alpn_protocols = alpn_protocols();
         let quic =
             quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| e.to_string())?;
         Ok(quinn::ClientConfig::new(Arc::new(quic)))

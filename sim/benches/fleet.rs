@@ -12,7 +12,9 @@
 //! `FLEET_REPORT_EVERY`, the agent reports one block key in this many at every depth;
 //! unset, the protocol's rule for its 16-token blocks ([`Reporting::Tokens`], records
 //! 0115, 0117 and 0122: one key in 4 for a chain's first 4,096 tokens, fewer past them);
-//! 1: every block, as before them).
+//! 1: every block, as before them);
+//! `FLEET_LINK_VERSION`, the residency link's version the stream is encoded for, default
+//! the newest (2: deltas as runs of 8-byte keys, record 0123; 1: as before it)).
 //!
 //! What is measured, and what is multiplied:
 //!
@@ -78,7 +80,7 @@ use warmpath_index::rng::Rng;
 use warmpath_index::router::{CoreConfig, CorePool, InstanceSpec, RouterCore};
 use warmpath_index::InstanceId;
 use warmpath_residency::steps::{apply_in_steps, APPLY_STEP, SHARE};
-use warmpath_residency::{encode, Change, Msg, Publisher, Scope, Wire};
+use warmpath_residency::{encode, Change, Msg, Publisher, Scope, Wire, LINK_VERSION};
 use warmpath_sim::engine::{Engine, EngineConfig, EngineEvent, EngineRequest};
 use warmpath_sim::tiers::TierSet;
 use warmpath_sim::workload::synthetic::{generate_workload, SyntheticKind, SyntheticParams};
@@ -205,7 +207,13 @@ fn sample_at(samples: &[HostSample], host_rate: f64) -> HostSample {
 }
 
 /// Runs one host's engines on `w` for `seconds` of simulated time.
-fn sample_host(w: &Workload, host_rate: f64, seconds: f64, rule: Reporting) -> HostSample {
+fn sample_host(
+    w: &Workload,
+    host_rate: f64,
+    seconds: f64,
+    rule: Reporting,
+    link: u8,
+) -> HostSample {
     let cfg = EngineConfig::default();
     let profile = ModelProfile::dynamo_default();
     let mut engines: Vec<Engine> = (0..ENGINES_PER_HOST)
@@ -340,7 +348,7 @@ fn sample_host(w: &Workload, host_rate: f64, seconds: f64, rule: Reporting) -> H
                     reported_removed += changes.len() as u64 - n;
                 }
                 deltas += 1;
-                bytes += encode(&Wire::V1Msg(m)).len() as u64;
+                bytes += encode(&Wire::for_link(m, link)).len() as u64;
             }
         }
     }
@@ -686,6 +694,7 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .map_or(Reporting::Tokens(BLOCK_TOKENS), Reporting::Every);
+    let link: u8 = env_or("FLEET_LINK_VERSION", LINK_VERSION);
     let every = match rule {
         Reporting::Every(n) => format!("one key in {n}"),
         Reporting::Tokens(_) => format!(
@@ -705,7 +714,7 @@ fn main() {
         seconds
     );
     println!(
-        "engine model: {ENGINES_PER_HOST} engines per host, vLLM defaults ({BLOCK_TOKENS}-token blocks, 25,600 GPU blocks, no L1), kv-aware placement inside the host; agents report {every}"
+        "engine model: {ENGINES_PER_HOST} engines per host, vLLM defaults ({BLOCK_TOKENS}-token blocks, 25,600 GPU blocks, no L1), kv-aware placement inside the host; agents report {every}, encoded as version {link} of the link carries them"
     );
     let mut lat_workload = None;
     let mut worst: Option<(String, f64, f64)> = None;
@@ -726,7 +735,7 @@ fn main() {
         for &hr in &host_rates {
             let w = workload(kind, hr, seconds, 5);
             let t = Instant::now();
-            let s = sample_host(&w, hr, seconds, rule);
+            let s = sample_host(&w, hr, seconds, rule, link);
             println!(
                 "| {hr:.0} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {:.1} | {} | {:.1} |",
                 s.completed,
