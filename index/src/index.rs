@@ -835,11 +835,12 @@ impl PrefixIndex {
 
     /// About how many blocks `instance` holds or is predicted to hold when agents report
     /// one key in `every` (the [`Reporting::base`] rate of [`PrefixIndex::reporting`]): each
-    /// block observed stands for
-    /// `every` blocks of the engine's cache, the unreported ones around it (record 0115), so
-    /// a cache seen through a sampling agent is not taken for `1 / every` of its size once
-    /// the predictions that named the rest expire; the live holders when they say more
-    /// (recent predictions, not yet observed). O(1).
+    /// block observed stands for `every` blocks of the engine's cache, the unreported ones
+    /// around it (record 0115), so a cache seen through a sampling agent is not taken for
+    /// `1 / every` of its size once the predictions that named the rest expire; the live
+    /// holders when they say more (recent predictions, not yet observed). Deep in long
+    /// chains a reported key stands for more than `every` blocks (record 0122), so such
+    /// caches are still undercounted. O(1).
     pub fn held_blocks_of(&self, instance: InstanceId, every: u32) -> usize {
         self.metas.get(instance.0 as usize).map_or(0, |m| {
             m.holders
