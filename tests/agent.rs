@@ -1273,7 +1273,11 @@ impl Residency {
     fn start_agent(args: &[String]) -> (Proc, AgentAddr) {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (mut p, addr) = agent(&args);
-        let line = p.read_line();
+        let mut line = p.read_line();
+        // With `--unix`, its socket's line comes first.
+        if line.contains("unix:") {
+            line = p.read_line();
+        }
         assert!(line.contains("residency"), "{line}");
         (p, addr)
     }
@@ -1746,6 +1750,91 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
     assert_eq!(e["matched"]["gpu_predicted"].as_u64(), Some(0), "{e}");
     let s = c.stats().await.unwrap();
     assert_eq!(s.kv_unresolved, 0, "{s:?}");
+}
+
+/// Record 0124: engine-sim offloads what its GPU evicts to its agent through the block API,
+/// under the hashes its KV events gave those blocks; the agent reports them in L1 as the
+/// routers' keys those events were keyed to, so a router that never saw the prompt finds
+/// its evicted blocks in the engine's host memory (before, they were reported under the
+/// engine's own keys, which no router computes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_finds_what_an_engine_offloaded_to_l1_under_its_own_keys() {
+    const BLOCK_TOKENS: u32 = 16;
+    let sock = scratch_dir("residency-offloaded-sock").join("agent.sock");
+    let sock_s = sock.to_str().unwrap().to_string();
+    let engine_agent = format!("unix:{sock_s}");
+    let r = Residency::start(
+        "residency-offloaded",
+        &[
+            "--block-tokens",
+            "16",
+            "--tokenizer",
+            "tiktoken:o200k_base",
+            // 64 GPU blocks: two of these prompts push the first out.
+            "--gpu-kv-tokens",
+            "1024",
+            "--agent",
+            &engine_agent,
+            "--agent-block-scale",
+            "0.001",
+        ],
+        &[
+            "--unix",
+            &sock_s,
+            "--l1-bytes",
+            "4MiB",
+            "--residency-every-block",
+        ],
+    );
+    let config = r.pool_config("router.toml", &[&r.engine.url], BLOCK_TOKENS);
+    let feeder = crate::router_from_config(&config, &r.certs);
+    let router = crate::router_from_config(&config, &r.certs);
+    let c = connect(&r.addr).await;
+    let http = client();
+    // About 530 tokens: 33 of the GPU's 64 blocks.
+    let prompt = |seed: u64| warmpath_index::text::words(seed, 300);
+    // Prompt 1 through the feeder (router B sees none of it), then others until the engine
+    // has offloaded blocks to L1 and the agent reports some under the routers' keys.
+    let ask = |seed: u64| {
+        let (http, url) = (http.clone(), feeder.url.clone());
+        async move {
+            let done = post(
+                &http,
+                &url,
+                "/v1/completions",
+                completion(&prompt(seed), 1, false),
+                &[],
+            )
+            .await;
+            assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
+        }
+    };
+    eventually("prompt 1 offloaded to L1 and reported", || async {
+        ask(1).await;
+        for seed in 2..5 {
+            ask(seed).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let held = c.stats().await.unwrap().residency_blocks as f64;
+        // Router B has caught up with the agent, whose L1 holds blocks.
+        held > 0.0 && observed_holders(&router.url).await == held && {
+            let l1 = c.stats().await.unwrap().l1.blocks;
+            l1 > 0
+        }
+    })
+    .await;
+    // Push prompt 1 out of the GPU once more, wait for B to catch up, then ask B once.
+    for seed in 5..8 {
+        ask(seed).await;
+    }
+    eventually("router B to catch up with the agent", || async {
+        let held = c.stats().await.unwrap().residency_blocks as f64;
+        observed_holders(&router.url).await == held
+    })
+    .await;
+    let e = explained(&http, &router.url, &prompt(1)).await;
+    let l1 = e["matched"]["l1_observed"].as_u64().unwrap_or(0);
+    assert!(l1 >= 4, "router B found {l1} blocks of prompt 1 in L1: {e}");
 }
 
 /// Records 0115, 0117 and 0122, coarse residency: an agent in its default mode reports one

@@ -20,6 +20,7 @@ use crate::config::{AgentConfig, L2Config, WritePolicy};
 use crate::hyperpod::request::ObjectName;
 use crate::hyperpod::ObjectEvent;
 use crate::ingest::{Ingest, ObjectTier, Tenants};
+use crate::kv_events::EngineHash;
 use crate::l1::{Evicted, PutError, Stored, L1};
 use crate::l2::{AnyL2, DirL2, L2Backend, L2Error, RedisL2};
 use crate::pool::BufPool;
@@ -86,6 +87,16 @@ struct Report {
     l2: Mutex<L2Window>,
     /// Notified when residency changed, so that the next delta goes out at once.
     changed: Arc<tokio::sync::Notify>,
+    /// With engines' KV events followed: a block an engine put under the hash its events
+    /// gave it is reported as the routers' keys those events were keyed to (record 0124);
+    /// any other put, and every put without the events, as the key it names.
+    ingest: Option<Arc<Mutex<Ingest>>>,
+}
+
+/// The engine hash a block-API key names: its 8 bytes, big-endian, as an engine's KV
+/// events carry a 64-bit block hash (record 0124).
+fn engine_hash(key: u64) -> EngineHash {
+    EngineHash(key.to_be_bytes().to_vec())
 }
 
 impl Report {
@@ -112,11 +123,41 @@ impl Report {
             parent: None,
             present,
         };
-        self.record(
+        self.record_mapped(
             stored
                 .map(|id| change(id, true))
                 .chain(evicted.map(|id| change(id, false))),
         );
+    }
+
+    /// Records changes of blocks named as the puts name them: as the keys the engines'
+    /// events gave the blocks where those events named them, else as they are (mapped
+    /// under the ingest's lock, recorded after it, as the KV-event subscribers do).
+    fn record_mapped(&self, changes: impl IntoIterator<Item = Change>) {
+        let Some(ingest) = &self.ingest else {
+            return self.record(changes);
+        };
+        let mapped: Vec<Change> = {
+            let mut ingest = ingest.lock().unwrap_or_else(|p| p.into_inner());
+            let mut out = Vec::new();
+            for c in changes {
+                let tier = match c.scope {
+                    Scope::L2 => ObjectTier::L2,
+                    _ => ObjectTier::L1,
+                };
+                let hash = engine_hash(c.key);
+                let mapped = match c.present {
+                    true => ingest.block_put(&hash, tier),
+                    false => ingest.block_gone(&hash, tier),
+                };
+                match mapped {
+                    Some(changes) => out.extend(changes),
+                    None => out.push(c),
+                }
+            }
+            out
+        };
+        self.record(mapped);
     }
 
     /// L2 now holds `stored`, and its store evicted `evicted` to make room.
@@ -127,7 +168,7 @@ impl Report {
             c.extend(evicted.iter().filter_map(|id| w.gone(id.key.0)));
             c
         };
-        self.record(changes);
+        self.record_mapped(changes);
     }
 
     /// L2 was found not to hold `id`.
@@ -137,7 +178,7 @@ impl Report {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .gone(id.key.0);
-        self.record(change);
+        self.record_mapped(change);
     }
 }
 
@@ -168,25 +209,6 @@ impl Agent {
             // Else it reports every block until the engines' first store tells the size.
             publisher.report_for_block_tokens(config.kv_block_tokens);
         }
-        let report = Arc::new(Report {
-            residency: Arc::new(Mutex::new(publisher)),
-            l2: Mutex::new(L2Window::new(config.residency_l2_blocks)),
-            changed: Arc::new(tokio::sync::Notify::new()),
-        });
-        let pool = BufPool::new(pool_bytes(config.l1_bytes));
-        let l2_writes = l2.as_ref().map(|l2| {
-            let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
-            let seal = seal_of(&config);
-            tokio::spawn(write_l2(
-                l2.clone(),
-                rx,
-                counters.clone(),
-                report.clone(),
-                seal,
-                pool.clone(),
-            ));
-            tx
-        });
         let tenants = if config.kv_tenants.is_empty() {
             Tenants::Fixed("engine-sim".into())
         } else {
@@ -203,6 +225,26 @@ impl Agent {
         // to it, and CPU-tier blocks that come before any GPU store are reported.
         ingest.set_block_tokens(Some(config.kv_block_tokens));
         let ingest = Arc::new(Mutex::new(ingest));
+        let report = Arc::new(Report {
+            residency: Arc::new(Mutex::new(publisher)),
+            l2: Mutex::new(L2Window::new(config.residency_l2_blocks)),
+            changed: Arc::new(tokio::sync::Notify::new()),
+            ingest: (!config.kv_events.is_empty()).then(|| ingest.clone()),
+        });
+        let pool = BufPool::new(pool_bytes(config.l1_bytes));
+        let l2_writes = l2.as_ref().map(|l2| {
+            let (tx, rx) = mpsc::channel(config.l2_write_queue.max(1));
+            let seal = seal_of(&config);
+            tokio::spawn(write_l2(
+                l2.clone(),
+                rx,
+                counters.clone(),
+                report.clone(),
+                seal,
+                pool.clone(),
+            ));
+            tx
+        });
         let agent = Arc::new(Agent {
             l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),
             config,

@@ -524,6 +524,32 @@ impl Ingest {
     /// loaded back: L1; evicted to L2: L2, and no longer L1). Its pool blocks are
     /// reported there when an engine's event block of that hash is keyed, now or later.
     pub fn object_held(&mut self, hash: &EngineHash, tier: ObjectTier) -> Vec<Change> {
+        self.held_in(hash, tier, true)
+    }
+
+    /// A block an engine put through the agent's block API is held in `tier`, named by a
+    /// key that may be the hash its KV events gave it (record 0124). If an engine's event
+    /// block of that hash is known (or a put of it was), it is followed as an object of the
+    /// store, its pool blocks reported there, except that L1 and L2 hold it independently
+    /// (a write to L2 leaves L1 as it is); `None` if not: the caller reports the key as it
+    /// is (a client that puts the routers' own keys).
+    pub fn block_put(&mut self, hash: &EngineHash, tier: ObjectTier) -> Option<Vec<Change>> {
+        let known = self.objects.contains_key(hash)
+            || self.engines.iter().any(|v| v.blocks.contains_key(hash));
+        known.then(|| self.held_in(hash, tier, false))
+    }
+
+    /// A block put through the block API is no longer held in `tier`: what
+    /// [`Ingest::block_put`] reported of it is withdrawn; `None` if it followed no such put.
+    pub fn block_gone(&mut self, hash: &EngineHash, tier: ObjectTier) -> Option<Vec<Change>> {
+        self.objects
+            .contains_key(hash)
+            .then(|| self.object_gone(hash, tier))
+    }
+
+    /// [`Ingest::object_held`] (`spill`: held in L2 means no longer in L1) and
+    /// [`Ingest::block_put`].
+    fn held_in(&mut self, hash: &EngineHash, tier: ObjectTier, spill: bool) -> Vec<Change> {
         let mut out = Vec::new();
         if !self.objects.contains_key(hash) {
             if self.objects.len() >= MAX_OBJECTS {
@@ -551,7 +577,7 @@ impl Ingest {
             ObjectTier::L1 => (!std::mem::replace(&mut o.l1, true), false),
             ObjectTier::L2 => (
                 !std::mem::replace(&mut o.l2, true),
-                std::mem::replace(&mut o.l1, false),
+                spill && std::mem::replace(&mut o.l1, false),
             ),
         };
         if let Some((_, before, covers)) = &o.mapped {
@@ -1248,6 +1274,46 @@ mod tests {
         let c = ing.apply(0, 0, &batch(vec![salted(chunk(300, None, 0..8))]));
         assert_eq!(present(&c, Scope::L1), keys[..2]);
         assert_eq!(ing.objects(), (1, 0));
+    }
+
+    #[test]
+    fn blocks_put_through_the_block_api_are_reported_under_the_keys_their_events_gave() {
+        // An engine (engine-sim) stores two GPU blocks of 4 tokens, hashes 10 and 11, then
+        // puts them into the agent's L1 and L2 under those hashes (record 0124).
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        ing.set_block_tokens(Some(4));
+        let keys: Vec<u64> =
+            token_block_keys(&TenantKey::derive("t", "s"), &(0..8).collect::<Vec<_>>(), 4)
+                .iter()
+                .map(|k| k.0)
+                .collect();
+        let c = ing.apply(0, 0, &batch(vec![stored(&[10, 11], None, 0..8, Some("s"))]));
+        assert_eq!(present(&c, Scope::Gpu(0)), keys);
+        let c = ing.block_put(&h(10), ObjectTier::L1).unwrap();
+        assert_eq!(present(&c, Scope::L1), keys[..1]);
+        assert_eq!(c[0].parent, None);
+        let c = ing.block_put(&h(11), ObjectTier::L1).unwrap();
+        assert_eq!(
+            (present(&c, Scope::L1), c[0].parent),
+            (keys[1..].to_vec(), Some(keys[0]))
+        );
+        // Written to L2 as well: L1 keeps it (an object spilled to L2 would leave L1).
+        let c = ing.block_put(&h(11), ObjectTier::L2).unwrap();
+        assert_eq!((present(&c, Scope::L2), c.len()), (keys[1..].to_vec(), 1));
+        // Evicted from the GPU, then from L1: the L2 copy stays reported.
+        let gone = KvEvent::Removed {
+            block_hashes: vec![h(10), h(11)],
+            medium: Some("GPU".into()),
+        };
+        let c = ing.apply(0, 1, &batch(vec![gone]));
+        assert_eq!(c.iter().filter(|c| c.scope == Scope::Gpu(0)).count(), 2);
+        let c = ing.block_gone(&h(11), ObjectTier::L1).unwrap();
+        assert_eq!((c.len(), c[0].scope, c[0].present), (1, Scope::L1, false));
+        assert_eq!(ing.block_put(&h(11), ObjectTier::L2), Some(Vec::new()));
+        // A key no event named is the caller's to report as it is.
+        assert_eq!(ing.block_put(&h(99), ObjectTier::L1), None);
+        assert_eq!(ing.block_gone(&h(99), ObjectTier::L1), None);
+        assert_eq!(ing.objects(), (2, 0));
     }
 
     #[test]
