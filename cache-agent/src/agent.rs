@@ -93,12 +93,6 @@ struct Report {
     ingest: Option<Arc<Mutex<Ingest>>>,
 }
 
-/// The engine hash a block-API key names: its 8 bytes, big-endian, as an engine's KV
-/// events carry a 64-bit block hash (record 0124).
-fn engine_hash(key: u64) -> EngineHash {
-    EngineHash(key.to_be_bytes().to_vec())
-}
-
 impl Report {
     fn record(&self, changes: impl IntoIterator<Item = Change>) {
         let mut any = false;
@@ -145,7 +139,8 @@ impl Report {
                     Scope::L2 => ObjectTier::L2,
                     _ => ObjectTier::L1,
                 };
-                let hash = engine_hash(c.key);
+                // The engine's hash of the block, as its events carry it.
+                let hash = EngineHash::of_u64(c.key);
                 let mapped = match c.present {
                     true => ingest.block_put(&hash, tier),
                     false => ingest.block_gone(&hash, tier),

@@ -48,6 +48,12 @@ pub const MAX_DEPTH: usize = 16;
 pub struct EngineHash(pub Vec<u8>);
 
 impl EngineHash {
+    /// A 64-bit hash as the events carry it: its 8 bytes, big-endian. How engine-sim names
+    /// its blocks in its events, and how the agent reads a block-API key (record 0124).
+    pub fn of_u64(h: u64) -> Self {
+        EngineHash(h.to_be_bytes().to_vec())
+    }
+
     /// Whether it is the hash 0 (an int 0, or bytes of zeros): what LMCache 0.5.6 names as
     /// the parent of the first chunk of a store that starts after chunks it holds.
     pub fn is_zero(&self) -> bool {

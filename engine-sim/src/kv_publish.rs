@@ -254,7 +254,7 @@ async fn serve_replay(mut router: zeromq::RouterSocket, kept: Kept) {
 }
 
 fn hash(key: BlockKey) -> EngineHash {
-    EngineHash(key.0.to_be_bytes().to_vec())
+    EngineHash::of_u64(key.0)
 }
 
 /// LMCache's medium for its CPU tier.

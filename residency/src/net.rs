@@ -158,7 +158,7 @@ async fn session(
     residency: &Mutex<Publisher>,
     from_routers: FromRouters,
 ) -> Result<(), String> {
-    let version = link_version(&conn).min(crate::LINK_VERSION);
+    let version = link_version(&conn);
     metrics::counter!(
         crate::metric_names::AGENT_RESIDENCY_LINKS_TOTAL,
         "version" => version.to_string()

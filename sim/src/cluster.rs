@@ -368,9 +368,6 @@ struct Feed {
     expiry_us: u64,
     /// Parent of each key of the workload, for the changes' chains (the index keeps trees).
     parent_of: HashMap<BlockKey, BlockKey>,
-    /// Each key's place in its chain (1: a prompt's first block): a restarted agent's
-    /// replay goes parents first, as an engine's replay does.
-    depth_of: HashMap<BlockKey, u32>,
 }
 
 /// An agent's state, as far as faults go.
@@ -421,13 +418,9 @@ impl Feed {
             })
             .collect();
         let mut parent_of = HashMap::new();
-        let mut depth_of = HashMap::new();
         for r in &workload.requests {
             for w in r.keys.windows(2) {
                 parent_of.insert(w[1], w[0]);
-            }
-            for (d, &k) in r.keys.iter().enumerate() {
-                depth_of.insert(k, d as u32 + 1);
             }
         }
         Feed {
@@ -439,7 +432,6 @@ impl Feed {
             links: vec![(0, true); config.routers as usize],
             expiry_us,
             parent_of,
-            depth_of,
         }
     }
 
@@ -982,8 +974,17 @@ impl<'a> Run<'a> {
             self.feed.starts += 1;
             let epoch = (self.feed.starts << 32) | (u64::from(h) + 1);
             let mut publisher = publisher(self.config, epoch, vec![format!("i{h}")]);
+            // Parents first, as an engine's replay goes: a block's depth is its chain's
+            // length back through `parent_of`.
+            let depth = |mut k: BlockKey| {
+                let mut d = 1u32;
+                while let Some(&p) = self.feed.parent_of.get(&k) {
+                    (d, k) = (d + 1, p);
+                }
+                d
+            };
             let mut keys = self.engines[h as usize].gpu_keys();
-            keys.sort_by_key(|k| (self.feed.depth_of.get(k).copied(), *k));
+            keys.sort_by_cached_key(|&k| (depth(k), k));
             for key in keys {
                 publisher.record(Change {
                     scope: Scope::Gpu(0),
