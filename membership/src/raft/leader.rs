@@ -8,8 +8,10 @@ use super::elect::Contact;
 use super::state::{self, Command, CommandResult};
 use super::store::{NodeId, TypeConfig};
 use super::wire::{normalise_base, JoinRequest, LeaderReply};
-use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
+use openraft::error::{ChangeMembershipError, CheckIsLeaderError, ClientWriteError, RaftError};
+use openraft::raft::ClientWriteResponse;
 use openraft::{BasicNode, Raft};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +52,38 @@ pub(crate) type ServerCell = Arc<std::sync::RwLock<ServerState>>;
 /// The current state of `cell`.
 pub(crate) fn current(cell: &ServerCell) -> ServerState {
     cell.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// What openraft answers a membership change.
+pub(crate) type MembershipReply =
+    Result<ClientWriteResponse<TypeConfig>, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>>;
+
+/// Runs the membership change `change` within `within`, again each time openraft refuses
+/// it because an earlier change is not yet committed. That is passing: a leader elected
+/// with an earlier leader's change in its log commits it with its first entry, and the
+/// change an operator asked for should then go through rather than fail.
+pub(crate) async fn membership_change<F, Fut>(
+    within: Duration,
+    mut change: F,
+) -> Result<MembershipReply, tokio::time::error::Elapsed>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = MembershipReply>,
+{
+    tokio::time::timeout(within, async {
+        loop {
+            match change().await {
+                Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(
+                    ChangeMembershipError::InProgress(pending),
+                ))) => {
+                    tracing::debug!(%pending, "a membership change waits for the one before");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                reply => return reply,
+            }
+        }
+    })
+    .await
 }
 
 fn not_leader<E>(f: &openraft::error::ForwardToLeader<NodeId, BasicNode>) -> LeaderReply<E> {
@@ -127,10 +161,9 @@ pub(crate) async fn leader_join(
             }
         }
     }
-    match tokio::time::timeout(
-        timeout,
-        raft.add_learner(req.node_id, BasicNode::new(&url), false),
-    )
+    match membership_change(timeout, || {
+        raft.add_learner(req.node_id, BasicNode::new(&url), false)
+    })
     .await
     {
         Err(_) => LeaderReply::Timeout,

@@ -1108,11 +1108,10 @@ impl RaftNode {
     /// Makes the given nodes the voters (they must already be members, e.g. joined
     /// learners); runs on the leader only.
     pub async fn change_voters(&self, voters: BTreeSet<NodeId>) -> Result<(), WriteError> {
-        match tokio::time::timeout(
-            self.write_timeout,
-            self.raft()
-                .change_membership(ChangeMembers::ReplaceAllVoters(voters), true),
-        )
+        let raft = self.raft();
+        match leader::membership_change(self.write_timeout, || {
+            raft.change_membership(ChangeMembers::ReplaceAllVoters(voters.clone()), true)
+        })
         .await
         {
             Err(_) => Err(WriteError::Timeout(self.write_timeout)),
@@ -1142,11 +1141,10 @@ impl RaftNode {
                 return Ok(false);
             }
         }
-        match tokio::time::timeout(
-            self.write_timeout,
-            self.raft()
-                .change_membership(ChangeMembers::RemoveNodes(BTreeSet::from([id])), false),
-        )
+        let raft = self.raft();
+        match leader::membership_change(self.write_timeout, || {
+            raft.change_membership(ChangeMembers::RemoveNodes(BTreeSet::from([id])), false)
+        })
         .await
         {
             Err(_) => Err(WriteError::Timeout(self.write_timeout)),
