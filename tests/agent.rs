@@ -108,6 +108,71 @@ async fn post_fresh(http: &crate::router::HttpClient, url: &str, seed: u64) {
     complete_long(http, url, seed, 1).await;
 }
 
+/// The prefetch tests' prompt `seed`: about 530 tokens, 33 of the 64 GPU blocks of an
+/// engine from [`Residency::start_offloading`].
+fn short_prompt(seed: u64) -> String {
+    warmpath_index::text::words(seed, 300)
+}
+
+/// Completes [`short_prompt`] `seed` through the router at `url`; it must succeed.
+async fn complete_short(http: &crate::router::HttpClient, url: &str, seed: u64) {
+    let body = completion(&short_prompt(seed), 1, false);
+    let done = post(http, url, "/v1/completions", body, &[]).await;
+    assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
+}
+
+/// What the router at `url` (started with `--fault-injection`) would do with
+/// [`short_prompt`] `seed`, without doing it: a dry run changes nothing and sends no hint.
+async fn dry_route(http: &crate::router::HttpClient, url: &str, seed: u64) -> Value {
+    let body = completion(&short_prompt(seed), 1, false);
+    let dry = post(http, url, "/debug/route", body, &[]).await;
+    assert_eq!(dry.status, 200);
+    serde_json::from_slice(&dry.body).expect("explain JSON")
+}
+
+/// Prompt 1 through the router at `feeder`, then others, until the router at `router` sees
+/// it in L2 only (an offloading engine's GPU and its agent's small L1 have let it go).
+async fn into_l2_only(http: &crate::router::HttpClient, feeder: &str, router: &str) {
+    complete_short(http, feeder, 1).await;
+    let wait = Duration::from_secs(30);
+    eventually_within(
+        wait,
+        "prompt 1 in L2 only, as the router sees it",
+        || async {
+            for seed in 2..6 {
+                complete_short(http, feeder, seed).await;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let m = &dry_route(http, router, 1).await["matched"];
+            m["l2_observed"].as_u64().unwrap_or(0) >= 16
+                && m["l1_observed"].as_u64().unwrap_or(0) == 0
+        },
+    )
+    .await;
+}
+
+/// The agent's counter `name{result="RESULT"}`, from its metrics at `url`.
+async fn agent_counter(url: &str, name: &str, result: &str) -> f64 {
+    let series = format!("{name}{{result=\"{result}\"}}");
+    crate::router::metric(&get_text(url).await, &series)
+}
+
+/// An agent writing through to the Redis at `redis` with an L1 of about 30 of an offloading
+/// engine's 2 KiB blocks (the latest prompt's), reporting every block, with its metrics.
+fn small_l1_over_redis(redis: &str) -> [&str; 9] {
+    [
+        "--l1-bytes",
+        "64KiB",
+        "--l2",
+        redis,
+        "--l2-write",
+        "through",
+        "--residency-every-block",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]
+}
+
 /// The (instance, block) pairs the router at `url` holds as observed (from agents).
 async fn observed_holders(url: &str) -> f64 {
     crate::router::metric(
@@ -139,12 +204,21 @@ where
     unreachable!()
 }
 
-async fn eventually<F, Fut>(what: &str, mut f: F)
+async fn eventually<F, Fut>(what: &str, f: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    eventually_within(Duration::from_secs(10), what, f).await
+}
+
+/// [`eventually`], within `within`: for a wait of several steps through several processes.
+async fn eventually_within<F, Fut>(within: Duration, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
     while !f().await {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -337,6 +411,76 @@ async fn the_redis_backend_logs_in_keeps_to_its_database_and_outlives_killed_con
     drop(redis);
 }
 
+/// A burst of L2 operations (an engine's get of a long chain that L1 lacks) shares a
+/// bounded set of connections: the backend runs at most 32 at once, the rest wait their
+/// turn, and every one succeeds. Before, each opened a connection of its own, and on a
+/// loaded host hundreds at once ran past their deadline and put L2 in back-off (the live
+/// `longdoc` demo's lost prefetches, record 0127). And one late answer costs only its own
+/// operation: L2 backs off after three in a row (or at once when the server cannot be
+/// reached).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_l2_reads_shares_a_bounded_set_of_connections() {
+    use warmpath_cache_agent::block::Block;
+    use warmpath_cache_agent::l2::{L2Backend, RedisL2};
+    use warmpath_tiers::BlockId;
+
+    let redis = Redis::start();
+    let connections = || async {
+        let info = redis_raw(redis.port, None, &[b"INFO", b"stats"]).await;
+        let resp::Reply::Bulk(Some(text)) = info else {
+            panic!("{info:?}")
+        };
+        String::from_utf8_lossy(&text)
+            .lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .expect("total_connections_received")
+    };
+    let l2 = RedisL2::new(&redis.url(), "t:", Duration::from_secs(5)).unwrap();
+    let ids: Vec<BlockId> = (0..600).map(|k| BlockId::new(LAYOUT, k)).collect();
+    let block = Block::new(payload(1, 8 << 10));
+    let before = connections().await;
+    let puts = futures_util::future::join_all(ids.iter().map(|id| l2.put_block(*id, &block))).await;
+    assert!(puts.iter().all(Result::is_ok));
+    let gets = futures_util::future::join_all(ids.iter().map(|id| l2.get(*id))).await;
+    assert!(gets.iter().all(|g| matches!(g, Ok(Some(_)))));
+    // Our INFO calls are a connection each.
+    let opened = connections().await - before - 1;
+    assert!(opened <= 32, "{opened} connections for 1,200 operations");
+
+    // One late answer (the server busy for a second in a script) fails that operation
+    // alone: the next one, as soon as the script ends (within the second of back-off one
+    // late answer used to cost), goes through.
+    let quick = RedisL2::new(&redis.url(), "t:", Duration::from_millis(300)).unwrap();
+    let port = redis.port;
+    let busy = tokio::spawn(async move {
+        let script: &[u8] = b"local t = redis.call('TIME') \
+            local t0 = t[1] * 1000000 + t[2] \
+            while true do \
+              local n = redis.call('TIME') \
+              if n[1] * 1000000 + n[2] - t0 > 1000000 then break end \
+            end \
+            return 1";
+        redis_raw(port, None, &[b"EVAL", script, b"0"]).await
+    });
+    // The script runs once a PING goes unanswered (on a loaded machine the spawn may
+    // take a while).
+    eventually("the server busy in the script", || async {
+        let ping = redis_raw(port, None, &[b"PING"]);
+        tokio::time::timeout(Duration::from_millis(50), ping)
+            .await
+            .is_err()
+    })
+    .await;
+    let late = quick.get(ids[1]).await;
+    assert!(
+        matches!(&late, Err(warmpath_cache_agent::l2::L2Error::Redis(m)) if m.contains("no answer")),
+        "{late:?}"
+    );
+    assert_eq!(busy.await.unwrap(), resp::Reply::Integer(1));
+    assert!(quick.get(ids[2]).await.unwrap().is_some());
+}
+
 /// Runs a raw handshake and returns (status, message).
 async fn raw_hello(addr: &str, hello: &[u8]) -> (u8, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -401,6 +545,13 @@ async fn bad_input_gets_clear_errors_and_never_wrong_bytes() {
         .unwrap();
     assert_eq!(r.stored, 1);
     assert_eq!(r.refused, vec![(0, PutRefusal::TooLarge)]);
+    // The agents' own layout (their L2 aliases, record 0126) is no client's to write.
+    let alias = warmpath_cache_agent::agent::ALIAS_LAYOUT;
+    let err = c
+        .put(alias, vec![(1, payload(1, 1000), false)])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("aliases"), "{err}");
 
     // A malformed frame is answered with an error for its id; the connection goes on.
     let mut s = tokio::net::TcpStream::connect(tcp).await.unwrap();
@@ -1216,21 +1367,69 @@ struct Residency {
 
 impl Residency {
     fn start(test: &str, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
-        Residency::launch(test, false, engine_extra, agent_extra)
+        Residency::launch(test, false, None, engine_extra, agent_extra)
+    }
+
+    /// As [`Residency::start`], the engine (16-token blocks, o200k, 64 GPU blocks, small
+    /// payloads) offloading what its GPU evicts to the agent over the agent's Unix socket.
+    fn start_offloading(test: &str, agent_extra: &[&str]) -> Residency {
+        Residency::offloading(test, None, agent_extra)
+    }
+
+    /// Another host as [`Residency::start_offloading`]'s, of the same cluster (this one's
+    /// certificates).
+    fn another_offloading_host(&self, test: &str, agent_extra: &[&str]) -> Residency {
+        Residency::offloading(test, Some(&self.certs), agent_extra)
+    }
+
+    fn offloading(test: &str, certs: Option<&std::path::Path>, agent_extra: &[&str]) -> Residency {
+        let sock = scratch_dir(&format!("{test}-sock")).join("agent.sock");
+        let sock_s = sock.to_str().unwrap().to_string();
+        let engine_agent = format!("unix:{sock_s}");
+        let mut agent_args = vec!["--unix", sock_s.as_str()];
+        agent_args.extend_from_slice(agent_extra);
+        Residency::launch(
+            test,
+            false,
+            certs,
+            &[
+                "--block-tokens",
+                "16",
+                "--tokenizer",
+                "tiktoken:o200k_base",
+                // 64 GPU blocks: two prompts of 33 blocks push the first out.
+                "--gpu-kv-tokens",
+                "1024",
+                "--agent",
+                &engine_agent,
+                "--agent-block-scale",
+                "0.001",
+            ],
+            &agent_args,
+        )
     }
 
     /// As [`Residency::start`], the engine serving vLLM's replay socket and the agent told
     /// where it is.
     fn start_replaying(test: &str, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
-        Residency::launch(test, true, engine_extra, agent_extra)
+        Residency::launch(test, true, None, engine_extra, agent_extra)
     }
 
-    fn launch(test: &str, replay: bool, engine_extra: &[&str], agent_extra: &[&str]) -> Residency {
+    /// Starts the engine and its agent, with new certificates or the given ones.
+    fn launch(
+        test: &str,
+        replay: bool,
+        certs: Option<&std::path::Path>,
+        engine_extra: &[&str],
+        agent_extra: &[&str],
+    ) -> Residency {
         let dir = scratch_dir(test);
-        let certs = crate::make_certs(
-            &dir,
-            &["--agent", "agent", "--router", "router", "--loopback"],
-        );
+        let certs = certs.map(std::path::Path::to_path_buf).unwrap_or_else(|| {
+            crate::make_certs(
+                &dir,
+                &["--agent", "agent", "--router", "router", "--loopback"],
+            )
+        });
         let certs_s = certs.to_str().unwrap().to_string();
         let kv = format!("tcp://{}", crate::free_addr());
         let replay_at = format!("tcp://{}", crate::free_addr());
@@ -1490,7 +1689,9 @@ async fn routers_see_the_agents_residency_over_mutual_tls() {
 /// Issue 24: a router's prefetch hint over the residency link. Blocks only Redis holds
 /// (written through, then pushed out of a small L1) are read back into L1 by the agent
 /// when a router names them, before any engine asks; blocks that are gone are a counted
-/// miss, and the blocks after a gap are not loaded (the engine could not use them).
+/// miss, and the blocks after a gap are not loaded (the engine could not use them). A key
+/// another host's agent wrote an alias for reads the blocks it names; an alias naming more
+/// than a key can take is none (record 0126).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_misses() {
     use warmpath_residency::net::{PrefetchSent, Prefetchers};
@@ -1574,6 +1775,50 @@ async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_miss
         "the gone block and the one after it counted misses",
         || async { prefetched("miss").await == 2.0 },
     )
+    .await;
+    assert_eq!(prefetched("loaded").await, 8.0);
+
+    // Record 0126's aliases, as another host's agent writes them to the shared L2: key 700
+    // names blocks 1 to 3 (in L1 since the hint above); key 701 names more blocks than a key
+    // can take, and is no alias (its key read as it is: a miss).
+    use warmpath_cache_agent::agent::{Alias, ALIAS_LAYOUT};
+    use warmpath_cache_agent::block::Block;
+    use warmpath_cache_agent::l2::{L2Backend, RedisL2};
+    let shared = RedisL2::new(
+        &redis.url(),
+        warmpath_cache_agent::config::DEFAULT_REDIS_PREFIX,
+        TIMEOUT,
+    )
+    .unwrap();
+    for (key, blocks) in [(700, vec![1, 2, 3]), (701, (1000..1300).collect())] {
+        let id = warmpath_tiers::BlockId::new(ALIAS_LAYOUT, key);
+        let alias = Block::new(Alias::V1 { blocks }.encode());
+        shared.put_block(id, &alias).await.unwrap();
+    }
+    let aliases = |result: &'static str| {
+        let url = metrics_url.clone();
+        async move { agent_counter(&url, "warmpath_agent_aliases_total", result).await }
+    };
+    let (in_l1, missed, missing) = (
+        prefetched("in_l1").await,
+        prefetched("miss").await,
+        aliases("missing").await,
+    );
+    assert_eq!(
+        prefetchers.send(&r.engine.url, vec![700]),
+        PrefetchSent::Sent
+    );
+    eventually("the alias's three blocks found in L1", || async {
+        prefetched("in_l1").await == in_l1 + 3.0
+    })
+    .await;
+    assert_eq!(
+        prefetchers.send(&r.engine.url, vec![701]),
+        PrefetchSent::Sent
+    );
+    eventually("the oversized alias refused", || async {
+        aliases("missing").await == missing + 1.0 && prefetched("miss").await == missed + 1.0
+    })
     .await;
     assert_eq!(prefetched("loaded").await, 8.0);
 }
@@ -1760,31 +2005,9 @@ async fn a_router_that_never_saw_a_prompt_finds_it_cached_through_the_agent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_finds_what_an_engine_offloaded_to_l1_under_its_own_keys() {
     const BLOCK_TOKENS: u32 = 16;
-    let sock = scratch_dir("residency-offloaded-sock").join("agent.sock");
-    let sock_s = sock.to_str().unwrap().to_string();
-    let engine_agent = format!("unix:{sock_s}");
-    let r = Residency::start(
+    let r = Residency::start_offloading(
         "residency-offloaded",
-        &[
-            "--block-tokens",
-            "16",
-            "--tokenizer",
-            "tiktoken:o200k_base",
-            // 64 GPU blocks: two of these prompts push the first out.
-            "--gpu-kv-tokens",
-            "1024",
-            "--agent",
-            &engine_agent,
-            "--agent-block-scale",
-            "0.001",
-        ],
-        &[
-            "--unix",
-            &sock_s,
-            "--l1-bytes",
-            "4MiB",
-            "--residency-every-block",
-        ],
+        &["--l1-bytes", "4MiB", "--residency-every-block"],
     );
     let config = r.pool_config("router.toml", &[&r.engine.url], BLOCK_TOKENS);
     let feeder = crate::router_from_config(&config, &r.certs);
@@ -1835,6 +2058,106 @@ async fn a_router_finds_what_an_engine_offloaded_to_l1_under_its_own_keys() {
     let e = explained(&http, &router.url, &prompt(1)).await;
     let l1 = e["matched"]["l1_observed"].as_u64().unwrap_or(0);
     assert!(l1 >= 4, "router B found {l1} blocks of prompt 1 in L1: {e}");
+}
+
+/// Issue 24, prefetch for a block-API engine: engine-sim puts what its GPU evicts into its
+/// agent under its own hashes (written through to Redis, pushed out of a small L1), and the
+/// agent reports them under the routers' keys (record 0124). A router that never saw the
+/// prompt finds it in L2 on that engine and hints its keys; the agent reads them back to
+/// the engine's blocks and loads those from Redis into L1 (before, it looked the routers'
+/// keys up in L2 and counted every block a miss).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetch_hint_finds_what_an_engine_put_under_its_own_hashes() {
+    const BLOCK_TOKENS: u32 = 16;
+    let redis = Redis::start();
+    let redis_url = redis.url();
+    let mut r = Residency::start_offloading(
+        "residency-prefetch-engine",
+        &small_l1_over_redis(&redis_url),
+    );
+    let metrics_url = metrics_url_of(&mut r.agent);
+    let prefetched = |result: &'static str| {
+        let url = metrics_url.clone();
+        async move { agent_counter(&url, "warmpath_agent_prefetch_blocks_total", result).await }
+    };
+    let config = r.pool_config("router.toml", &[&r.engine.url], BLOCK_TOKENS);
+    let feeder = crate::router_from_config(&config, &r.certs);
+    // Router B serves dry runs (`/debug/route`), which send no hint.
+    let router = crate::router_from_config_with(&config, &r.certs, &["--fault-injection"]);
+    let http = client();
+    into_l2_only(&http, &feeder.url, &router.url).await;
+    assert_eq!(prefetched("loaded").await, 0.0);
+    // Router B routes prompt 1: it hints the blocks past L1, and the agent loads the
+    // engine's own blocks of them from Redis.
+    complete_short(&http, &router.url, 1).await;
+    eventually("the engine's blocks of prompt 1 prefetched", || async {
+        prefetched("loaded").await + prefetched("in_l1").await >= 16.0
+    })
+    .await;
+}
+
+/// Record 0126: a block another host's engine stored in the shared L2 is found by its
+/// alias. Host A's engine stores a prompt, which leaves its GPU and L1 for Redis; its
+/// agent writes an alias for each pool key of it. Host A's engine then goes away, a router
+/// that never saw the prompt routes it to host B with a prefetch hint, and B's agent, which
+/// never saw an event of those blocks, reads the aliases and loads A's blocks from Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetch_hint_finds_another_hosts_blocks_by_their_aliases() {
+    const BLOCK_TOKENS: u32 = 16;
+    let redis = Redis::start();
+    let redis_url = redis.url();
+    let agent_args = small_l1_over_redis(&redis_url);
+    let mut a = Residency::start_offloading("residency-alias-a", &agent_args);
+    let mut b = a.another_offloading_host("residency-alias-b", &agent_args);
+    let (metrics_a, metrics_b) = (metrics_url_of(&mut a.agent), metrics_url_of(&mut b.agent));
+    let feeder_config = a.pool_config("feeder.toml", &[&a.engine.url], BLOCK_TOKENS);
+    let feeder = crate::router_from_config(&feeder_config, &a.certs);
+    let config = a.dir.join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[[pools]]\nmodel = \"sim-llama\"\ninstances = [\"{}\", \"{}\"]\n\
+             agents = [\"{}\", \"{}\"]\ntokenizer = \"tiktoken:o200k_base\"\n\
+             block_tokens = {BLOCK_TOKENS}\n",
+            a.engine.url, b.engine.url, a.quic, b.quic
+        ),
+    )
+    .unwrap();
+    // The router serves dry runs (`/debug/route`), which send no hint.
+    let router = crate::router_from_config_with(&config, &a.certs, &["--fault-injection"]);
+    let http = client();
+    // Prompt 1 on host A, until it has left A's GPU and L1 for Redis.
+    into_l2_only(&http, &feeder.url, &router.url).await;
+    eventually("host A's aliases written", || async {
+        agent_counter(&metrics_a, "warmpath_agent_aliases_total", "written").await >= 16.0
+    })
+    .await;
+    // Host A's engine goes; the router sends host B other prompts (B's engine offloads
+    // some: its agent learns the layout it stores) until it routes prompt 1 there.
+    // B's agent must have taken a put (it prefetches only the layouts its engines store).
+    a.engine.kill();
+    let b_agent = connect(&b.addr).await;
+    let wait = Duration::from_secs(30);
+    eventually_within(wait, "the router routes prompt 1 to host B", || async {
+        for seed in 10..13 {
+            complete_short(&http, &router.url, seed).await;
+        }
+        let stored = b_agent.stats().await.unwrap().l1.blocks > 0;
+        stored
+            && dry_route(&http, &router.url, 1).await["instance"].as_str()
+                == Some(b.engine.url.as_str())
+    })
+    .await;
+    let loaded = || agent_counter(&metrics_b, "warmpath_agent_prefetch_blocks_total", "loaded");
+    let before = loaded().await;
+    complete_short(&http, &router.url, 1).await;
+    eventually_within(
+        wait,
+        "host A's blocks of prompt 1 prefetched on host B",
+        || async { loaded().await >= before + 16.0 },
+    )
+    .await;
+    assert!(agent_counter(&metrics_b, "warmpath_agent_aliases_total", "read").await >= 16.0);
 }
 
 /// Records 0115, 0117 and 0122, coarse residency: an agent in its default mode reports one

@@ -180,7 +180,16 @@ pub fn make_certs(dir: &std::path::Path, args: &[&str]) -> PathBuf {
 /// A router on a loopback port from the config file `config`, with the `router`
 /// certificate of `certs` and explanations allowed.
 pub fn router_from_config(config: &std::path::Path, certs: &std::path::Path) -> Proc {
-    Proc::start(&[
+    router_from_config_with(config, certs, &["--allow-explain"])
+}
+
+/// As [`router_from_config`], with `extra` flags instead of `--allow-explain`.
+pub fn router_from_config_with(
+    config: &std::path::Path,
+    certs: &std::path::Path,
+    extra: &[&str],
+) -> Proc {
+    let mut args = vec![
         "router",
         "--listen",
         "127.0.0.1:0",
@@ -190,6 +199,7 @@ pub fn router_from_config(config: &std::path::Path, certs: &std::path::Path) -> 
         certs.to_str().unwrap(),
         "--tls-name",
         "router",
-        "--allow-explain",
-    ])
+    ];
+    args.extend_from_slice(extra);
+    Proc::start(&args)
 }

@@ -79,6 +79,32 @@ const PREFETCH_LAYOUTS: usize = 4;
 /// L2 reads a prefetch has in flight at once.
 const PREFETCH_READS: usize = 16;
 
+/// The layout of the L2 aliases agents write (record 0126): a pool key's alias is stored
+/// as `BlockId { layout: ALIAS_LAYOUT, key }`, and the block API refuses the layout.
+pub const ALIAS_LAYOUT: u64 = u64::from_be_bytes(*b"wp-alias");
+/// Aliases the writer takes from the ingest each round, and how often it looks.
+const ALIASES_PER_ROUND: usize = 512;
+const ALIAS_ROUND: Duration = Duration::from_millis(100);
+
+/// An L2 alias's payload (postcard): the keys of the blocks an engine stored a pool
+/// key's tokens in, in chain order. Versioned, as every binary format of ours.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Alias {
+    V1 { blocks: Vec<u64> },
+}
+
+impl Alias {
+    /// Its bytes, as an alias object's payload.
+    pub fn encode(&self) -> Bytes {
+        Bytes::from(postcard::to_stdvec(self).unwrap_or_default())
+    }
+
+    /// The alias in `payload`, if it is one.
+    pub fn decode(payload: &[u8]) -> Option<Alias> {
+        postcard::from_bytes(payload).ok()
+    }
+}
+
 /// What routers are told: the engines' caches (recorded by the KV-event subscribers) and
 /// this agent's own L1 and L2 (recorded here), in one residency publisher.
 #[derive(Debug)]
@@ -159,8 +185,18 @@ impl Report {
     fn l2_stored(&self, stored: BlockId, evicted: &[BlockId]) {
         let changes = {
             let mut w = self.l2.lock().unwrap_or_else(|e| e.into_inner());
-            let mut c = w.stored(stored.key.0, None);
-            c.extend(evicted.iter().filter_map(|id| w.gone(id.key.0)));
+            // Aliases (record 0126) name no block of their own; what writing one evicted
+            // is reported as any eviction.
+            let mut c = match stored.layout {
+                ALIAS_LAYOUT => Vec::new(),
+                _ => w.stored(stored.key.0, None),
+            };
+            c.extend(
+                evicted
+                    .iter()
+                    .filter(|id| id.layout != ALIAS_LAYOUT)
+                    .filter_map(|id| w.gone(id.key.0)),
+            );
             c
         };
         self.record_mapped(changes);
@@ -168,6 +204,9 @@ impl Report {
 
     /// L2 was found not to hold `id`.
     fn l2_gone(&self, id: BlockId) {
+        if id.layout == ALIAS_LAYOUT {
+            return;
+        }
         let change = self
             .l2
             .lock()
@@ -187,11 +226,9 @@ impl Agent {
             L2Config::Dir { path, bytes } => {
                 Some(Arc::new(AnyL2::Dir(Box::new(DirL2::open(path, *bytes)?))))
             }
-            L2Config::Redis { url, prefix } => Some(Arc::new(AnyL2::Redis(RedisL2::new(
-                url,
-                prefix,
-                config.l2_deadline,
-            )?))),
+            L2Config::Redis { url, prefix } => Some(Arc::new(AnyL2::Redis(Box::new(
+                RedisL2::new(url, prefix, config.l2_deadline)?,
+            )))),
         };
         let counters = Arc::new(Counters::default());
         let mut publisher = Publisher::new(
@@ -240,6 +277,14 @@ impl Agent {
             ));
             tx
         });
+        if let (Some(l2), false) = (&l2, config.kv_events.is_empty()) {
+            tokio::spawn(write_aliases(
+                l2.clone(),
+                Arc::downgrade(&ingest),
+                seal_of(&config),
+                report.clone(),
+            ));
+        }
         let agent = Arc::new(Agent {
             l1: Mutex::new(L1::new(config.l1_bytes, config.l1_eviction)),
             config,
@@ -376,6 +421,10 @@ impl Agent {
     ) -> (Response, Vec<Bytes>, Vec<Arc<Sealed>>) {
         let started = Instant::now();
         let mut sealed = Vec::new();
+        if request.layout() == Some(ALIAS_LAYOUT) {
+            let why = format!("layout {ALIAS_LAYOUT:#x} is the agents' own (L2 aliases)");
+            return (error(ErrorKind::BadRequest, why).0, Vec::new(), sealed);
+        }
         let (op, answer) = match request {
             Request::Put { layout, blocks } => ("put", self.put(owner, layout, &blocks, payloads)),
             Request::PutSealed { layout, blocks } => {
@@ -896,16 +945,19 @@ impl Agent {
     /// `keys` (a chain, in order) is queued on one of this host's engines, and L2 holds
     /// them. Reads them from L2 into L1 in the background, in chain order and stopping at
     /// the first block L2 lacks (what follows a gap cannot be used), so that the engine's
-    /// lookup at admission finds them in host memory. Never waits: with
-    /// [`PREFETCHES_IN_FLIGHT`] running, or no L2, the hint is dropped. Each key is
+    /// lookup at admission finds them in host memory. The keys are the routers'; where
+    /// they read back to blocks an engine put under its own hashes (record 0124's
+    /// mapping), those blocks are read instead ([`Agent::stored_keys`]). Never waits: with
+    /// [`PREFETCHES_IN_FLIGHT`] running, or no L2, the hint is dropped. Each block is
     /// counted once by what became of it: `loaded`, `in_l1` (already there), `miss` (not in
-    /// L2, or after a gap), `dropped`.
+    /// L2, after a gap, or a router's key past the ones that read back), `dropped`.
     pub fn prefetch(self: &Arc<Self>, keys: Vec<u64>) {
         let count = |result: &'static str, n: usize| {
             counter!(crate::metric_names::AGENT_PREFETCH_BLOCKS_TOTAL, "result" => result)
                 .increment(n as u64);
         };
-        if keys.is_empty() {
+        let (stored, unread) = self.stored_keys(keys);
+        if stored.is_empty() && unread.is_empty() {
             return;
         }
         let layouts = self
@@ -914,16 +966,32 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let (Some(l2), false) = (self.l2.clone(), layouts.is_empty()) else {
-            count("dropped", keys.len());
+            count("dropped", stored.len() + unread.len());
             return;
         };
         let Ok(slot) = self.prefetch_slots.clone().try_acquire_owned() else {
-            count("dropped", keys.len());
+            count("dropped", stored.len() + unread.len());
             return;
         };
         let agent = self.clone();
         tokio::spawn(async move {
             let _slot = slot;
+            // The routers' keys that did not read back here: blocks another host's engine
+            // stored, named by the aliases its agent wrote (record 0126). Where none of the
+            // chain read back and its first key has no alias, the keys are taken as they
+            // are (a client that puts the routers' own keys).
+            let mut keys = stored;
+            let (resolved, missed) = agent.alias_blocks(&l2, &unread).await;
+            if keys.is_empty() && resolved.is_empty() {
+                keys = unread;
+            } else {
+                agent.adopt(&resolved);
+                keys.extend(resolved.into_iter().flat_map(|(_, blocks)| blocks));
+                count("miss", missed);
+            }
+            if keys.is_empty() {
+                return;
+            }
             // The layout that holds the chain's first block (one model per engine: the
             // others would be a wasted L2 round trip each).
             let mut chosen = None;
@@ -982,6 +1050,95 @@ impl Agent {
             }
             count("miss", ids.len() - accounted);
         });
+    }
+
+    /// The keys the blocks of a router's chain `keys` are stored under, as far as this
+    /// agent knows them, and the router's keys past those (the chain's end): where the agent
+    /// follows KV events and the chain's first key reads back to blocks an engine put under
+    /// the hashes its events gave them ([`Ingest::engine_blocks`]), those blocks' keys, up
+    /// to the first key that does not, and the rest; where none reads back, nothing and
+    /// every key (another host's blocks, or a client that puts the routers' own keys:
+    /// [`Agent::prefetch`] tells which); without KV events, `keys` as they are.
+    fn stored_keys(&self, keys: Vec<u64>) -> (Vec<u64>, Vec<u64>) {
+        let Some(ingest) = &self.report.ingest else {
+            return (keys, Vec::new());
+        };
+        let (blocks, read) = ingest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .engine_blocks(&keys);
+        let stored: Option<Vec<u64>> = blocks.iter().map(EngineHash::as_u64).collect();
+        match stored {
+            Some(stored) if read > 0 => (stored, keys[read..].to_vec()),
+            Some(_) => (Vec::new(), keys),
+            None => (keys, Vec::new()),
+        }
+    }
+
+    /// Follows the blocks of aliases read for a hint (`(key, blocks)`, in chain order) as
+    /// the keys they hold ([`Ingest::adopt`]), so that the blocks the prefetch loads are
+    /// reported under the routers' keys.
+    fn adopt(&self, resolved: &[(u64, Vec<u64>)]) {
+        let Some(ingest) = &self.report.ingest else {
+            return;
+        };
+        let mut ingest = ingest.lock().unwrap_or_else(|p| p.into_inner());
+        let mut before = None;
+        for (key, blocks) in resolved {
+            let Some((last, fragments)) = blocks.split_last() else {
+                continue;
+            };
+            // The blocks before the one that completed the key complete none.
+            for &f in fragments {
+                ingest.adopt(&EngineHash::of_u64(f), None, &[]);
+            }
+            let key = warmpath_index::keys::BlockKey(*key);
+            ingest.adopt(&EngineHash::of_u64(*last), before, &[key]);
+            before = Some(key);
+        }
+    }
+
+    /// The blocks the aliases of the routers' keys `keys` name (record 0126), each key's in
+    /// chain order, up to the first key without a valid alias in L2, and how many keys that
+    /// left.
+    /// An alias naming more blocks than one key can take (the block that completed it and
+    /// [`crate::ingest::MAX_FRAGMENTS`] before it) is no valid one, and the whole stays
+    /// within [`warmpath_residency::MAX_PREFETCH_KEYS`] blocks, so that what L2 holds cannot
+    /// make a hint's reads unbounded.
+    async fn alias_blocks(&self, l2: &AnyL2, keys: &[u64]) -> (Vec<(u64, Vec<u64>)>, usize) {
+        let count = |result: &'static str, n: usize| {
+            counter!(crate::metric_names::AGENT_ALIASES_TOTAL, "result" => result)
+                .increment(n as u64);
+        };
+        let mut blocks = Vec::new();
+        let (mut resolved, mut named_blocks) = (0, 0);
+        for chunk in keys.chunks(PREFETCH_READS) {
+            let reads = join_all(chunk.iter().map(|&key| async move {
+                let id = BlockId::new(ALIAS_LAYOUT, key);
+                let raw = self.timed_l2("get", l2.get(id)).await.ok()??;
+                let (block, _writer) = decode_with(&id, raw, self.config.l2_key.as_ref()).ok()?;
+                match Alias::decode(&block.payload)? {
+                    Alias::V1 { blocks } if blocks.len() <= crate::ingest::MAX_FRAGMENTS + 1 => {
+                        Some(blocks)
+                    }
+                    Alias::V1 { .. } => None,
+                }
+            }))
+            .await;
+            for (&key, read) in chunk.iter().zip(reads) {
+                let room = warmpath_residency::MAX_PREFETCH_KEYS.saturating_sub(named_blocks);
+                let Some(named) = read.filter(|named| named.len() <= room) else {
+                    count("read", resolved);
+                    count("missing", 1);
+                    return (blocks, keys.len() - resolved);
+                };
+                named_blocks += named.len();
+                blocks.push((key, named));
+                resolved += 1;
+            }
+        }
+        count("read", resolved);
+        (blocks, 0)
     }
 
     /// One block from L2, checked; damage and errors are counted misses.
@@ -1203,6 +1360,53 @@ fn writer_id(config: &AgentConfig) -> u64 {
     u64::from_le_bytes(h.as_bytes()[..8].try_into().unwrap_or([0; 8]))
 }
 
+/// Writes the aliases the ingest has due (record 0126) to L2, a round every
+/// [`ALIAS_ROUND`], until the agent is gone. An alias is a hint for other hosts' agents: one
+/// that fails is counted and not retried.
+async fn write_aliases(
+    l2: Arc<AnyL2>,
+    ingest: std::sync::Weak<Mutex<Ingest>>,
+    seal: Option<(crate::block::SealKey, u64)>,
+    report: Arc<Report>,
+) {
+    let count = |result: &'static str, n: usize| {
+        counter!(crate::metric_names::AGENT_ALIASES_TOTAL, "result" => result).increment(n as u64);
+    };
+    let mut tick = tokio::time::interval(ALIAS_ROUND);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(ingest) = ingest.upgrade() else {
+            return;
+        };
+        let due = ingest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take_aliases(ALIASES_PER_ROUND);
+        drop(ingest);
+        for chunk in due.chunks(PREFETCH_READS) {
+            let writes = join_all(chunk.iter().map(|(key, blocks)| {
+                let id = BlockId::new(ALIAS_LAYOUT, *key);
+                let alias = Alias::V1 {
+                    blocks: blocks.clone(),
+                };
+                let block = Block::new(alias.encode());
+                let (l2, seal, report) = (&l2, &seal, &report);
+                async move {
+                    let evicted = l2.put_block_sealed(id, &block, seal.as_ref()).await?;
+                    // A directory L2 may have made room for it.
+                    report.l2_stored(id, &evicted);
+                    Ok::<_, L2Error>(())
+                }
+            }))
+            .await;
+            let failed = writes.iter().filter(|w| w.is_err()).count();
+            count("written", writes.len() - failed);
+            count("failed", failed);
+        }
+    }
+}
+
 async fn write_l2(
     l2: Arc<AnyL2>,
     mut rx: mpsc::Receiver<(BlockId, Stored)>,
@@ -1287,7 +1491,11 @@ fn describe_metrics() {
     );
     describe_counter!(
         crate::metric_names::AGENT_PREFETCH_BLOCKS_TOTAL,
-        "Blocks of routers' prefetch hints, by what became of them: loaded (read from L2 into L1), in_l1 (already there), miss (not in L2, or past a block it lacks), dropped (no L2, or the agent was already running its most prefetches)."
+        "Blocks of routers' prefetch hints, by what became of them: loaded (read from L2 into L1), in_l1 (already there), miss (not in L2, past a block it lacks, or a router's key past those that read back to an engine's blocks), dropped (no L2, or the agent was already running its most prefetches)."
+    );
+    describe_counter!(
+        crate::metric_names::AGENT_ALIASES_TOTAL,
+        "L2 aliases (record 0126: a pool key to the blocks an engine stored its tokens in, for other hosts' prefetches), by what became of them: written and failed (this agent's, as L2 came to hold its engines' blocks), read and missing (looked up for a prefetch hint's keys that did not read back here; a lookup stops at the first missing)."
     );
     describe_counter!(
         crate::metric_names::AGENT_PROMOTIONS_TOTAL,

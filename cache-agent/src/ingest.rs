@@ -74,6 +74,16 @@
 //! again for the rebuilt view, so that no key of the old view stays reported. At most
 //! [`MAX_OBJECTS`] objects are followed (more are counted `objects_capped`).
 //!
+//! **From routers' keys back to the engine's blocks.** A router's prefetch hint names its
+//! own keys; a block-API engine's blocks sit in L2 under the hashes its events gave them.
+//! [`Ingest::engine_blocks`] reads a hinted chain back through the mapped objects (each
+//! pool key to the object whose event block completed it, with the event blocks before it
+//! that completed none, as when an engine's blocks are smaller than the pool's), so the
+//! agent can read what the engine stored. For other hosts, whose agents never see these
+//! events, each pool key L2 comes to hold is queued for an alias in L2 naming those blocks
+//! ([`Ingest::take_aliases`], record 0126); blocks read through another host's alias are
+//! followed as the keys it names ([`Ingest::adopt`]).
+//!
 //! **Gaps.** A batch whose sequence number is not the previous one plus one means events
 //! were lost. The subscriber first asks the engine's replay socket for the missing
 //! batches (`kv_subscribe.rs`) and applies them in order; when it cannot (no replay
@@ -151,6 +161,18 @@ struct Object {
     mapped: Option<(usize, Option<BlockKey>, Box<[BlockKey]>)>,
 }
 
+/// Event blocks that complete no pool block read back before one that does
+/// ([`Ingest::engine_blocks`]): a pool block of up to this many of the engine's blocks.
+pub const MAX_FRAGMENTS: usize = 256;
+
+/// The engine of an object adopted from another host's alias ([`Ingest::adopt`]): none of
+/// this host's.
+const ADOPTED: usize = usize::MAX;
+
+/// Pool keys whose aliases wait for the agent's writer at most ([`Ingest::take_aliases`]);
+/// past it the oldest are dropped (counted): an alias is a hint for other hosts.
+pub const MAX_ALIASES_DUE: usize = 1 << 16;
+
 /// Removed event blocks kept per engine for their chain ends (their children may follow).
 pub const GHOSTS: usize = 1 << 16;
 
@@ -202,6 +224,8 @@ pub struct IngestStats {
     pub capped: u64,
     /// Objects of the host's store not followed because [`MAX_OBJECTS`] were.
     pub objects_capped: u64,
+    /// Aliases not written to L2 because [`MAX_ALIASES_DUE`] were waiting.
+    pub aliases_dropped: u64,
     /// CPU chunks announced with parent 0 (LMCache's store of chunks after a prefix it
     /// already held) whose chain was found by their tokens on the engine's GPU chain.
     pub parents_by_tokens: u64,
@@ -308,6 +332,12 @@ pub struct Ingest {
     block_tokens: Option<u32>,
     /// Objects the host's store holds, by the chunk hash their names carry.
     objects: HashMap<EngineHash, Object>,
+    /// Each pool key a mapped object covers, to that object's hash (the last one mapped,
+    /// where several cover it): the way back from a router's key ([`Ingest::engine_blocks`]).
+    by_key: HashMap<u64, EngineHash>,
+    /// Pool keys whose mapped object L2 came to hold, oldest first (at most
+    /// [`MAX_ALIASES_DUE`]): their aliases are due in L2 ([`Ingest::take_aliases`]).
+    aliases_due: VecDeque<u64>,
     pub stats: IngestStats,
 }
 
@@ -324,6 +354,8 @@ impl Ingest {
             covered: HashMap::new(),
             block_tokens: None,
             objects: HashMap::new(),
+            by_key: HashMap::new(),
+            aliases_due: VecDeque::new(),
             stats: IngestStats::default(),
         }
     }
@@ -562,6 +594,9 @@ impl Ingest {
                 .enumerate()
                 .find_map(|(e, v)| v.blocks.get(hash).map(|n| (e, n)))
                 .map(|(e, n)| (e, n.before, n.covers.clone()));
+            if let Some((_, _, covers)) = &mapped {
+                index_keys(&mut self.by_key, hash, covers);
+            }
             self.objects.insert(
                 hash.clone(),
                 Object {
@@ -586,6 +621,10 @@ impl Ingest {
             }
             if add {
                 cover_keys(&mut self.covered, tier.scope(), *before, covers, &mut out);
+                // An adopted object's alias is the other host's, already in L2.
+                if tier == ObjectTier::L2 && o.mapped.as_ref().is_some_and(|m| m.0 != ADOPTED) {
+                    due(&mut self.aliases_due, &mut self.stats, covers);
+                }
             }
         }
         out
@@ -605,9 +644,104 @@ impl Ingest {
             uncover(&mut self.covered, tier.scope(), covers, &mut out);
         }
         if !o.l1 && !o.l2 {
-            self.objects.remove(hash);
+            if let Some(Object {
+                mapped: Some((_, _, covers)),
+                ..
+            }) = self.objects.remove(hash)
+            {
+                unindex_keys(&mut self.by_key, hash, &covers);
+            }
         }
         out
+    }
+
+    /// The engine's blocks that hold the chain of pool keys `keys` (a router's, in order),
+    /// as the hashes of the mapped objects that cover them: for each key, the event blocks
+    /// of its object's engine from just after the previous key's up to the one that
+    /// completed it, each once. Stops at the first key no mapped object covers; returns
+    /// the blocks and how many of `keys` were read back (0: none, the hint names no block
+    /// of this store: a client that puts the routers' own keys).
+    pub fn engine_blocks(&self, keys: &[u64]) -> (Vec<EngineHash>, usize) {
+        let mut blocks: Vec<EngineHash> = Vec::new();
+        let mut read = 0;
+        for key in keys {
+            let Some(hash) = self.by_key.get(key) else {
+                break;
+            };
+            read += 1;
+            if blocks.last() == Some(hash) {
+                continue;
+            }
+            // The event blocks before it that completed no pool block, back to the one
+            // that did (already listed, or not part of this hint).
+            let engine = self
+                .objects
+                .get(hash)
+                .and_then(|o| o.mapped.as_ref())
+                .map(|(e, _, _)| *e);
+            let view = engine.and_then(|e| self.engines.get(e));
+            let mut before = Vec::new();
+            let mut at = view
+                .and_then(|v| v.blocks.get(hash))
+                .and_then(|n| n.parent.as_ref());
+            while let Some(parent) = at {
+                let Some(node) = view.and_then(|v| v.blocks.get(parent)) else {
+                    break;
+                };
+                // Bounded: an engine that names its blocks' parents in a loop stops here.
+                if !node.covers.is_empty() || before.len() >= MAX_FRAGMENTS {
+                    break;
+                }
+                before.push(parent.clone());
+                at = node.parent.as_ref();
+            }
+            blocks.extend(before.into_iter().rev());
+            blocks.push(hash.clone());
+        }
+        (blocks, read)
+    }
+
+    /// Follows block `hash` as an object of the store that covers pool keys `covers` (after
+    /// `before`), as another host's agent named it in an L2 alias (record 0126): when this
+    /// agent then holds it ([`Ingest::block_put`]), routers are told of those keys, not of
+    /// the engine's hash that no router matches. A block already followed, or one an
+    /// engine of this host announced, is left as it is.
+    pub fn adopt(&mut self, hash: &EngineHash, before: Option<BlockKey>, covers: &[BlockKey]) {
+        let known = self.objects.contains_key(hash)
+            || self.engines.iter().any(|v| v.blocks.contains_key(hash));
+        if known {
+            return;
+        }
+        if self.objects.len() >= MAX_OBJECTS {
+            self.stats.objects_capped += 1;
+            return;
+        }
+        index_keys(&mut self.by_key, hash, covers);
+        self.objects.insert(
+            hash.clone(),
+            Object {
+                mapped: Some((ADOPTED, before, covers.into())),
+                ..Object::default()
+            },
+        );
+    }
+
+    /// The aliases due in L2 (record 0126), at most `max`, oldest first: each pool key
+    /// whose mapped object L2 came to hold, with the engine's blocks that hold it as
+    /// [`Ingest::engine_blocks`] reads it back, as 8-byte keys. Another host's agent, told to
+    /// prefetch that key, reads the alias and then the blocks. A key that no longer reads
+    /// back (its object left both tiers since), or whose blocks are not 8-byte keys (a
+    /// store's objects of other names), has none.
+    pub fn take_aliases(&mut self, max: usize) -> Vec<(u64, Vec<u64>)> {
+        let n = max.min(self.aliases_due.len());
+        let keys: Vec<u64> = self.aliases_due.drain(..n).collect();
+        keys.into_iter()
+            .filter_map(|key| {
+                let (blocks, read) = self.engine_blocks(&[key]);
+                let blocks: Option<Vec<u64>> = blocks.iter().map(EngineHash::as_u64).collect();
+                Some((key, blocks.filter(|_| read == 1)?))
+            })
+            .collect()
     }
 
     /// Objects of the host's store followed, and of those the ones whose event block is
@@ -634,10 +768,14 @@ impl Ingest {
             return;
         }
         o.mapped = Some((engine, before, covers.into()));
+        index_keys(&mut self.by_key, hash, covers);
         for (held, scope) in [(o.l1, Scope::L1), (o.l2, Scope::L2)] {
             if held {
                 cover_keys(&mut self.covered, scope, before, covers, out);
             }
+        }
+        if o.l2 {
+            due(&mut self.aliases_due, &mut self.stats, covers);
         }
     }
 
@@ -669,9 +807,10 @@ impl Ingest {
         }
         // Objects keyed by this view wait again: its rebuild (a replay, a new tenant table)
         // keys them anew, and keys of the old view are not reported on.
-        for o in self.objects.values_mut() {
+        for (hash, o) in self.objects.iter_mut() {
             if o.mapped.as_ref().is_some_and(|(e, _, _)| *e == engine) {
                 if let Some((_, _, covers)) = o.mapped.take() {
+                    unindex_keys(&mut self.by_key, hash, &covers);
                     for (held, scope) in [(o.l1, Scope::L1), (o.l2, Scope::L2)] {
                         if held {
                             uncover(&mut self.covered, scope, &covers, &mut out);
@@ -971,6 +1110,34 @@ fn cover_keys(
             });
         }
         parent = Some(*k);
+    }
+}
+
+/// Queues the aliases of `covers` ([`Ingest::take_aliases`]), dropping the oldest past
+/// [`MAX_ALIASES_DUE`].
+fn due(queue: &mut VecDeque<u64>, stats: &mut IngestStats, covers: &[BlockKey]) {
+    for k in covers {
+        if queue.len() >= MAX_ALIASES_DUE {
+            queue.pop_front();
+            stats.aliases_dropped += 1;
+        }
+        queue.push_back(k.0);
+    }
+}
+
+/// Points each of `covers` at the object `hash` ([`Ingest::engine_blocks`]).
+fn index_keys(by_key: &mut HashMap<u64, EngineHash>, hash: &EngineHash, covers: &[BlockKey]) {
+    for k in covers {
+        by_key.insert(k.0, hash.clone());
+    }
+}
+
+/// Forgets the keys of `covers` that point at the object `hash`.
+fn unindex_keys(by_key: &mut HashMap<u64, EngineHash>, hash: &EngineHash, covers: &[BlockKey]) {
+    for k in covers {
+        if by_key.get(&k.0) == Some(hash) {
+            by_key.remove(&k.0);
+        }
     }
 }
 
@@ -1314,6 +1481,120 @@ mod tests {
         assert_eq!(ing.block_put(&h(99), ObjectTier::L1), None);
         assert_eq!(ing.block_gone(&h(99), ObjectTier::L1), None);
         assert_eq!(ing.objects(), (2, 0));
+    }
+
+    /// Pool blocks of 4 tokens; the engine's GPU blocks of 2 (hashes 10 to 15) stored, each
+    /// pool block completed by every second one: the ingest, the chain's 3 pool keys and the
+    /// engine's hashes.
+    fn pool_blocks_of_two_engine_blocks() -> (Ingest, Vec<u64>, [u64; 6]) {
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        ing.set_block_tokens(Some(4));
+        let keys: Vec<u64> = token_block_keys(
+            &TenantKey::derive("t", "s"),
+            &(0..12).collect::<Vec<_>>(),
+            4,
+        )
+        .iter()
+        .map(|k| k.0)
+        .collect();
+        let hashes = [10, 11, 12, 13, 14, 15];
+        let mut small = stored(&hashes, None, 0..12, Some("s"));
+        if let KvEvent::Stored { block_size, .. } = &mut small {
+            *block_size = 2;
+        }
+        ing.apply(0, 0, &batch(vec![small]));
+        (ing, keys, hashes)
+    }
+
+    #[test]
+    fn a_routers_chain_reads_back_to_the_blocks_an_engine_put() {
+        let (mut ing, keys, hashes) = pool_blocks_of_two_engine_blocks();
+        // Nothing put yet: no key reads back (the hint is the caller's as it is).
+        assert_eq!(ing.engine_blocks(&keys), (vec![], 0));
+        for x in hashes {
+            ing.block_put(&h(x), ObjectTier::L2).unwrap();
+        }
+        let all: Vec<EngineHash> = hashes.iter().map(|&x| h(x)).collect();
+        assert_eq!(ing.engine_blocks(&keys), (all.clone(), 3));
+        // From the second key on: only that key's own two blocks.
+        assert_eq!(ing.engine_blocks(&keys[1..2]), (all[2..4].to_vec(), 1));
+        // A key past the chain stops the reading there.
+        assert_eq!(
+            ing.engine_blocks(&[keys[0], 7, keys[2]]),
+            (all[..2].to_vec(), 1)
+        );
+        // The block that completed the second key leaves both tiers: it no longer reads
+        // back, and the chain stops before it.
+        ing.block_gone(&h(13), ObjectTier::L2).unwrap();
+        assert_eq!(ing.engine_blocks(&keys), (all[..2].to_vec(), 1));
+        // A dropped view (a gap) forgets every mapping.
+        ing.reset(0);
+        assert_eq!(ing.engine_blocks(&keys), (vec![], 0));
+
+        // Blocks larger than the pool's: one 8-token block covers two keys, listed once.
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        ing.set_block_tokens(Some(4));
+        let mut large = stored(&[20, 21], None, 0..16, Some("s"));
+        if let KvEvent::Stored { block_size, .. } = &mut large {
+            *block_size = 8;
+        }
+        ing.apply(0, 0, &batch(vec![large]));
+        ing.block_put(&h(20), ObjectTier::L2).unwrap();
+        assert_eq!(ing.engine_blocks(&keys), (vec![h(20)], 2));
+    }
+
+    #[test]
+    fn keys_l2_came_to_hold_get_aliases_naming_the_engines_blocks() {
+        let (mut ing, keys, hashes) = pool_blocks_of_two_engine_blocks();
+        // The first two put in L2, the rest in L1 alone: no reason for an alias.
+        ing.block_put(&h(10), ObjectTier::L2).unwrap();
+        ing.block_put(&h(11), ObjectTier::L2).unwrap();
+        for x in &hashes[2..] {
+            ing.block_put(&h(*x), ObjectTier::L1).unwrap();
+        }
+        assert_eq!(ing.take_aliases(10), vec![(keys[0], vec![10, 11])]);
+        for x in &hashes[2..] {
+            ing.block_put(&h(*x), ObjectTier::L2).unwrap();
+        }
+        // Each key once, with the blocks from the previous key's on; `max` bounds a take.
+        assert_eq!(ing.take_aliases(1), vec![(keys[1], vec![12, 13])]);
+        // A key whose object left both tiers since has none.
+        ing.block_gone(&h(15), ObjectTier::L1).unwrap();
+        ing.block_gone(&h(15), ObjectTier::L2).unwrap();
+        assert_eq!(ing.take_aliases(10), vec![]);
+        // Stored again: due again.
+        ing.block_put(&h(15), ObjectTier::L2).unwrap();
+        assert_eq!(ing.take_aliases(10), vec![(keys[2], vec![14, 15])]);
+        assert_eq!(ing.take_aliases(10), vec![]);
+    }
+
+    #[test]
+    fn blocks_adopted_from_another_hosts_alias_are_reported_under_its_keys() {
+        // Another host's alias: pool keys 500 and 501, held by blocks 40 (a fragment) and
+        // 41, and by 42. No engine of this host announced them.
+        let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
+        ing.set_block_tokens(Some(4));
+        let (k500, k501) = (BlockKey(500), BlockKey(501));
+        ing.adopt(&h(40), None, &[]);
+        ing.adopt(&h(41), None, &[k500]);
+        ing.adopt(&h(42), Some(k500), &[k501]);
+        assert_eq!(ing.engine_blocks(&[500, 501]), (vec![h(41), h(42)], 2));
+        // Loaded into L1: reported as the routers' keys, in their chain.
+        let mut changes = ing.block_put(&h(40), ObjectTier::L1).unwrap();
+        changes.extend(ing.block_put(&h(41), ObjectTier::L1).unwrap());
+        changes.extend(ing.block_put(&h(42), ObjectTier::L1).unwrap());
+        assert_eq!(present(&changes, Scope::L1), vec![500, 501]);
+        assert_eq!(changes[1].parent, Some(500));
+        // Read from L2 too: reported there, and no alias of ours is due (it is theirs).
+        let l2 = ing.block_put(&h(42), ObjectTier::L2).unwrap();
+        assert_eq!(present(&l2, Scope::L2), vec![501]);
+        assert_eq!(ing.take_aliases(10), vec![]);
+        // Evicted from L1: withdrawn.
+        let gone = ing.block_gone(&h(42), ObjectTier::L1).unwrap();
+        assert_eq!((gone.len(), gone[0].key, gone[0].present), (1, 501, false));
+        // A block this host follows already is left as it is.
+        ing.adopt(&h(41), None, &[BlockKey(7)]);
+        assert_eq!(ing.engine_blocks(&[7]), (vec![], 0));
     }
 
     #[test]

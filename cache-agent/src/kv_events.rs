@@ -54,6 +54,13 @@ impl EngineHash {
         EngineHash(h.to_be_bytes().to_vec())
     }
 
+    /// The 64-bit hash whose form it is ([`EngineHash::of_u64`]); `None` unless 8 bytes.
+    pub fn as_u64(&self) -> Option<u64> {
+        <[u8; 8]>::try_from(self.0.as_slice())
+            .ok()
+            .map(u64::from_be_bytes)
+    }
+
     /// Whether it is the hash 0 (an int 0, or bytes of zeros): what LMCache 0.5.6 names as
     /// the parent of the first chunk of a store that starts after chunks it holds.
     pub fn is_zero(&self) -> bool {

@@ -16,10 +16,12 @@
 //!   it, a `GET` reads the object straight into a buffer of its own. A pool of connections,
 //!   one per operation in flight; a connection that died while idle (Redis restarted) is
 //!   replaced on its next use. Bounded by the server's own `maxmemory` and eviction policy
-//!   (`allkeys-lru` is what an operator wants here). Each operation has a deadline; after a
-//!   failure the backend answers "unavailable" at once for a back-off period instead of
-//!   waiting on a dead server again, so a Redis outage costs errors, counted, and never a
-//!   stalled engine.
+//!   (`allkeys-lru` is what an operator wants here). At most 32 operations run at once (a
+//!   get of a long chain waits its turn rather than opening a connection per block). Each
+//!   operation has a deadline; after a failure to reach the server (or a refusal), or three
+//!   deadline misses in a row, the backend answers "unavailable" at once for a back-off
+//!   period instead of waiting on a dead server again, so a Redis outage costs errors,
+//!   counted, and never a stalled engine, while one late answer costs only its operation.
 
 use std::future::Future;
 use std::io;
@@ -83,7 +85,7 @@ pub trait L2Backend: Send + Sync + 'static {
 #[derive(Debug)]
 pub enum AnyL2 {
     Dir(Box<DirL2>),
-    Redis(RedisL2),
+    Redis(Box<RedisL2>),
 }
 
 impl AnyL2 {
@@ -343,10 +345,21 @@ pub struct RedisL2 {
     backoff: Duration,
     /// Until when operations fail at once after a failure.
     down_until: Mutex<Option<Instant>>,
+    /// Operations in flight at most ([`REDIS_IN_FLIGHT`]): past it an operation waits for
+    /// one to end, so a get of a long chain is not a storm of new connections.
+    in_flight: tokio::sync::Semaphore,
+    /// Operations in a row that ran out of their deadline on a server that answers.
+    late_in_a_row: std::sync::atomic::AtomicU32,
 }
 
-/// Idle Redis connections kept (the L2 writer runs 8 writes at once, and gets come beside).
-const REDIS_IDLE: usize = 16;
+/// Operations one backend runs at once (the L2 writer runs 8 writes at once, and gets and
+/// prefetches come beside), and so the connections it holds: each is kept idle after its
+/// operation, for the next.
+const REDIS_IN_FLIGHT: usize = 32;
+const REDIS_IDLE: usize = REDIS_IN_FLIGHT;
+/// Deadline misses in a row that make the backend back off: one late answer from a server
+/// that answers (a busy host, a large read) is an error for that operation only.
+const LATE_TO_BACK_OFF: u32 = 3;
 /// The longest object a `GET` reads back: a block the block API may carry, and its header.
 const REDIS_MAX_OBJECT: usize = u32::MAX as usize + HEADER_BYTES;
 
@@ -425,6 +438,8 @@ impl RedisL2 {
             deadline,
             backoff: Duration::from_secs(1),
             down_until: Mutex::new(None),
+            in_flight: tokio::sync::Semaphore::new(REDIS_IN_FLIGHT),
+            late_in_a_row: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -531,12 +546,26 @@ impl RedisL2 {
     /// Runs `op` with the deadline and the back-off: on an idle connection when there is
     /// one (again on a new one if that one turns out dead: Redis restarted, or closed it),
     /// else on a new one. A connection goes back to the idle ones only after a whole answer.
+    /// At most [`REDIS_IN_FLIGHT`] run at once (the deadline counts from the start of
+    /// each). A server that cannot be reached, refuses a login or refuses the command
+    /// makes the backend back off at once; deadline misses only [`LATE_TO_BACK_OFF`] in a
+    /// row.
     async fn run(&self, op: RedisOp<'_>) -> Result<Answer, L2Error> {
-        let now = Instant::now();
-        if let Some(until) = *self.down_until.lock().unwrap_or_else(|p| p.into_inner()) {
-            if now < until {
-                return Err(L2Error::Backoff(until - now));
-            }
+        let down = || {
+            let until = *self.down_until.lock().unwrap_or_else(|p| p.into_inner());
+            until.and_then(|until| until.checked_duration_since(Instant::now()))
+        };
+        if let Some(left) = down() {
+            return Err(L2Error::Backoff(left));
+        }
+        let _slot = self
+            .in_flight
+            .acquire()
+            .await
+            .map_err(|_| L2Error::Redis("the backend is closed".into()))?;
+        // It may have gone down while this operation waited.
+        if let Some(left) = down() {
+            return Err(L2Error::Backoff(left));
         }
         let attempt = async {
             let reused = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
@@ -552,8 +581,10 @@ impl RedisL2 {
             let answer = Self::exchange(&mut conn, &op).await?;
             Ok((conn, answer))
         };
+        let late = &self.late_in_a_row;
         let err = match tokio::time::timeout(self.deadline, attempt).await {
             Ok(Ok((conn, answer))) => {
+                late.store(0, Ordering::Relaxed);
                 let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
                 if idle.len() < REDIS_IDLE {
                     idle.push(conn);
@@ -567,8 +598,15 @@ impl RedisL2 {
                 }
             }
             Ok(Err(e)) => L2Error::Redis(e.to_string()),
-            Err(_) => L2Error::Redis(format!("no answer within {:?}", self.deadline)),
+            Err(_) => {
+                let err = L2Error::Redis(format!("no answer within {:?}", self.deadline));
+                if late.fetch_add(1, Ordering::Relaxed) + 1 < LATE_TO_BACK_OFF {
+                    return Err(err);
+                }
+                err
+            }
         };
+        late.store(0, Ordering::Relaxed);
         *self.down_until.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(Instant::now() + self.backoff);
         Err(err)

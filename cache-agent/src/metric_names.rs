@@ -48,6 +48,7 @@ pub const AGENT_LM_REQUESTS_TOTAL: &str = "warmpath_agent_lm_requests_total";
 pub const AGENT_HANDSHAKES_DISPLACED_TOTAL: &str = "warmpath_agent_handshakes_displaced_total";
 pub const AGENT_FRAMES_REFUSED_TOTAL: &str = "warmpath_agent_frames_refused_total";
 pub const AGENT_PREFETCH_BLOCKS_TOTAL: &str = "warmpath_agent_prefetch_blocks_total";
+pub const AGENT_ALIASES_TOTAL: &str = "warmpath_agent_aliases_total";
 pub const AGENT_PROMOTIONS_TOTAL: &str = "warmpath_agent_promotions_total";
 pub const AGENT_PROTOCOL_ERRORS_TOTAL: &str = "warmpath_agent_protocol_errors_total";
 pub const AGENT_PUT_REFUSED_TOTAL: &str = "warmpath_agent_put_refused_total";
@@ -100,6 +101,7 @@ pub const ALL: &[&str] = &[
     AGENT_HANDSHAKES_DISPLACED_TOTAL,
     AGENT_FRAMES_REFUSED_TOTAL,
     AGENT_PREFETCH_BLOCKS_TOTAL,
+    AGENT_ALIASES_TOTAL,
     AGENT_PROMOTIONS_TOTAL,
     AGENT_PROTOCOL_ERRORS_TOTAL,
     AGENT_PUT_REFUSED_TOTAL,

@@ -112,6 +112,21 @@ pub enum Request {
     GetSealed { layout: u64, keys: Vec<u64> },
 }
 
+impl Request {
+    /// The block layout it names, if any.
+    pub fn layout(&self) -> Option<u64> {
+        match self {
+            Request::Put { layout, .. }
+            | Request::Lookup { layout, .. }
+            | Request::Get { layout, .. }
+            | Request::Unpin { layout, .. }
+            | Request::PutSealed { layout, .. }
+            | Request::GetSealed { layout, .. } => Some(*layout),
+            Request::Release { .. } | Request::Stats => None,
+        }
+    }
+}
+
 /// Why a block of a put was not stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum PutRefusal {

@@ -538,8 +538,6 @@ async fn metrics_text(url: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string())
 }
 
-/// Prompt tokens the engines found in each tier (gpu, l1, l2) over all prompt tokens, from
-/// their `/metrics`.
 /// Prefill GPU-seconds (model time) the engines spent, from their `/metrics`.
 async fn prefill_gpu_seconds(engines: &[Proc]) -> Result<f64> {
     let mut total = 0.0;
@@ -557,6 +555,8 @@ async fn prefill_gpu_seconds(engines: &[Proc]) -> Result<f64> {
     Ok(total)
 }
 
+/// Prompt tokens the engines found in each tier (gpu, l1, l2) over all prompt tokens, from
+/// their `/metrics`.
 async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
     let (mut hits, mut prompt) = ([0.0; 3], 0.0);
     for e in engines {
@@ -571,6 +571,32 @@ async fn tier_hit_rates(engines: &[Proc]) -> Result<[f64; 3]> {
         prompt += value("vllm:prompt_tokens_total{");
     }
     Ok(hits.map(|h| if prompt > 0.0 { h / prompt } else { 0.0 }))
+}
+
+/// Counters of the agents' `/metrics`, summed over them: the blocks of routers' prefetch
+/// hints they loaded from L2, found already in L1, missed and dropped; then the L2 aliases
+/// (record 0126) they wrote, read and found missing.
+async fn agent_prefetches(agents: &[Proc]) -> Result<[f64; 7]> {
+    use warmpath_cache_agent::metric_names::{AGENT_ALIASES_TOTAL, AGENT_PREFETCH_BLOCKS_TOTAL};
+    let series = [
+        (AGENT_PREFETCH_BLOCKS_TOTAL, "loaded"),
+        (AGENT_PREFETCH_BLOCKS_TOTAL, "in_l1"),
+        (AGENT_PREFETCH_BLOCKS_TOTAL, "miss"),
+        (AGENT_PREFETCH_BLOCKS_TOTAL, "dropped"),
+        (AGENT_ALIASES_TOTAL, "written"),
+        (AGENT_ALIASES_TOTAL, "read"),
+        (AGENT_ALIASES_TOTAL, "missing"),
+    ];
+    let mut sums = [0.0; 7];
+    for a in agents {
+        // The agent prints its metrics' whole URL.
+        let at = a.metrics.as_deref().map(|m| m.trim_end_matches("/metrics"));
+        let text = metrics_text(at.unwrap_or(&a.url)).await?;
+        for (sum, (name, result)) in sums.iter_mut().zip(series) {
+            *sum += metric_value(&text, &format!("{name}{{result=\"{result}\"}}")).unwrap_or(0.0);
+        }
+    }
+    Ok(sums)
 }
 
 /// The router's index holders by source (observed, predicted), from its `/metrics`.
@@ -763,6 +789,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
             if args.residency {
                 let (observed, predicted) = index_holders(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
                 println!("  {:<13} router index at the end: {observed} observed (instance, block) holders, {predicted} predicted", "");
+                if agents {
+                    let [loaded, in_l1, miss, dropped, written, read, missing] = agent_prefetches(&cluster.agents).await.unwrap_or([f64::NAN; 7]);
+                    println!("  {:<13} prefetch hints' blocks: {loaded} loaded from L2, {in_l1} already in L1, {miss} missed, {dropped} dropped", "");
+                    println!("  {:<13} L2 aliases: {written} written, {read} read, {missing} lookups found none", "");
+                }
             }
             use std::io::Write;
             let _ = std::io::stdout().flush();
