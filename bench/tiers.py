@@ -13,9 +13,14 @@ one:
              cached, without -> with tiers (%), and the part of it L1 and L2 brought back
   pf         blocks prefetch hints brought from L2 into L1 (simulate --no-prefetch: 0)
 The simulator runs on a virtual clock with fixed seeds: the figures do not depend on the
-machine or the build. Usage: bench/tiers.py [--binary target/release/warmpath] [--quick]
+machine or the build. With --seeds N each row runs N workload seeds (simulate's 42, then 1,
+2, ...) and prints the median of each ratio over them, with the p99 ratio's range beside
+it: a tail of a few preemptions moves p99 by several times from one seed to the next (see
+BENCHMARKS.md), and the targets are then judged on the medians (hit rates, turns and pf
+are seed 42's; the hit target must hold at every seed).
+Usage: bench/tiers.py [--binary target/release/warmpath] [--cases ...] [--seeds N]
 """
-import argparse, json, os, subprocess, sys
+import argparse, json, os, statistics, subprocess, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "synthetic_trace.jsonl")
@@ -40,10 +45,14 @@ def main():
     ap.add_argument("--policies", default="all")
     ap.add_argument("--gpu-kv-tokens", help="each instance's GPU KV tokens, for every case "
                     "(default: each case's own, at most half of its working set)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="workload seeds per row (42, then 1, 2, ...); ratios are medians")
     ap.add_argument("extra", nargs="*", help="extra simulate flags")
     a = ap.parse_args()
     print(f"{'case':13} {'r':>1} {'tiers':5} {'policy':13} {'gpu/ws':>6} {'hit%':>11} "
-          f"{'p50':>5} {'p90':>5} {'p99':>5} {'prefill':>7} {'turns':>11} {'l1+l2':>5} {'pf':>6}  targets")
+          f"{'p50':>5} {'p90':>5} {'p99':>5} {'prefill':>7} {'turns':>11} {'l1+l2':>5} {'pf':>6}  targets"
+          + ("   p99 over seeds" if a.seeds > 1 else ""))
+    seeds = [42] + list(range(1, a.seeds))
     misses = 0
     for name, args, l1, l2 in CASES:
         if name not in a.cases.split():
@@ -57,16 +66,23 @@ def main():
         for routers in a.routers.split():
             for tiers, targs in (("L1", ["--l1-kv-tokens", str(l1)]),
                                  ("L1+L2", ["--l1-kv-tokens", str(l1), "--l2-kv-tokens", str(l2)])):
-                out = run(a.binary, [*args, "--routers", routers, "--policy", *a.policies.split(),
-                                     *targs, *a.extra])
+                outs = [run(a.binary, [*args, "--routers", routers, "--policy", *a.policies.split(),
+                                       *targs, "--seed", str(seed), *a.extra]) for seed in seeds]
+                out = outs[0]
                 ws = out["cluster"]["gpu_capacity_over_working_set"]
-                for t, n in zip(out["runs"], out["runs_without_tiers"]):
-                    ratio = lambda k: t[k] / n[k] if n[k] > 0 else float("nan")
+                for p, (t, n) in enumerate(zip(out["runs"], out["runs_without_tiers"])):
+                    pairs = [(o["runs"][p], o["runs_without_tiers"][p]) for o in outs]
+                    def ratios(k):
+                        return [tt[k] / nn[k] if nn[k] > 0 else float("nan") for tt, nn in pairs]
+                    ratio = lambda k: statistics.median(ratios(k))
                     p50, p90, p99 = ratio("ttft_ms_p50"), ratio("ttft_ms_p90"), ratio("ttft_ms_p99")
                     pf = ratio("prefill_gpu_s_per_request")
+                    spread = (f"   {min(ratios('ttft_ms_p99')):.2f}-{max(ratios('ttft_ms_p99')):.2f}"
+                              if len(seeds) > 1 else "")
                     missed = [m for m, bad in (("p50", p50 > 0.6), ("p99", p99 > 1.0),
                                                ("prefill", pf > 0.75),
-                                               ("hit", t["hit_rate"] < n["hit_rate"] - 1e-9)) if bad]
+                                               ("hit", any(tt["hit_rate"] < nn["hit_rate"] - 1e-9
+                                                           for tt, nn in pairs))) if bad]
                     misses += bool(missed)
                     print(f"{name:13} {routers:>1} {tiers:5} {t['policy']:13} {ws:6.2f} "
                           f"{n['hit_rate']*100:5.1f}>{t['hit_rate']*100:5.1f} "
@@ -74,7 +90,7 @@ def main():
                           f"{n['follow_ups']['hit_rate']*100:5.1f}>{t['follow_ups']['hit_rate']*100:5.1f} "
                           f"{(t['follow_ups']['hit_rate_l1']+t['follow_ups']['hit_rate_l2'])*100:5.1f} "
                           f"{t['prefetched_blocks']:6d}  "
-                          f"{'missed: ' + ','.join(missed) if missed else 'met'}", flush=True)
+                          f"{'missed: ' + ','.join(missed) if missed else 'met':16}{spread}", flush=True)
     print(f"{misses} rows miss a target")
 
 if __name__ == "__main__":
