@@ -823,6 +823,77 @@ async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine()
     }
 }
 
+/// A failed call resets the engine's link to its agent; the offloads queued behind it wait
+/// for the link to come back (within a call deadline) rather than being dropped at once.
+/// Here calls fail while the agent is stopped, and the blocks the next request evicts while
+/// the link connects again are offloaded: none is dropped. Before, every block queued while
+/// the link connected again was dropped (12,360 of 460,000 offloads in a 300-request
+/// `longdoc` demo, after 3 failed calls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offloads_wait_out_the_reconnect_after_a_failed_call() {
+    let (agent_proc, addr) = agent(&["--l1-bytes", "4MiB"]);
+    let engine = offloading_engine(&addr.to_string(), "0.001");
+    let http = client();
+    let offloaded_series =
+        "warmpath_engine_agent_blocks_total{model_name=\"sim-llama\",op=\"offloaded\"}";
+    let errors_series = "warmpath_engine_agent_errors_total{model_name=\"sim-llama\"}";
+    for seed in 1..=4 {
+        complete_long(&http, &engine.url, seed, 2).await;
+    }
+    // Every offload so far has landed (the count holds still): none is in flight when the
+    // agent stops.
+    eventually_within(Duration::from_secs(20), "offloads to settle", || async {
+        let before = engine_metric(&engine, offloaded_series).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        engine_metric(&engine, offloaded_series).await == before
+    })
+    .await;
+    let errors = engine_metric(&engine, errors_series).await;
+    let pid = agent_proc.pid().to_string();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .expect("kill runs")
+            .success();
+        assert!(ok, "kill {sig}");
+    };
+    signal("-STOP");
+    // A new prompt: the engine asks the stopped agent at arrival, and offloads the last
+    // prompt's blocks as admission evicts them; both calls miss their deadline (2 s), the
+    // put's blocks are dropped, and the link resets.
+    complete_long(&http, &engine.url, 100, 2).await;
+    eventually_within(
+        Duration::from_secs(20),
+        "the calls to the stopped agent to fail",
+        || async {
+            let dropped_now = dropped_offloads(&engine).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            engine_metric(&engine, errors_series).await > errors
+                && dropped_offloads(&engine).await == dropped_now
+        },
+    )
+    .await;
+    signal("-CONT");
+    // The next prompt's blocks are evicted while the link connects again: they wait for it.
+    let (dropped, offloaded) = (
+        dropped_offloads(&engine).await,
+        engine_metric(&engine, offloaded_series).await,
+    );
+    complete_long(&http, &engine.url, 101, 2).await;
+    eventually_within(
+        Duration::from_secs(20),
+        "offloads after the agent ran again",
+        || async { engine_metric(&engine, offloaded_series).await > offloaded },
+    )
+    .await;
+    assert_eq!(
+        dropped_offloads(&engine).await,
+        dropped,
+        "offloads were dropped while the link to the agent came back"
+    );
+}
+
 /// An engine-sim of 128 GPU blocks of 16 tokens (builtin words are one token each) and its
 /// agent with a 4 MiB L1: the stage of the tests of what a queued request finds.
 struct QueueBench {
@@ -955,14 +1026,22 @@ async fn a_queued_request_is_looked_up_while_it_waits() {
         gauge("vllm:num_requests_waiting").await == 1.0
     })
     .await;
+    // D's own lookup is answered while it waits (milliseconds): count from after it.
+    eventually("D's lookup to be answered", || async {
+        let before = bench.metric(&arrival("in_time")).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        bench.metric(&arrival("in_time")).await == before
+    })
+    .await;
     let asked = bench.metric(&arrival("asked")).await;
+    let in_time = bench.metric(&arrival("in_time")).await;
     let b = send(p, 1);
     // `in_time` counts an answer that found its request still queued (not yet admitted):
     // the proof that B was looked up while it waited, whatever the queue holds by the time
     // this test reads it (on a loaded machine C1 may have finished by then).
     eventually("B's lookup answered while it waits", || {
         let (bench, name) = (&bench, arrival("in_time"));
-        async move { bench.metric(&name).await >= 1.0 }
+        async move { bench.metric(&name).await > in_time }
     })
     .await;
     assert_eq!(bench.metric(&arrival("asked")).await, asked + 1.0);

@@ -599,6 +599,29 @@ async fn agent_prefetches(agents: &[Proc]) -> Result<[f64; 7]> {
     Ok(sums)
 }
 
+/// Blocks the engines exchanged with their agents (offloaded, fetched, bad, dropped
+/// offloads) and their failed calls to them, summed over the engines' `/metrics`.
+async fn engine_agent_blocks(engines: &[Proc]) -> Result<[f64; 5]> {
+    use warmpath_engine_sim::metric_names::{ENGINE_AGENT_BLOCKS_TOTAL, ENGINE_AGENT_ERRORS_TOTAL};
+    let mut sums = [0.0; 5];
+    for e in engines {
+        let text = metrics_text(&e.url).await?;
+        let value = |series: String| metric_value(&text, &series).unwrap_or(0.0);
+        for (sum, op) in sums
+            .iter_mut()
+            .zip(["offloaded", "fetched", "bad", "dropped"])
+        {
+            *sum += value(format!(
+                "{ENGINE_AGENT_BLOCKS_TOTAL}{{model_name=\"sim-llama\",op=\"{op}\"}}"
+            ));
+        }
+        sums[4] += value(format!(
+            "{ENGINE_AGENT_ERRORS_TOTAL}{{model_name=\"sim-llama\"}}"
+        ));
+    }
+    Ok(sums)
+}
+
 /// The router's index holders by source (observed, predicted), from its `/metrics`.
 async fn index_holders(url: &str) -> Result<(f64, f64)> {
     let text = metrics_text(url).await?;
@@ -786,6 +809,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 / report.ok.max(1) as f64;
             let label = row_label(strategy, agents);
             println!("  {label:<20} done at {:5.1} s: {} ok, {} errors", started.elapsed().as_secs_f64(), report.ok, report.error_count());
+            if agents {
+                let [offloaded, fetched, bad, dropped, failed] = engine_agent_blocks(&cluster.engines).await.unwrap_or([f64::NAN; 5]);
+                println!("  {:<13} engines' blocks with their agents: {offloaded} offloaded, {fetched} fetched, {bad} bad, {dropped} offloads dropped; {failed} failed calls", "");
+            }
             if args.residency {
                 let (observed, predicted) = index_holders(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
                 println!("  {:<13} router index at the end: {observed} observed (instance, block) holders, {predicted} predicted", "");
