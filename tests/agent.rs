@@ -787,20 +787,11 @@ async fn a_stopped_or_killed_agent_costs_dropped_offloads_never_a_stuck_engine()
     for _ in 0..4 {
         ask().await;
     }
-    let pid = agent_proc.pid().to_string();
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &pid])
-            .status()
-            .expect("kill runs")
-            .success();
-        assert!(ok, "kill {sig}");
-    };
     for (what, stop) in [("stopped", true), ("killed", false)] {
         if stop {
-            signal("-STOP");
+            agent_proc.signal("-STOP");
         } else {
-            signal("-CONT");
+            agent_proc.signal("-CONT");
             agent_proc.kill();
         }
         let before = dropped_offloads(&engine).await;
@@ -849,16 +840,7 @@ async fn offloads_wait_out_the_reconnect_after_a_failed_call() {
     })
     .await;
     let errors = engine_metric(&engine, errors_series).await;
-    let pid = agent_proc.pid().to_string();
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &pid])
-            .status()
-            .expect("kill runs")
-            .success();
-        assert!(ok, "kill {sig}");
-    };
-    signal("-STOP");
+    agent_proc.signal("-STOP");
     // A new prompt: the engine asks the stopped agent at arrival, and offloads the last
     // prompt's blocks as admission evicts them; both calls miss their deadline (2 s), the
     // put's blocks are dropped, and the link resets.
@@ -874,7 +856,7 @@ async fn offloads_wait_out_the_reconnect_after_a_failed_call() {
         },
     )
     .await;
-    signal("-CONT");
+    agent_proc.signal("-CONT");
     // The next prompt's blocks are evicted while the link connects again: they wait for it.
     let (dropped, offloaded) = (
         dropped_offloads(&engine).await,

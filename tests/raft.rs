@@ -1256,11 +1256,7 @@ async fn a_store_altered_after_a_clean_shutdown_is_refused_then_repaired_from_th
     .await;
 
     // A clean shutdown, then the tenant's id altered in place wherever the file holds it.
-    let pid = voters[f].proc.child.id().to_string();
-    let term = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status();
-    assert!(term.is_ok_and(|s| s.success()), "SIGTERM sent");
+    voters[f].proc.signal("-TERM");
     let _ = voters[f].proc.child.wait();
     let file = s.raft_dir(id).join("raft.redb");
     let mut bytes = std::fs::read(&file).expect("the store file");
@@ -1317,14 +1313,7 @@ async fn a_paused_leader_does_not_stall_writes_through_the_majority() {
     wait_seeded(&voters.iter().collect::<Vec<_>>()).await;
     let leader = leader_index(&voters).await;
     let f = (leader + 1) % 3;
-    let pid = voters[leader].proc.child.id().to_string();
-    let signal = |sig: &str| {
-        let status = std::process::Command::new("kill")
-            .args([sig, &pid])
-            .status();
-        assert!(status.is_ok_and(|s| s.success()), "kill {sig}");
-    };
-    signal("-STOP");
+    voters[leader].proc.signal("-STOP");
     let started = Instant::now();
     // The follower still takes the frozen node for the leader and forwards the write there.
     let reply = admin(
@@ -1336,7 +1325,7 @@ async fn a_paused_leader_does_not_stall_writes_through_the_majority() {
     .await
     .expect("the follower answers");
     let took = started.elapsed();
-    signal("-CONT");
+    voters[leader].proc.signal("-CONT");
     assert_eq!(reply.status, 201, "after {took:?}: {:?}", reply.body);
     let (ids, _) = linearizable_tenants(&voters[f]).await;
     assert!(ids.contains("after-pause"), "{ids:?}");
@@ -1769,12 +1758,8 @@ async fn a_rolling_restart_behind_nginx_fails_no_request_and_no_admin_write() {
     let mut downtime = Vec::new();
     for (router, (id, admin_listen)) in routers.iter_mut().zip(&s.voters) {
         let (id, admin_listen) = (*id, admin_listen.to_string());
-        let pid = router.proc.pid().to_string();
         let stopping = Instant::now();
-        let term = std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status();
-        assert!(term.is_ok_and(|s| s.success()), "SIGTERM sent");
+        router.proc.signal("-TERM");
         let _ = router.proc.child.wait();
         let stopped = stopping.elapsed();
         *router = s.start(id, &admin_listen);

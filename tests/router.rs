@@ -426,17 +426,10 @@ async fn a_hung_instance_costs_a_failover_not_the_timeout() {
     let e1 = engine("2");
     let e2 = engine("2");
     let r = router(&[&e1, &e2], &["--strategy", "round-robin"]);
-    let pid = e1.child.id().to_string();
-    let signal = |sig: &str| {
-        let status = std::process::Command::new("kill")
-            .args([sig, &pid])
-            .status();
-        assert!(status.is_ok_and(|s| s.success()), "kill {sig}");
-    };
     let started = std::time::Instant::now();
-    let (answered, ended) = requests_through_a_fault(&r, 20, 400, || signal("-STOP")).await;
+    let (answered, ended) = requests_through_a_fault(&r, 20, 400, || e1.signal("-STOP")).await;
     let waited = started.elapsed();
-    signal("-CONT");
+    e1.signal("-CONT");
     assert_eq!(answered + ended, 20);
     assert!(
         ended > 0,
@@ -581,11 +574,7 @@ async fn graceful_shutdown_drains_open_streams() {
     let first = resp.body_mut().frame().await.unwrap().unwrap();
     assert!(first.is_data());
     // SIGTERM the router mid-stream: it stops accepting but finishes the stream.
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &r.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    r.signal("-TERM");
     let rest = resp
         .into_body()
         .collect()

@@ -149,6 +149,15 @@ impl Proc {
         self.child.id()
     }
 
+    /// Sends it `signal` (as `kill` names it: `-STOP`, `-CONT`, `-TERM`); panics if `kill`
+    /// fails.
+    pub fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([signal, &self.pid().to_string()])
+            .status();
+        assert!(status.is_ok_and(|s| s.success()), "kill {signal}");
+    }
+
     /// The next line the process prints on stdout.
     pub fn read_line(&mut self) -> String {
         let mut line = String::new();
