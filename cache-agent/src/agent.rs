@@ -1063,13 +1063,12 @@ impl Agent {
         let Some(ingest) = &self.report.ingest else {
             return (keys, Vec::new());
         };
-        let (blocks, read) = ingest
+        let stored = ingest
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .engine_blocks(&keys);
-        let stored: Option<Vec<u64>> = blocks.iter().map(EngineHash::as_u64).collect();
+            .engine_block_keys(&keys);
         match stored {
-            Some(stored) if read > 0 => (stored, keys[read..].to_vec()),
+            Some((stored, read)) if read > 0 => (stored, keys[read..].to_vec()),
             Some(_) => (Vec::new(), keys),
             None => (keys, Vec::new()),
         }
@@ -1114,9 +1113,7 @@ impl Agent {
         let (mut resolved, mut named_blocks) = (0, 0);
         for chunk in keys.chunks(PREFETCH_READS) {
             let reads = join_all(chunk.iter().map(|&key| async move {
-                let id = BlockId::new(ALIAS_LAYOUT, key);
-                let raw = self.timed_l2("get", l2.get(id)).await.ok()??;
-                let (block, _writer) = decode_with(&id, raw, self.config.l2_key.as_ref()).ok()?;
+                let block = self.read_l2(l2, BlockId::new(ALIAS_LAYOUT, key)).await?;
                 match Alias::decode(&block.payload)? {
                     Alias::V1 { blocks } if blocks.len() <= crate::ingest::MAX_FRAGMENTS + 1 => {
                         Some(blocks)

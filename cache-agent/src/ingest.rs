@@ -701,6 +701,18 @@ impl Ingest {
         (blocks, read)
     }
 
+    /// [`Ingest::engine_blocks`] with the blocks as the 8-byte keys they are put under (a
+    /// block-API engine's); `None` where a block is no 8-byte key (a store's objects of
+    /// other names).
+    pub fn engine_block_keys(&self, keys: &[u64]) -> Option<(Vec<u64>, usize)> {
+        let (blocks, read) = self.engine_blocks(keys);
+        let blocks = blocks
+            .iter()
+            .map(EngineHash::as_u64)
+            .collect::<Option<_>>()?;
+        Some((blocks, read))
+    }
+
     /// Follows block `hash` as an object of the store that covers pool keys `covers` (after
     /// `before`), as another host's agent named it in an L2 alias (record 0126): when this
     /// agent then holds it ([`Ingest::block_put`]), routers are told of those keys, not of
@@ -736,10 +748,9 @@ impl Ingest {
         let n = max.min(self.aliases_due.len());
         let keys: Vec<u64> = self.aliases_due.drain(..n).collect();
         keys.into_iter()
-            .filter_map(|key| {
-                let (blocks, read) = self.engine_blocks(&[key]);
-                let blocks: Option<Vec<u64>> = blocks.iter().map(EngineHash::as_u64).collect();
-                Some((key, blocks.filter(|_| read == 1)?))
+            .filter_map(|key| match self.engine_block_keys(&[key])? {
+                (blocks, 1) => Some((key, blocks)),
+                _ => None,
             })
             .collect()
     }
@@ -1200,6 +1211,15 @@ mod tests {
         }
     }
 
+    /// `event` with blocks of `size` tokens.
+    fn sized(event: KvEvent, size: u32) -> KvEvent {
+        with(event, |e| {
+            if let KvEvent::Stored { block_size, .. } = e {
+                *block_size = size;
+            }
+        })
+    }
+
     fn batch(events: Vec<KvEvent>) -> Decoded {
         Decoded {
             events,
@@ -1498,10 +1518,7 @@ mod tests {
         .map(|k| k.0)
         .collect();
         let hashes = [10, 11, 12, 13, 14, 15];
-        let mut small = stored(&hashes, None, 0..12, Some("s"));
-        if let KvEvent::Stored { block_size, .. } = &mut small {
-            *block_size = 2;
-        }
+        let small = sized(stored(&hashes, None, 0..12, Some("s")), 2);
         ing.apply(0, 0, &batch(vec![small]));
         (ing, keys, hashes)
     }
@@ -1534,10 +1551,7 @@ mod tests {
         // Blocks larger than the pool's: one 8-token block covers two keys, listed once.
         let mut ing = Ingest::new(Tenants::Fixed("t".into()), 1);
         ing.set_block_tokens(Some(4));
-        let mut large = stored(&[20, 21], None, 0..16, Some("s"));
-        if let KvEvent::Stored { block_size, .. } = &mut large {
-            *block_size = 8;
-        }
+        let large = sized(stored(&[20, 21], None, 0..16, Some("s")), 8);
         ing.apply(0, 0, &batch(vec![large]));
         ing.block_put(&h(20), ObjectTier::L2).unwrap();
         assert_eq!(ing.engine_blocks(&keys), (vec![h(20)], 2));
@@ -1681,11 +1695,7 @@ mod tests {
         );
         assert_eq!(present(&gpu, Scope::Gpu(0)), want);
         // First store: chunks of 12 tokens, the first with 13 (its next chunk's first).
-        let c1 = with(chunk(100, None, 0..13), |e| {
-            if let KvEvent::Stored { block_size, .. } = e {
-                *block_size = 12;
-            }
-        });
+        let c1 = sized(chunk(100, None, 0..13), 12);
         let first = ing.apply(0, 1, &batch(vec![c1, chunk(101, Some(100), 12..24)]));
         assert_eq!(present(&first, Scope::L1), want[..6]);
         assert_eq!(ing.stats.malformed, 0);
@@ -1696,11 +1706,7 @@ mod tests {
         assert_eq!((ing.stats.parents_by_tokens, ing.stats.orphans), (1, 0));
         // Two more tokens than the chunk is malformed still; a parent 0 that no GPU
         // chain continues is an orphan.
-        let bad = with(chunk(103, None, 0..14), |e| {
-            if let KvEvent::Stored { block_size, .. } = e {
-                *block_size = 12;
-            }
-        });
+        let bad = sized(chunk(103, None, 0..14), 12);
         assert!(ing.apply(0, 3, &batch(vec![bad])).is_empty());
         assert_eq!(ing.stats.malformed, 1);
         assert!(ing

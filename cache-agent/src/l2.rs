@@ -337,7 +337,7 @@ impl L2Backend for DirL2 {
 /// The Redis backend.
 pub struct RedisL2 {
     target: RedisTarget,
-    /// Connections between operations, at most [`REDIS_IDLE`]: one per operation in flight,
+    /// Connections between operations, at most [`REDIS_IN_FLIGHT`]: one per operation in flight,
     /// so a 1 MiB `SET` never queues behind another on one socket.
     idle: Mutex<Vec<RedisConn>>,
     prefix: String,
@@ -356,7 +356,6 @@ pub struct RedisL2 {
 /// prefetches come beside), and so the connections it holds: each is kept idle after its
 /// operation, for the next.
 const REDIS_IN_FLIGHT: usize = 32;
-const REDIS_IDLE: usize = REDIS_IN_FLIGHT;
 /// Deadline misses in a row that make the backend back off: one late answer from a server
 /// that answers (a busy host, a large read) is an error for that operation only.
 const LATE_TO_BACK_OFF: u32 = 3;
@@ -586,7 +585,7 @@ impl RedisL2 {
             Ok(Ok((conn, answer))) => {
                 late.store(0, Ordering::Relaxed);
                 let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-                if idle.len() < REDIS_IDLE {
+                if idle.len() < REDIS_IN_FLIGHT {
                     idle.push(conn);
                 }
                 drop(idle);
