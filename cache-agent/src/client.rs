@@ -644,6 +644,22 @@ impl AgentLink {
         None
     }
 
+    /// The live client, waiting up to `within` for it while the link connects again (for a
+    /// background task that may wait, as an engine's offloads; an engine's own calls take
+    /// [`AgentLink::client`]'s answer at once).
+    pub async fn client_within(&self, within: Duration) -> Option<Arc<AgentClient>> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(client) = self.client() {
+                return Some(client);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Drops the current connection (after a call failed on it).
     pub fn reset(&self) {
         self.lock().client = None;
