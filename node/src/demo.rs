@@ -538,20 +538,32 @@ async fn metrics_text(url: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&resp.into_body().collect().await?.to_bytes()).to_string())
 }
 
+/// Each of `series` (a line's start in the metrics text) summed over the `/metrics` of the
+/// processes at `urls`; 0 where one has no such line.
+async fn summed<const N: usize>(urls: &[&str], series: [String; N]) -> Result<[f64; N]> {
+    let mut sums = [0.0; N];
+    for url in urls {
+        let text = metrics_text(url).await?;
+        for (sum, s) in sums.iter_mut().zip(&series) {
+            *sum += metric_value(&text, s).unwrap_or(0.0);
+        }
+    }
+    Ok(sums)
+}
+
+/// The processes' URLs.
+fn urls(procs: &[Proc]) -> Vec<&str> {
+    procs.iter().map(|p| p.url.as_str()).collect()
+}
+
 /// Prefill GPU-seconds (model time) the engines spent, from their `/metrics`.
 async fn prefill_gpu_seconds(engines: &[Proc]) -> Result<f64> {
-    let mut total = 0.0;
-    for e in engines {
-        let text = metrics_text(&e.url).await?;
-        total += metric_value(
-            &text,
-            &format!(
-                "{}{{",
-                warmpath_engine_sim::metric_names::ENGINE_PREFILL_GPU_SECONDS_TOTAL
-            ),
-        )
-        .unwrap_or(0.0);
-    }
+    use warmpath_engine_sim::metric_names::ENGINE_PREFILL_GPU_SECONDS_TOTAL;
+    let [total] = summed(
+        &urls(engines),
+        [format!("{ENGINE_PREFILL_GPU_SECONDS_TOTAL}{{")],
+    )
+    .await?;
     Ok(total)
 }
 
@@ -586,40 +598,34 @@ async fn agent_prefetches(agents: &[Proc]) -> Result<[f64; 7]> {
         (AGENT_ALIASES_TOTAL, "written"),
         (AGENT_ALIASES_TOTAL, "read"),
         (AGENT_ALIASES_TOTAL, "missing"),
-    ];
-    let mut sums = [0.0; 7];
-    for a in agents {
-        // The agent prints its metrics' whole URL.
-        let at = a.metrics.as_deref().map(|m| m.trim_end_matches("/metrics"));
-        let text = metrics_text(at.unwrap_or(&a.url)).await?;
-        for (sum, (name, result)) in sums.iter_mut().zip(series) {
-            *sum += metric_value(&text, &format!("{name}{{result=\"{result}\"}}")).unwrap_or(0.0);
-        }
-    }
-    Ok(sums)
+    ]
+    .map(|(name, result)| format!("{name}{{result=\"{result}\"}}"));
+    // The agent prints its metrics' whole URL.
+    let at: Vec<&str> = agents
+        .iter()
+        .map(|a| {
+            a.metrics
+                .as_deref()
+                .map_or(a.url.as_str(), |m| m.trim_end_matches("/metrics"))
+        })
+        .collect();
+    summed(&at, series).await
 }
 
 /// Blocks the engines exchanged with their agents (offloaded, fetched, bad, dropped
 /// offloads) and their failed calls to them, summed over the engines' `/metrics`.
 async fn engine_agent_blocks(engines: &[Proc]) -> Result<[f64; 5]> {
     use warmpath_engine_sim::metric_names::{ENGINE_AGENT_BLOCKS_TOTAL, ENGINE_AGENT_ERRORS_TOTAL};
-    let mut sums = [0.0; 5];
-    for e in engines {
-        let text = metrics_text(&e.url).await?;
-        let value = |series: String| metric_value(&text, &series).unwrap_or(0.0);
-        for (sum, op) in sums
-            .iter_mut()
-            .zip(["offloaded", "fetched", "bad", "dropped"])
-        {
-            *sum += value(format!(
-                "{ENGINE_AGENT_BLOCKS_TOTAL}{{model_name=\"sim-llama\",op=\"{op}\"}}"
-            ));
-        }
-        sums[4] += value(format!(
-            "{ENGINE_AGENT_ERRORS_TOTAL}{{model_name=\"sim-llama\"}}"
-        ));
-    }
-    Ok(sums)
+    let block =
+        |op: &str| format!("{ENGINE_AGENT_BLOCKS_TOTAL}{{model_name=\"sim-llama\",op=\"{op}\"}}");
+    let series = [
+        block("offloaded"),
+        block("fetched"),
+        block("bad"),
+        block("dropped"),
+        format!("{ENGINE_AGENT_ERRORS_TOTAL}{{model_name=\"sim-llama\"}}"),
+    ];
+    summed(&urls(engines), series).await
 }
 
 /// The router's index holders by source (observed, predicted), from its `/metrics`.
