@@ -212,6 +212,26 @@ where
     eventually_within(Duration::from_secs(10), what, f).await
 }
 
+/// Waits (within `within`) until `value` holds still for 300 ms: until what is under way
+/// (offloads, lookups) has landed.
+async fn settled<F, Fut>(within: Duration, what: &str, mut value: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = f64>,
+{
+    let deadline = Instant::now() + within;
+    let mut last = value().await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = value().await;
+        if now == last {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        last = now;
+    }
+}
+
 /// [`eventually`], within `within`: for a wait of several steps through several processes.
 async fn eventually_within<F, Fut>(within: Duration, what: &str, mut f: F)
 where
@@ -833,10 +853,8 @@ async fn offloads_wait_out_the_reconnect_after_a_failed_call() {
     }
     // Every offload so far has landed (the count holds still): none is in flight when the
     // agent stops.
-    eventually_within(Duration::from_secs(20), "offloads to settle", || async {
-        let before = engine_metric(&engine, offloaded_series).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        engine_metric(&engine, offloaded_series).await == before
+    settled(Duration::from_secs(20), "offloads to settle", || {
+        engine_metric(&engine, offloaded_series)
     })
     .await;
     let errors = engine_metric(&engine, errors_series).await;
@@ -848,13 +866,12 @@ async fn offloads_wait_out_the_reconnect_after_a_failed_call() {
     eventually_within(
         Duration::from_secs(20),
         "the calls to the stopped agent to fail",
-        || async {
-            let dropped_now = dropped_offloads(&engine).await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            engine_metric(&engine, errors_series).await > errors
-                && dropped_offloads(&engine).await == dropped_now
-        },
+        || async { engine_metric(&engine, errors_series).await > errors },
     )
+    .await;
+    settled(Duration::from_secs(20), "the failed put's drops", || {
+        dropped_offloads(&engine)
+    })
     .await;
     agent_proc.signal("-CONT");
     // The next prompt's blocks are evicted while the link connects again: they wait for it.
@@ -1009,10 +1026,9 @@ async fn a_queued_request_is_looked_up_while_it_waits() {
     })
     .await;
     // D's own lookup is answered while it waits (milliseconds): count from after it.
-    eventually("D's lookup to be answered", || async {
-        let before = bench.metric(&arrival("in_time")).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        bench.metric(&arrival("in_time")).await == before
+    let in_time_name = arrival("in_time");
+    settled(Duration::from_secs(10), "D's lookup to be answered", || {
+        bench.metric(&in_time_name)
     })
     .await;
     let asked = bench.metric(&arrival("asked")).await;
