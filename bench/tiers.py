@@ -12,13 +12,17 @@ one:
   turns      follow-up turns: share of the context they inherit from the turn before found
              cached, without -> with tiers (%), and the part of it L1 and L2 brought back
   pf         blocks prefetch hints brought from L2 into L1 (simulate --no-prefetch: 0)
+With --by-source each row is followed by its requests split by where their prompt was found
+(simulate's `ttft_by_source`: on the GPU, loaded from L1 or L2, more than a tenth computed),
+each class's share of the requests and TTFT p50 without -> with tiers (seed 42): the run's
+p50 falls with tiers only as far as requests leave `computed` across the median.
 The simulator runs on a virtual clock with fixed seeds: the figures do not depend on the
 machine or the build. With --seeds N each row runs N workload seeds (simulate's 42, then 1,
 2, ...) and prints the median of each ratio over them, with the p99 ratio's range beside
 it: a tail of a few preemptions moves p99 by several times from one seed to the next (see
 BENCHMARKS.md), and the targets are then judged on the medians (hit rates, turns and pf
 are seed 42's; the hit target must hold at every seed).
-Usage: bench/tiers.py [--binary target/release/warmpath] [--cases ...] [--seeds N]
+Usage: bench/tiers.py [--binary target/release/warmpath] [--cases ...] [--seeds N] [--by-source]
 """
 import argparse, json, os, statistics, subprocess, sys
 
@@ -37,6 +41,21 @@ def run(binary, args):
                          capture_output=True, text=True).stdout
     return json.loads(out)
 
+def by_source(without, tiered):
+    """One line: each class of `ttft_by_source`, its share of the requests and TTFT p50,
+    without -> with tiers."""
+    def part(r, k):
+        s = r["ttft_by_source"]
+        total = sum(s[c]["requests"] for c in ("gpu", "tiers", "computed")) or 1
+        p = s[k]
+        share = f"{p['requests'] * 100 / total:.0f}%"
+        return share, (f"{p['ttft_ms_p50']:.0f}" if p["requests"] else "-")
+    cells = []
+    for k in ("gpu", "tiers", "computed"):
+        (s0, p0), (s1, p1) = part(without, k), part(tiered, k)
+        cells.append(f"{k} {s0}>{s1} p50 {p0}>{p1} ms")
+    return "by source: " + " | ".join(cells)
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--binary", default=os.path.join(HERE, "..", "target", "release", "warmpath"))
@@ -47,6 +66,8 @@ def main():
                     "(default: each case's own, at most half of its working set)")
     ap.add_argument("--seeds", type=int, default=1,
                     help="workload seeds per row (42, then 1, 2, ...); ratios are medians")
+    ap.add_argument("--by-source", action="store_true",
+                    help="after each row, TTFT by where the prompt was found (seed 42)")
     ap.add_argument("extra", nargs="*", help="extra simulate flags")
     a = ap.parse_args()
     print(f"{'case':13} {'r':>1} {'tiers':5} {'policy':13} {'gpu/ws':>6} {'hit%':>11} "
@@ -91,6 +112,8 @@ def main():
                           f"{(t['follow_ups']['hit_rate_l1']+t['follow_ups']['hit_rate_l2'])*100:5.1f} "
                           f"{t['prefetched_blocks']:6d}  "
                           f"{'missed: ' + ','.join(missed) if missed else 'met':16}{spread}", flush=True)
+                    if a.by_source:
+                        print("    " + by_source(n, t), flush=True)
     print(f"{misses} rows miss a target")
 
 if __name__ == "__main__":

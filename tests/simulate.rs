@@ -75,6 +75,52 @@ fn trace_table_has_every_policy_and_the_bounds() {
 }
 
 #[test]
+fn a_tiered_run_says_what_the_tiers_bought_and_for_which_requests() {
+    let base = [
+        "simulate",
+        "--workload",
+        "longdoc",
+        "--requests",
+        "300",
+        "--rate",
+        "3",
+        "--gpu-kv-tokens",
+        "250000",
+        "--l1-kv-tokens",
+        "1000000",
+        "--policy",
+        "round-robin",
+        "prefix-aware",
+    ];
+    let out = warmpath(&base);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    let by_source = table
+        .split("ttft by where the prompt was found")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no by-source table in\n{table}"));
+    assert!(table.contains("with tiers against the same runs without them"));
+    for policy in ["round-robin", "prefix-aware"] {
+        let row = by_source
+            .lines()
+            .find(|l| l.starts_with(policy))
+            .unwrap_or_else(|| panic!("{policy} missing from\n{by_source}"));
+        // Without tiers no request loads: its l1/l2 cell starts at 0%.
+        assert!(row.contains(" 0%→"), "{row}");
+    }
+    let json = warmpath(&[&base[..], &["--json"]].concat());
+    let json: serde_json::Value = serde_json::from_str(&stdout(&json)).expect("valid JSON");
+    for (runs, tiered) in [("runs", true), ("runs_without_tiers", false)] {
+        for r in json[runs].as_array().expect("runs") {
+            let s = &r["ttft_by_source"];
+            let n = |k: &str| s[k]["requests"].as_u64().unwrap();
+            assert_eq!(n("gpu") + n("tiers") + n("computed"), r["completed"], "{r}");
+            assert_eq!(n("tiers") > 0, tiered, "{runs}: {s}");
+        }
+    }
+}
+
+#[test]
 fn malformed_trace_line_names_file_and_line() {
     let dir = scratch_dir("bad-trace");
     let path = dir.join("bad.jsonl");

@@ -586,6 +586,7 @@ pub fn render_table(out: &SimulationOutput) -> String {
     s += &follow_ups_table(&out.runs, &out.runs_without_tiers);
     if !out.runs_without_tiers.is_empty() {
         s += &tiers_table(&out.runs, &out.runs_without_tiers);
+        s += &by_source_table(&out.runs, &out.runs_without_tiers);
     }
     if !out.runs_without_faults.is_empty() {
         s += &faults_table(&out.runs);
@@ -729,6 +730,54 @@ fn tiers_table(with: &[RunReport], without: &[RunReport]) -> String {
     }
     s += "ttft columns: with tiers over without (below 1.00x is faster); saved = prefill \
           GPU-seconds the tiers save\n";
+    s
+}
+
+/// TTFT by where each request's prompt was found (`RunReport::ttft_by_source`), without
+/// tiers and with them: which requests the tiers sped up, and which they could not.
+fn by_source_table(with: &[RunReport], without: &[RunReport]) -> String {
+    use warmpath_sim::cluster::{TtftBySource, TtftPart};
+    let parts = |s: &TtftBySource| [s.gpu.clone(), s.tiers.clone(), s.computed.clone()];
+    let cell = |n: &TtftPart, t: &TtftPart, nt: u64, tt: u64| {
+        let share = |p: &TtftPart, total: u64| p.requests as f64 * 100.0 / total.max(1) as f64;
+        let p50 = |p: &TtftPart| {
+            if p.requests == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.0}", p.ttft_ms_p50)
+            }
+        };
+        format!(
+            "{:.0}%→{:.0}% {}→{}",
+            share(n, nt),
+            share(t, tt),
+            p50(n),
+            p50(t)
+        )
+    };
+    let mut s = format!(
+        "
+ttft by where the prompt was found (share of requests, p50 in ms), without tiers → with: \
+         gpu = at most {:.0}% computed, the rest on the GPU; l1/l2 = at most that computed, more \
+         loaded; computed = more computed\n",
+        warmpath_sim::cluster::COMPUTED_SHARE * 100.0
+    );
+    s += &format!(
+        "{:<13} {:>24} {:>24} {:>24}\n",
+        "policy", "gpu", "l1/l2", "computed"
+    );
+    for (t, n) in with.iter().zip(without) {
+        let (tp, np) = (parts(&t.ttft_by_source), parts(&n.ttft_by_source));
+        let total = |ps: &[TtftPart; 3]| ps.iter().map(|p| p.requests).sum::<u64>();
+        let (tt, nt) = (total(&tp), total(&np));
+        s += &format!(
+            "{:<13} {:>24} {:>24} {:>24}\n",
+            t.policy,
+            cell(&np[0], &tp[0], nt, tt),
+            cell(&np[1], &tp[1], nt, tt),
+            cell(&np[2], &tp[2], nt, tt)
+        );
+    }
     s
 }
 

@@ -153,6 +153,8 @@ pub struct RunReport {
     /// Follow-up turns: how much of the context each inherits from an earlier turn was
     /// found cached, and where.
     pub follow_ups: FollowUps,
+    /// TTFT of the requests by where their prompt was found (see [`TtftBySource`]).
+    pub ttft_by_source: TtftBySource,
     /// What reports plot (long arrays, left out of `--json`).
     #[serde(skip)]
     pub curves: Curves,
@@ -180,6 +182,58 @@ pub struct FollowUps {
     pub hit_rate_gpu: f64,
     pub hit_rate_l1: f64,
     pub hit_rate_l2: f64,
+}
+
+/// TTFT by where a request's prompt was found at its first admission: which requests a
+/// tier can speed up at all. A request whose prompt is on its GPU waits only for the steps
+/// it joins; one the tiers serve waits for the loads too; one that computes more than
+/// [`COMPUTED_SHARE`] of its prompt waits for that prefill. The run's TTFT p50 falls with
+/// tiers only as far as requests leave `computed` for `tiers` across the median.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct TtftBySource {
+    /// Computed at most [`COMPUTED_SHARE`] of the prompt, and found at least the rest of
+    /// it on the GPU.
+    pub gpu: TtftPart,
+    /// Computed at most [`COMPUTED_SHARE`], and loaded more than that from L1 or L2.
+    pub tiers: TtftPart,
+    /// Computed more than [`COMPUTED_SHARE`] of the prompt.
+    pub computed: TtftPart,
+}
+
+/// Above this share of its prompt computed, a request counts as `computed` in
+/// [`TtftBySource`].
+pub const COMPUTED_SHARE: f64 = 0.1;
+
+/// One class of [`TtftBySource`]: its requests and their TTFT.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct TtftPart {
+    pub requests: u64,
+    pub ttft_ms_p50: f64,
+    pub ttft_ms_p90: f64,
+}
+
+impl TtftPart {
+    fn of(mut samples: Samples) -> TtftPart {
+        TtftPart {
+            requests: samples.len() as u64,
+            ttft_ms_p50: samples.quantile(0.5),
+            ttft_ms_p90: samples.quantile(0.9),
+        }
+    }
+}
+
+/// Which class of [`TtftBySource`] a prompt of `prompt_tokens` with `hits` (GPU, L1, L2)
+/// falls in: 0 `gpu`, 1 `tiers`, 2 `computed`.
+fn ttft_source(prompt_tokens: u32, hits: [u32; 3]) -> usize {
+    let prompt = f64::from(prompt_tokens.max(1));
+    let cached: u32 = hits.iter().sum();
+    if f64::from(prompt_tokens.saturating_sub(cached)) > COMPUTED_SHARE * prompt {
+        2
+    } else if f64::from(hits[1] + hits[2]) > COMPUTED_SHARE * prompt {
+        1
+    } else {
+        0
+    }
 }
 
 /// A run's curves: the TTFT distribution and each instance's load over time.
@@ -445,6 +499,8 @@ impl Feed {
 #[derive(Debug)]
 struct Tally {
     ttft: Samples,
+    /// The same samples by [`ttft_source`].
+    ttft_by_source: [Samples; 3],
     itl: Samples,
     e2e: Samples,
     completed: u64,
@@ -743,6 +799,7 @@ impl<'a> Run<'a> {
             engine_events: Vec::new(),
             tally: Tally {
                 ttft: Samples::new(),
+                ttft_by_source: Default::default(),
                 itl: Samples::new(),
                 e2e: Samples::new(),
                 completed: 0,
@@ -1315,7 +1372,9 @@ impl<'a> Run<'a> {
         t.first_token_us = Some(at_us);
         t.last_token_us = at_us;
         self.tally.output_tokens += 1;
-        self.tally.ttft.push((at_us - req.arrival_us) as f64 / 1e3);
+        let ttft_ms = (at_us - req.arrival_us) as f64 / 1e3;
+        self.tally.ttft.push(ttft_ms);
+        self.tally.ttft_by_source[ttft_source(req.prompt_tokens, hits)].push(ttft_ms);
         if t.start != self.faulted.starts[t.router as usize] {
             return;
         }
@@ -1404,6 +1463,7 @@ impl<'a> Run<'a> {
         let config = self.config;
         let Tally {
             mut ttft,
+            ttft_by_source,
             mut itl,
             mut e2e,
             completed,
@@ -1496,6 +1556,14 @@ impl<'a> Run<'a> {
                     hit_rate_gpu: of_context(follow_up_hits[0]),
                     hit_rate_l1: of_context(follow_up_hits[1]),
                     hit_rate_l2: of_context(follow_up_hits[2]),
+                }
+            },
+            ttft_by_source: {
+                let [gpu, tiers, computed] = ttft_by_source.map(TtftPart::of);
+                TtftBySource {
+                    gpu,
+                    tiers,
+                    computed,
                 }
             },
             curves: Curves {
@@ -1713,6 +1781,43 @@ mod tests {
             .max()
             .unwrap();
         assert!(most > 0 && most <= 300, "{most}");
+    }
+
+    #[test]
+    fn ttft_is_split_by_where_the_prompt_was_found() {
+        // (prompt, GPU / L1 / L2 hits, class): 0 gpu, 1 tiers, 2 computed.
+        let cases = [
+            (1000, [1000, 0, 0], 0),
+            (1000, [900, 50, 50], 0),
+            (1000, [900, 0, 0], 0),
+            (1000, [899, 0, 0], 2),
+            (1000, [500, 450, 0], 1),
+            (1000, [0, 0, 950], 1),
+            (1000, [0, 0, 0], 2),
+            (0, [0, 0, 0], 0),
+        ];
+        for (prompt, hits, want) in cases {
+            assert_eq!(ttft_source(prompt, hits), want, "{prompt} {hits:?}");
+        }
+        // A run: every first token falls in one class, and only tiers fill `tiers`.
+        let w = small(SyntheticKind::Conversation, 400);
+        let mut c = config(Strategy::LeastLoaded, 4, 1, 200);
+        let parts = |r: &RunReport| {
+            let s = &r.ttft_by_source;
+            [&s.gpu, &s.tiers, &s.computed].map(|p| p.requests)
+        };
+        let without = run(&c, &w);
+        c.engine.l1_blocks = 2_000;
+        let with = run(&c, &w);
+        for r in [&without, &with] {
+            assert_eq!(parts(r).iter().sum::<u64>(), r.completed, "{:?}", parts(r));
+            let s = &r.ttft_by_source;
+            for p in [&s.gpu, &s.tiers, &s.computed] {
+                assert!(p.requests == 0 || p.ttft_ms_p50 <= p.ttft_ms_p90, "{p:?}");
+            }
+        }
+        assert_eq!(parts(&without)[1], 0);
+        assert!(parts(&with)[1] > 0, "{:?}", parts(&with));
     }
 
     #[test]
