@@ -51,9 +51,9 @@ def by_source(without, tiered):
         share = f"{p['requests'] * 100 / total:.0f}%"
         return share, (f"{p['ttft_ms_p50']:.0f}" if p["requests"] else "-")
     cells = []
-    for k in ("gpu", "tiers", "computed"):
+    for k, label in (("gpu", "gpu"), ("tiers", "l1/l2"), ("computed", "computed")):
         (s0, p0), (s1, p1) = part(without, k), part(tiered, k)
-        cells.append(f"{k} {s0}>{s1} p50 {p0}>{p1} ms")
+        cells.append(f"{label} {s0}>{s1} p50 {p0}>{p1} ms")
     return "by source: " + " | ".join(cells)
 
 def main():
