@@ -736,8 +736,7 @@ fn tiers_table(with: &[RunReport], without: &[RunReport]) -> String {
 /// TTFT by where each request's prompt was found (`RunReport::ttft_by_source`), without
 /// tiers and with them: which requests the tiers sped up, and which they could not.
 fn by_source_table(with: &[RunReport], without: &[RunReport]) -> String {
-    use warmpath_sim::cluster::{TtftBySource, TtftPart};
-    let parts = |s: &TtftBySource| [s.gpu.clone(), s.tiers.clone(), s.computed.clone()];
+    use warmpath_sim::cluster::TtftPart;
     let cell = |n: &TtftPart, t: &TtftPart, nt: u64, tt: u64| {
         let share = |p: &TtftPart, total: u64| p.requests as f64 * 100.0 / total.max(1) as f64;
         let p50 = |p: &TtftPart| {
@@ -756,8 +755,7 @@ fn by_source_table(with: &[RunReport], without: &[RunReport]) -> String {
         )
     };
     let mut s = format!(
-        "
-ttft by where the prompt was found (share of requests, p50 in ms), without tiers → with: \
+        "\nttft by where the prompt was found (share of requests, p50 in ms), without tiers → with: \
          gpu = at most {:.0}% computed, the rest on the GPU; l1/l2 = at most that computed, more \
          loaded; computed = more computed\n",
         warmpath_sim::cluster::COMPUTED_SHARE * 100.0
@@ -767,15 +765,15 @@ ttft by where the prompt was found (share of requests, p50 in ms), without tiers
         "policy", "gpu", "l1/l2", "computed"
     );
     for (t, n) in with.iter().zip(without) {
-        let (tp, np) = (parts(&t.ttft_by_source), parts(&n.ttft_by_source));
-        let total = |ps: &[TtftPart; 3]| ps.iter().map(|p| p.requests).sum::<u64>();
+        let (tp, np) = (t.ttft_by_source.parts(), n.ttft_by_source.parts());
+        let total = |ps: &[&TtftPart; 3]| ps.iter().map(|p| p.requests).sum::<u64>();
         let (tt, nt) = (total(&tp), total(&np));
         s += &format!(
             "{:<13} {:>24} {:>24} {:>24}\n",
             t.policy,
-            cell(&np[0], &tp[0], nt, tt),
-            cell(&np[1], &tp[1], nt, tt),
-            cell(&np[2], &tp[2], nt, tt)
+            cell(np[0], tp[0], nt, tt),
+            cell(np[1], tp[1], nt, tt),
+            cell(np[2], tp[2], nt, tt)
         );
     }
     s

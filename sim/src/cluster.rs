@@ -200,6 +200,13 @@ pub struct TtftBySource {
     pub computed: TtftPart,
 }
 
+impl TtftBySource {
+    /// The classes in [`ttft_source`]'s order: `gpu`, `tiers`, `computed`.
+    pub fn parts(&self) -> [&TtftPart; 3] {
+        [&self.gpu, &self.tiers, &self.computed]
+    }
+}
+
 /// Above this share of its prompt computed, a request counts as `computed` in
 /// [`TtftBySource`].
 pub const COMPUTED_SHARE: f64 = 0.1;
@@ -498,8 +505,7 @@ impl Feed {
 /// Per-request latencies and counts, for the report.
 #[derive(Debug)]
 struct Tally {
-    ttft: Samples,
-    /// The same samples by [`ttft_source`].
+    /// TTFT samples by [`ttft_source`] (the run's TTFT is all of them).
     ttft_by_source: [Samples; 3],
     itl: Samples,
     e2e: Samples,
@@ -798,7 +804,6 @@ impl<'a> Run<'a> {
             tracks: vec![Track::default(); workload.requests.len()],
             engine_events: Vec::new(),
             tally: Tally {
-                ttft: Samples::new(),
                 ttft_by_source: Default::default(),
                 itl: Samples::new(),
                 e2e: Samples::new(),
@@ -1372,9 +1377,8 @@ impl<'a> Run<'a> {
         t.first_token_us = Some(at_us);
         t.last_token_us = at_us;
         self.tally.output_tokens += 1;
-        let ttft_ms = (at_us - req.arrival_us) as f64 / 1e3;
-        self.tally.ttft.push(ttft_ms);
-        self.tally.ttft_by_source[ttft_source(req.prompt_tokens, hits)].push(ttft_ms);
+        self.tally.ttft_by_source[ttft_source(req.prompt_tokens, hits)]
+            .push((at_us - req.arrival_us) as f64 / 1e3);
         if t.start != self.faulted.starts[t.router as usize] {
             return;
         }
@@ -1462,7 +1466,6 @@ impl<'a> Run<'a> {
     fn report(self) -> RunReport {
         let config = self.config;
         let Tally {
-            mut ttft,
             ttft_by_source,
             mut itl,
             mut e2e,
@@ -1475,6 +1478,7 @@ impl<'a> Run<'a> {
             shared,
             shed,
         } = self.tally;
+        let mut ttft = Samples::merged(&ttft_by_source);
         let mut busy = Vec::new();
         let (mut prompt_tokens, mut gpu_hits, mut l1_hits, mut l2_hits, mut preemptions) =
             (0u64, 0u64, 0u64, 0u64, 0u64);
@@ -1802,17 +1806,13 @@ mod tests {
         // A run: every first token falls in one class, and only tiers fill `tiers`.
         let w = small(SyntheticKind::Conversation, 400);
         let mut c = config(Strategy::LeastLoaded, 4, 1, 200);
-        let parts = |r: &RunReport| {
-            let s = &r.ttft_by_source;
-            [&s.gpu, &s.tiers, &s.computed].map(|p| p.requests)
-        };
+        let parts = |r: &RunReport| r.ttft_by_source.parts().map(|p| p.requests);
         let without = run(&c, &w);
         c.engine.l1_blocks = 2_000;
         let with = run(&c, &w);
         for r in [&without, &with] {
             assert_eq!(parts(r).iter().sum::<u64>(), r.completed, "{:?}", parts(r));
-            let s = &r.ttft_by_source;
-            for p in [&s.gpu, &s.tiers, &s.computed] {
+            for p in r.ttft_by_source.parts() {
                 assert!(p.requests == 0 || p.ttft_ms_p50 <= p.ttft_ms_p90, "{p:?}");
             }
         }

@@ -12,6 +12,17 @@ impl Samples {
         Self::default()
     }
 
+    /// All the samples of `parts`, in one collection.
+    pub fn merged(parts: &[Samples]) -> Samples {
+        Samples {
+            values: parts
+                .iter()
+                .flat_map(|p| p.values.iter().copied())
+                .collect(),
+            sorted: false,
+        }
+    }
+
     pub fn push(&mut self, v: f64) {
         self.values.push(v);
         self.sorted = false;
