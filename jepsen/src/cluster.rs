@@ -407,23 +407,14 @@ impl Member {
 
     fn signal(&self, sig: &str) -> Result<()> {
         let proc = self.proc.as_ref().ok_or_else(|| anyhow!("not running"))?;
-        let ok = std::process::Command::new("kill")
-            .args([sig, &proc.pid().to_string()])
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            bail!("kill {sig} failed");
-        }
-        Ok(())
+        Ok(proc.try_signal(sig)?)
     }
 
     /// SIGKILL, as a crash.
     pub fn kill(&mut self) {
         if let Some(mut p) = self.proc.take() {
             if self.paused {
-                let _ = std::process::Command::new("kill")
-                    .args(["-CONT", &p.pid().to_string()])
-                    .status();
+                let _ = p.try_signal("-CONT");
             }
             p.kill();
         }

@@ -152,10 +152,22 @@ impl Proc {
     /// Sends it `signal` (as `kill` names it: `-STOP`, `-CONT`, `-TERM`); panics if `kill`
     /// fails.
     pub fn signal(&self, signal: &str) {
+        self.try_signal(signal)
+            .unwrap_or_else(|e| panic!("kill {signal}: {e}"));
+    }
+
+    /// [`Proc::signal`], the failure returned.
+    pub fn try_signal(&self, signal: &str) -> std::io::Result<()> {
         let status = std::process::Command::new("kill")
             .args([signal, &self.pid().to_string()])
-            .status();
-        assert!(status.is_ok_and(|s| s.success()), "kill {signal}");
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "kill {signal} exited with {status}"
+            )))
+        }
     }
 
     /// The next line the process prints on stdout.
