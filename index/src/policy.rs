@@ -326,7 +326,8 @@ pub struct Candidate {
     pub in_flight: u32,
     pub pending_prefill_tokens: u64,
     /// kv-aware: the estimated time to first token, ms; prefix-aware: what the match is
-    /// worth, in GPU-equivalent blocks (see the module docs, *Tiers*).
+    /// worth, in GPU-equivalent blocks, as the candidate may count it (see the module docs,
+    /// *Tiers*: a busy candidate's blocks beyond its GPU count for nothing).
     pub score: f64,
 }
 
@@ -412,6 +413,8 @@ pub fn route(
         }
     };
     let explanation = explain.then(|| {
+        // prefix-aware's score is what it ranked: the match as the candidate may count it.
+        let balance = Balance::of(candidates, view.load);
         candidates
             .iter()
             .enumerate()
@@ -427,7 +430,8 @@ pub fn route(
                     pending_prefill_tokens: load.pending_prefill_tokens,
                     score: scores.as_ref().map_or_else(
                         || {
-                            match_worth_tokens(view.profile, config.block_tokens, &m)
+                            let counted = balance.countable(m, load.in_flight);
+                            match_worth_tokens(view.profile, config.block_tokens, &counted)
                                 / f64::from(config.block_tokens.max(1))
                         },
                         |s: &Vec<f64>| s[pos],
@@ -1146,7 +1150,7 @@ mod tests {
                     &ids(3),
                     &view,
                     &mut PolicyState::new(1),
-                    false,
+                    true,
                 )
                 .unwrap();
                 // Its copy is worth a load where the holder is at most BALANCE_SLACK
@@ -1158,6 +1162,13 @@ mod tests {
                     "{strategy:?} at {busy}: {d:?}"
                 );
                 assert_eq!(d.matched.l1, if drawn { 100 } else { 0 }, "{strategy:?}");
+                // The explanation shows what the host holds, and prefix-aware's score what
+                // the policy counted of it.
+                let holder = &d.candidates.unwrap()[0];
+                assert_eq!(holder.l1_blocks, 100);
+                if strategy == Strategy::PrefixAware {
+                    assert_eq!(holder.score > 0.0, drawn, "{holder:?}");
+                }
             }
         }
     }
