@@ -157,6 +157,19 @@ async fn agent_counter(url: &str, name: &str, result: &str) -> f64 {
     crate::router::metric(&get_text(url).await, &series)
 }
 
+/// Blocks of routers' prefetch hints the agent at `url` counted as `result` (`loaded`,
+/// `in_l1`, `miss`, `dropped`).
+async fn prefetch_blocks(url: &str, result: &str) -> f64 {
+    use warmpath_cache_agent::metric_names::AGENT_PREFETCH_BLOCKS_TOTAL;
+    agent_counter(url, AGENT_PREFETCH_BLOCKS_TOTAL, result).await
+}
+
+/// Hinted blocks the agent at `url` found: read from L2, or already in L1 (where the
+/// engine's own lookup, racing the hint, promoted them first).
+async fn prefetch_found(url: &str) -> f64 {
+    prefetch_blocks(url, "loaded").await + prefetch_blocks(url, "in_l1").await
+}
+
 /// An agent writing through to the Redis at `redis` with an L1 of about 30 of an offloading
 /// engine's 2 KiB blocks (the latest prompt's), reporting every block, with its metrics.
 fn small_l1_over_redis(redis: &str) -> [&str; 9] {
@@ -1788,15 +1801,7 @@ async fn a_prefetch_hint_brings_l2_blocks_into_l1_and_gone_ones_are_counted_miss
         ],
     );
     let metrics_url = metrics_url_of(&mut r.agent);
-    let prefetched = |result: &'static str| {
-        let url = metrics_url.clone();
-        async move {
-            crate::router::metric(
-                &get_text(&url).await,
-                &format!("warmpath_agent_prefetch_blocks_total{{result=\"{result}\"}}"),
-            )
-        }
-    };
+    let prefetched = |result: &'static str| prefetch_blocks(&metrics_url, result);
     let c = connect(&r.addr).await;
     // Eight 16 KiB blocks, written through to Redis; then sixteen others fill the 256 KiB
     // L1.
@@ -2153,22 +2158,18 @@ async fn a_prefetch_hint_finds_what_an_engine_put_under_its_own_hashes() {
         &small_l1_over_redis(&redis_url),
     );
     let metrics_url = metrics_url_of(&mut r.agent);
-    let prefetched = |result: &'static str| {
-        let url = metrics_url.clone();
-        async move { agent_counter(&url, "warmpath_agent_prefetch_blocks_total", result).await }
-    };
     let config = r.pool_config("router.toml", &[&r.engine.url], BLOCK_TOKENS);
     let feeder = crate::router_from_config(&config, &r.certs);
     // Router B serves dry runs (`/debug/route`), which send no hint.
     let router = crate::router_from_config_with(&config, &r.certs, &["--fault-injection"]);
     let http = client();
     into_l2_only(&http, &feeder.url, &router.url).await;
-    assert_eq!(prefetched("loaded").await, 0.0);
+    assert_eq!(prefetch_blocks(&metrics_url, "loaded").await, 0.0);
     // Router B routes prompt 1: it hints the blocks past L1, and the agent loads the
     // engine's own blocks of them from Redis.
     complete_short(&http, &router.url, 1).await;
     eventually("the engine's blocks of prompt 1 prefetched", || async {
-        prefetched("loaded").await + prefetched("in_l1").await >= 16.0
+        prefetch_found(&metrics_url).await >= 16.0
     })
     .await;
 }
@@ -2226,21 +2227,15 @@ async fn a_prefetch_hint_finds_another_hosts_blocks_by_their_aliases() {
     })
     .await;
     // The hint resolves the router's keys through A's aliases, then reads what B's L1
-    // lacks: its blocks count as `loaded`, or as `in_l1` where B's engine, asking its agent
-    // for the same blocks at the request's arrival, had them promoted from Redis first (on
-    // a loaded machine its lookup can beat the hint's alias reads). Either way the hint
-    // found them; a miss would count neither.
-    let found = || async {
-        let hint = "warmpath_agent_prefetch_blocks_total";
-        agent_counter(&metrics_b, hint, "loaded").await
-            + agent_counter(&metrics_b, hint, "in_l1").await
-    };
-    let before = found().await;
+    // lacks; on a loaded machine B's engine, asking its agent for the same blocks at the
+    // request's arrival, can promote them from Redis before the hint's alias reads end.
+    // Either way the hint finds them; a miss would count neither.
+    let before = prefetch_found(&metrics_b).await;
     complete_short(&http, &router.url, 1).await;
     eventually_within(
         wait,
         "host A's blocks of prompt 1 found by B's prefetch",
-        || async { found().await >= before + 16.0 },
+        || async { prefetch_found(&metrics_b).await >= before + 16.0 },
     )
     .await;
     assert!(agent_counter(&metrics_b, "warmpath_agent_aliases_total", "read").await >= 16.0);
