@@ -206,3 +206,81 @@ fn demo_prints_the_comparison_table() {
         assert!(row.trim_end().ends_with(" 150"), "{row}");
     }
 }
+
+/// The processes whose parent is `pid` (from /proc), alive or not yet reaped.
+fn children_of(pid: u32) -> Vec<u32> {
+    let want = format!("PPid:\t{pid}");
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            std::fs::read_to_string(format!("/proc/{child}/status"))
+                .is_ok_and(|s| s.lines().any(|l| l == want))
+        })
+        .collect()
+}
+
+/// Whether `pid` still runs (a zombie waiting for its reaper does not).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("State:"))
+            .is_some_and(|state| !state.trim_start().starts_with('Z'))
+    })
+}
+
+#[test]
+fn a_demo_stopped_mid_run_leaves_no_process_behind() {
+    use std::time::{Duration, Instant};
+    // A run long enough to be stopped in: 1× speed, a request a second.
+    let mut demo = std::process::Command::new(crate::warmpath_bin())
+        .args(["demo", "--policy", "round-robin", "--requests", "600"])
+        .args(["--rate", "1", "--speedup", "1"])
+        .env("WARMPATH_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("warmpath demo starts");
+    // Its 4 engine-sims and its router.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let children = loop {
+        let children = children_of(demo.id());
+        if children.len() >= 5 {
+            break children;
+        }
+        assert!(Instant::now() < deadline, "the demo started {children:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &demo.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let exit = loop {
+        if let Some(exit) = demo.try_wait().expect("wait") {
+            break exit;
+        }
+        if Instant::now() > deadline {
+            let _ = demo.kill();
+            panic!("the demo did not stop on SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Its children first: one left running would hold the stderr pipe open.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while children.iter().any(|&c| running(c)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = children.iter().copied().filter(|&c| running(c)).collect();
+    for pid in &left {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    assert!(left.is_empty(), "left running: {left:?}");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut demo.stderr.take().expect("piped"), &mut err).unwrap();
+    assert!(!exit.success(), "an interrupted demo fails: {err}");
+    assert!(err.contains("interrupted"), "{err}");
+}

@@ -119,7 +119,8 @@ fn kv_bytes(tokens: u64, scale: f64) -> u64 {
 
 /// A child process of this binary, killed when dropped.
 struct Proc {
-    child: Child,
+    /// Held to be killed when dropped.
+    _child: Child,
     url: String,
     /// Where its metrics are served, when not at `url` (a cache-agent's metrics port).
     metrics: Option<String>,
@@ -179,7 +180,7 @@ async fn spawn_with_lines(args: &[String], lines_wanted: usize) -> Result<(Proc,
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok((
         Proc {
-            child,
+            _child: child,
             url,
             metrics: None,
             segment: None,
@@ -770,12 +771,18 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async {
+    // Set once every run is done and the cluster is kept running for the user: a signal then
+    // ends the demo as asked, not as an interruption.
+    let serving = std::cell::Cell::new(false);
+    let work = async {
         let mut rows = Vec::new();
         let strategies: Vec<Strategy> = if args.policy.is_empty() {
             Strategy::ALL.to_vec()
         } else {
-            args.policy.iter().map(|p| p.parse::<Strategy>()).collect::<Result<_, _>>()?
+            args.policy
+                .iter()
+                .map(|p| p.parse::<Strategy>())
+                .collect::<Result<_, _>>()?
         };
         // With agents, each policy also runs without them: what the tiers buy, side by side.
         let mut runs: Vec<(Strategy, bool)> = Vec::new();
@@ -791,11 +798,17 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 l2: "none".into(),
                 ..args.clone()
             };
-            let run_args = if agents || args.l1_kv_tokens == 0 { &args } else { &without };
+            let run_args = if agents || args.l1_kv_tokens == 0 {
+                &args
+            } else {
+                &without
+            };
             let cluster = start_cluster(run_args, strategy).await?;
             let targets = cluster.routers.iter().map(|r| r.url.clone()).collect();
             let mut config = LoadgenConfig::new(targets, "sim-llama");
-            config.mode = Mode::OpenLoop { time_scale: args.speedup };
+            config.mode = Mode::OpenLoop {
+                time_scale: args.speedup,
+            };
             config.timeout = Duration::from_secs(60);
             config.max_duration = Some(send_window(stats.duration_us, args.speedup));
             let (stop, stopped) = tokio::sync::oneshot::channel();
@@ -809,32 +822,62 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 Some(task) => task.await?,
                 None => Vec::new(),
             };
-            let overhead_us = router_overhead_us(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
-            let tiers = tier_hit_rates(&cluster.engines).await.unwrap_or([f64::NAN; 3]);
-            let prefill_s = prefill_gpu_seconds(&cluster.engines).await.unwrap_or(f64::NAN)
+            let overhead_us = router_overhead_us(&cluster.routers[0].url)
+                .await
+                .unwrap_or((f64::NAN, f64::NAN));
+            let tiers = tier_hit_rates(&cluster.engines)
+                .await
+                .unwrap_or([f64::NAN; 3]);
+            let prefill_s = prefill_gpu_seconds(&cluster.engines)
+                .await
+                .unwrap_or(f64::NAN)
                 / report.ok.max(1) as f64;
             let label = row_label(strategy, agents);
-            println!("  {label:<20} done at {:5.1} s: {} ok, {} errors", started.elapsed().as_secs_f64(), report.ok, report.error_count());
+            println!(
+                "  {label:<20} done at {:5.1} s: {} ok, {} errors",
+                started.elapsed().as_secs_f64(),
+                report.ok,
+                report.error_count()
+            );
             if agents {
-                let [offloaded, fetched, bad, dropped, failed] = engine_agent_blocks(&cluster.engines).await.unwrap_or([f64::NAN; 5]);
+                let [offloaded, fetched, bad, dropped, failed] =
+                    engine_agent_blocks(&cluster.engines)
+                        .await
+                        .unwrap_or([f64::NAN; 5]);
                 println!("  {:<13} engines' blocks with their agents: {offloaded} offloaded, {fetched} fetched, {bad} bad, {dropped} offloads dropped; {failed} failed calls", "");
             }
             if args.residency {
-                let (observed, predicted) = index_holders(&cluster.routers[0].url).await.unwrap_or((f64::NAN, f64::NAN));
+                let (observed, predicted) = index_holders(&cluster.routers[0].url)
+                    .await
+                    .unwrap_or((f64::NAN, f64::NAN));
                 println!("  {:<13} router index at the end: {observed} observed (instance, block) holders, {predicted} predicted", "");
                 if agents {
-                    let [loaded, in_l1, miss, dropped, written, read, missing] = agent_prefetches(&cluster.agents).await.unwrap_or([f64::NAN; 7]);
+                    let [loaded, in_l1, miss, dropped, written, read, missing] =
+                        agent_prefetches(&cluster.agents)
+                            .await
+                            .unwrap_or([f64::NAN; 7]);
                     println!("  {:<13} prefetch hints' blocks: {loaded} loaded from L2, {in_l1} already in L1, {miss} missed, {dropped} dropped", "");
                     println!("  {:<13} L2 aliases: {written} written, {read} read, {missing} lookups found none", "");
                 }
             }
             use std::io::Write;
             let _ = std::io::stdout().flush();
-            rows.push(Row { strategy, agents, report, overhead_us, tiers, prefill_s, load });
+            rows.push(Row {
+                strategy,
+                agents,
+                report,
+                overhead_us,
+                tiers,
+                prefill_s,
+                load,
+            });
             drop(cluster);
         }
         print!("{}", render(&rows, args.speedup));
-        println!("\ntotal {:.1} s of wall time", started.elapsed().as_secs_f64());
+        println!(
+            "\ntotal {:.1} s of wall time",
+            started.elapsed().as_secs_f64()
+        );
         if let Some(dir) = &args.report {
             let path = write_report(dir, &args, &rows, &stats)?;
             println!("report: {}", path.display());
@@ -852,7 +895,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 println!(
                     "  agent:   {}  (block API{}; metrics: {})",
                     a.url,
-                    a.segment.as_ref().map(|s| format!(", HyperPod API, segment /dev/shm/{}", s.0)).unwrap_or_default(),
+                    a.segment
+                        .as_ref()
+                        .map(|s| format!(", HyperPod API, segment /dev/shm/{}", s.0))
+                        .unwrap_or_default(),
                     a.metrics.as_deref().unwrap_or("none")
                 );
             }
@@ -860,10 +906,25 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 "  try: curl -s {}/v1/completions -H 'x-warmpath-explain: 1' -d '{{\"model\":\"sim-llama\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
                 cluster.routers[0].url
             );
-            crate::shutdown_signal().await;
-            let _ = cluster.routers[0].child.id();
+            serving.set(true);
+            std::future::pending::<()>().await;
+            drop(cluster);
         }
         Ok::<(), anyhow::Error>(())
+    };
+    // A signal drops the work in flight, and with it every process, temporary directory and
+    // shared-memory segment the demo started (each ends when dropped): none outlives it.
+    runtime.block_on(async {
+        tokio::select! {
+            done = work => done,
+            () = crate::shutdown_signal() => {
+                if serving.get() {
+                    Ok(())
+                } else {
+                    bail!("interrupted: the demo's processes are stopped")
+                }
+            }
+        }
     })
 }
 
