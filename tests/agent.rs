@@ -164,8 +164,8 @@ async fn prefetch_blocks(url: &str, result: &str) -> f64 {
     agent_counter(url, AGENT_PREFETCH_BLOCKS_TOTAL, result).await
 }
 
-/// Hinted blocks the agent at `url` found: read from L2, or already in L1 (where the
-/// engine's own lookup, racing the hint, promoted them first).
+/// Hinted blocks the agent at `url` found: read from L2, or already in L1 (where an
+/// engine's read or another hint loaded them first).
 async fn prefetch_found(url: &str) -> f64 {
     prefetch_blocks(url, "loaded").await + prefetch_blocks(url, "in_l1").await
 }
@@ -309,6 +309,47 @@ async fn blocks_go_through_l1_and_redis_over_tcp_and_unix() {
         assert!(text.contains(want), "{want} missing from\n{text}");
     }
     drop(redis);
+}
+
+/// The tiers a lookup of `keys` finds them in (its lease released).
+async fn tiers_of(c: &AgentClient, keys: &[u64]) -> Vec<StoreTier> {
+    let (lease, tiers) = c.lookup(LAYOUT, keys.to_vec(), TIMEOUT).await.unwrap();
+    c.release(lease).await.unwrap();
+    tiers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_l2_read_goes_into_l1_only_where_the_agent_promotes_reads() {
+    let keys: Vec<u64> = (1..9).collect();
+    let (l1, l2) = ([StoreTier::L1; 4], [StoreTier::L2; 4]);
+    for (promote, name) in [(false, "agent-no-promote"), (true, "agent-promote")] {
+        let redis = Redis::start();
+        let url = redis.url();
+        let mut args = vec!["--l1-bytes", "64KiB", "--l2", &url];
+        if promote {
+            args.push("--l2-promote-reads");
+        }
+        let (_agent, addr, _sock, _metrics) = agent_on_unix(name, &args);
+        let c = connect(&addr).await;
+        // Eight 16 KiB blocks into a 64 KiB L1: the head stays, the tail goes to Redis.
+        put_chain(&c, 1..9, 16 << 10).await;
+        eventually("evicted blocks written to redis", || async {
+            tiers_of(&c, &keys).await.len() == 8
+        })
+        .await;
+        assert_eq!(tiers_of(&c, &keys).await, [l1, l2].concat());
+        let got = c.get(LAYOUT, keys[4..].to_vec()).await.unwrap();
+        assert!(got
+            .iter()
+            .all(|g| g.as_ref().unwrap().tier == StoreTier::L2));
+        // Promoted, the tail displaces the head from L1 (which goes to Redis); else the
+        // read leaves L1 as it was.
+        let want = if promote { [l2, l1] } else { [l1, l2] };
+        eventually("the tiers after the read", || async {
+            tiers_of(&c, &keys).await == want.concat()
+        })
+        .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2227,9 +2268,7 @@ async fn a_prefetch_hint_finds_another_hosts_blocks_by_their_aliases() {
     })
     .await;
     // The hint resolves the router's keys through A's aliases, then reads what B's L1
-    // lacks; on a loaded machine B's engine, asking its agent for the same blocks at the
-    // request's arrival, can promote them from Redis before the hint's alias reads end.
-    // Either way the hint finds them; a miss would count neither.
+    // lacks into it. Either way the hint finds them; a miss would count neither.
     let before = prefetch_found(&metrics_b).await;
     complete_short(&http, &router.url, 1).await;
     eventually_within(
@@ -2492,8 +2531,7 @@ async fn sealed_blocks_cross_the_unix_socket_as_memfds_and_nothing_else_does() {
         tiers.len() == 6
     })
     .await;
-    // L1 holds the four it has room for as memfds, and says so (the gets below promote
-    // L2's blocks into L1 in memory).
+    // L1 holds the four it has room for as memfds, and says so.
     eventually("four sealed blocks counted", || async {
         let text = get_text(&metrics_url).await;
         text.lines()
@@ -2505,7 +2543,6 @@ async fn sealed_blocks_cross_the_unix_socket_as_memfds_and_nothing_else_does() {
     // Sealed gets (L1's memfds as they are, L2's blocks as payloads) and socket gets (L1's
     // memfds read into memory) bring back the same bytes.
     for c in [&u, &t] {
-        // What the last get's promotions evicted reaches Redis in the background.
         eventually("every block in L1 or L2", || async {
             let (lease, tiers) = u.lookup(LAYOUT, keys.clone(), TIMEOUT).await.unwrap();
             u.release(lease).await.unwrap();

@@ -1,5 +1,6 @@
 //! The agent's service: answers block API requests from L1 and L2, writes L2 in the
-//! background, promotes L2 reads into L1, expires leases, and counts everything.
+//! background, loads prefetch hints (and, where configured, engines' L2 reads) into L1,
+//! expires leases, and counts everything.
 //!
 //! The L1 mutex is held for one request's L1 work (a put's inserts, a lookup's walk over its
 //! keys, a get's copies of reference-counted payload handles): never across an await, never
@@ -884,7 +885,8 @@ impl Agent {
         counter!(crate::metric_names::AGENT_MISSES_TOTAL).increment(1);
     }
 
-    /// The blocks of `keys` from L1, then what L1 lacks from L2 (promoted into L1).
+    /// The blocks of `keys` from L1, then what L1 lacks from L2 (promoted into L1 where
+    /// `l2_promote_reads`).
     async fn find(&self, layout: u64, keys: &[u64]) -> Vec<Option<(Stored, StoreTier)>> {
         let ids: Vec<BlockId> = keys.iter().map(|&k| BlockId::new(layout, k)).collect();
         let mut found: Vec<Option<(Stored, StoreTier)>> = {
@@ -903,7 +905,9 @@ impl Agent {
                     found[i] = Some((Stored::Memory(block), StoreTier::L2));
                 }
             }
-            self.promote(&promoted);
+            if self.config.l2_promote_reads {
+                self.promote(&promoted);
+            }
         }
         found
     }
@@ -1496,7 +1500,7 @@ fn describe_metrics() {
     );
     describe_counter!(
         crate::metric_names::AGENT_PROMOTIONS_TOTAL,
-        "Blocks read from L2 and put into L1."
+        "Blocks read from L2 and put into L1: prefetch hints' loads, and engines' reads where --l2-promote-reads."
     );
     describe_counter!(
         crate::metric_names::AGENT_PUT_REFUSED_TOTAL,

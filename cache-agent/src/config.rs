@@ -164,6 +164,12 @@ pub struct AgentConfig {
     pub l1_eviction: Eviction,
     pub l2: L2Config,
     pub l2_write: WritePolicy,
+    /// Whether a block an engine reads from L2 is also put into L1 (record 0131): off by
+    /// default, since the reader now holds it on its GPU and offloads it back to L1 when it
+    /// evicts it, so a copy in L1 meanwhile only displaces blocks no GPU holds. Worth it on
+    /// a host whose several engines read the same prefixes (LMCache's write-back to its
+    /// CPU tier). Prefetch hints load into L1 either way: that is their point.
+    pub l2_promote_reads: bool,
     /// Deadline of each L2 operation.
     pub l2_deadline: Duration,
     /// The cluster key L2 objects are sealed under (`l2.key_file`): objects not sealed
@@ -227,6 +233,7 @@ impl Default for AgentConfig {
             l1_eviction: Eviction::Lru,
             l2: L2Config::None,
             l2_write: WritePolicy::OnEvict,
+            l2_promote_reads: false,
             l2_deadline: Duration::from_millis(250),
             l2_key: None,
             l2_write_queue: 4096,
@@ -390,6 +397,8 @@ pub struct L2Section {
     pub url: Option<String>,
     pub prefix: Option<String>,
     pub write: Option<WritePolicy>,
+    /// Put blocks read from L2 into L1 as well.
+    pub promote_reads: Option<bool>,
     pub deadline_ms: Option<u64>,
     pub write_queue: Option<usize>,
     /// L2 blocks reported to routers at most.
@@ -479,6 +488,9 @@ impl FileConfig {
         };
         if let Some(v) = l2.write {
             c.l2_write = v;
+        }
+        if let Some(v) = l2.promote_reads {
+            c.l2_promote_reads = v;
         }
         if let Some(v) = l2.deadline_ms {
             c.l2_deadline = Duration::from_millis(v);
@@ -702,6 +714,7 @@ mod tests {
             backend = "redis"
             url = "redis://127.0.0.1:6379"
             write = "through"
+            promote_reads = true
             "#,
         )
         .unwrap()
@@ -710,6 +723,8 @@ mod tests {
         assert_eq!(c.l1_bytes, 64 << 20);
         assert_eq!(c.l1_eviction, Eviction::S3Fifo);
         assert_eq!(c.l2_write, WritePolicy::Through);
+        assert!(c.l2_promote_reads);
+        assert!(!AgentConfig::default().l2_promote_reads);
         assert!(matches!(c.l2, L2Config::Redis { .. }));
         assert_eq!(c.kv_block_tokens, 16);
         assert!(c.validate(false).is_ok());

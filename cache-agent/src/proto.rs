@@ -97,7 +97,8 @@ pub enum Request {
         keys: Vec<u64>,
         lease_ms: u32,
     },
-    /// The payloads of `keys`; a block read from L2 is promoted into L1.
+    /// The payloads of `keys`, from L1 then L2 (a block read from L2 is also put into L1
+    /// where the agent's `l2_promote_reads` is on).
     Get { layout: u64, keys: Vec<u64> },
     /// Ends a lease.
     Release { lease: u64 },

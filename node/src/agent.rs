@@ -57,6 +57,10 @@ pub struct AgentArgs {
     /// When blocks go to L2: on-evict (default) or through.
     #[arg(long)]
     pub l2_write: Option<WritePolicy>,
+    /// Put blocks engines read from L2 into L1 as well (off by default: the reader holds
+    /// them on its GPU; worth it where several engines of this host read the same prefixes).
+    #[arg(long)]
+    pub l2_promote_reads: bool,
     /// Largest block payload accepted (bytes or with a unit).
     #[arg(long)]
     pub max_block_bytes: Option<String>,
@@ -173,6 +177,9 @@ impl AgentArgs {
         }
         if let Some(v) = self.l2_write {
             c.l2_write = v;
+        }
+        if self.l2_promote_reads {
+            c.l2_promote_reads = true;
         }
         if let Some(v) = &self.max_block_bytes {
             c.max_block_bytes = parse_bytes(v).map_err(anyhow::Error::msg)?;
@@ -302,6 +309,7 @@ pub async fn serve(
         eviction = ?config.l1_eviction,
         %l2,
         write = ?config.l2_write,
+        promote_reads = config.l2_promote_reads,
         "cache agent started"
     );
     if let Some(ResidencyServing {
