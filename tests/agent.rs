@@ -164,8 +164,8 @@ async fn prefetch_blocks(url: &str, result: &str) -> f64 {
     agent_counter(url, AGENT_PREFETCH_BLOCKS_TOTAL, result).await
 }
 
-/// Hinted blocks the agent at `url` found: read from L2, or already in L1 (where an
-/// engine's read or another hint loaded them first).
+/// Hinted blocks the agent at `url` found: read from L2, or already in L1 (loaded there
+/// by an earlier hint, or offloaded there by an engine).
 async fn prefetch_found(url: &str) -> f64 {
     prefetch_blocks(url, "loaded").await + prefetch_blocks(url, "in_l1").await
 }
@@ -2268,7 +2268,7 @@ async fn a_prefetch_hint_finds_another_hosts_blocks_by_their_aliases() {
     })
     .await;
     // The hint resolves the router's keys through A's aliases, then reads what B's L1
-    // lacks into it. Either way the hint finds them; a miss would count neither.
+    // lacks into it; a block it did not find would count as a miss.
     let before = prefetch_found(&metrics_b).await;
     complete_short(&http, &router.url, 1).await;
     eventually_within(

@@ -50,9 +50,7 @@ pub(crate) struct Stopped(pub(crate) Child);
 
 impl Drop for Stopped {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status();
+        let _ = warmpath_testkit::signal_pid(self.0.id(), "-TERM");
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.0.try_wait() {

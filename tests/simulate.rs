@@ -251,11 +251,7 @@ fn a_demo_stopped_mid_run_leaves_no_process_behind() {
         assert!(Instant::now() < deadline, "the demo started {children:?}");
         std::thread::sleep(Duration::from_millis(100));
     };
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &demo.id().to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(status.success());
+    warmpath_testkit::signal_pid(demo.id(), "-TERM").expect("SIGTERM sent");
     let deadline = Instant::now() + Duration::from_secs(20);
     let exit = loop {
         if let Some(exit) = demo.try_wait().expect("wait") {
@@ -273,10 +269,8 @@ fn a_demo_stopped_mid_run_leaves_no_process_behind() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let left: Vec<u32> = children.iter().copied().filter(|&c| running(c)).collect();
-    for pid in &left {
-        let _ = std::process::Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status();
+    for &pid in &left {
+        let _ = warmpath_testkit::signal_pid(pid, "-KILL");
     }
     assert!(left.is_empty(), "left running: {left:?}");
     let mut err = String::new();

@@ -898,16 +898,17 @@ impl Agent {
         if let Some(l2) = &self.l2 {
             let missing: Vec<usize> = (0..ids.len()).filter(|&i| found[i].is_none()).collect();
             let reads = join_all(missing.iter().map(|&i| self.read_l2(l2, ids[i]))).await;
+            let promote = self.config.l2_promote_reads;
             let mut promoted = Vec::new();
             for (i, got) in missing.into_iter().zip(reads) {
                 if let Some(block) = got {
-                    promoted.push((ids[i], block.clone()));
+                    if promote {
+                        promoted.push((ids[i], block.clone()));
+                    }
                     found[i] = Some((Stored::Memory(block), StoreTier::L2));
                 }
             }
-            if self.config.l2_promote_reads {
-                self.promote(&promoted);
-            }
+            self.promote(&promoted);
         }
         found
     }

@@ -907,8 +907,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 cluster.routers[0].url
             );
             serving.set(true);
+            // Until the signal below: the cluster lives as long as this never returns.
             std::future::pending::<()>().await;
-            drop(cluster);
         }
         Ok::<(), anyhow::Error>(())
     };

@@ -11,7 +11,7 @@ mod redis;
 mod tools;
 
 pub use ports::{free_addr, free_udp_addr};
-pub use proc::{fill_disk, in_namespace_of, small_disk_args, warmpath_bin, Proc};
+pub use proc::{fill_disk, in_namespace_of, signal_pid, small_disk_args, warmpath_bin, Proc};
 pub use redis::Redis;
 pub use tools::{package_of, system_tool};
 

@@ -62,6 +62,20 @@ pub fn fill_disk(dir: &std::path::Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Sends process `pid` `signal` (as `kill` names it: `-STOP`, `-CONT`, `-TERM`).
+pub fn signal_pid(pid: u32, signal: &str) -> std::io::Result<()> {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "kill {signal} {pid} exited with {status}"
+        )))
+    }
+}
+
 /// A running `warmpath` process, killed when dropped.
 #[derive(Debug)]
 pub struct Proc {
@@ -158,16 +172,7 @@ impl Proc {
 
     /// [`Proc::signal`], the failure returned.
     pub fn try_signal(&self, signal: &str) -> std::io::Result<()> {
-        let status = std::process::Command::new("kill")
-            .args([signal, &self.pid().to_string()])
-            .status()?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(std::io::Error::other(format!(
-                "kill {signal} exited with {status}"
-            )))
-        }
+        signal_pid(self.pid(), signal)
     }
 
     /// The next line the process prints on stdout.
