@@ -167,6 +167,45 @@ fn record_route_prefix_observed_on_8000(bencher: divan::Bencher) {
     bencher.bench_local(|| index.record_route(&query, InstanceId(rng.below(8_000) as u32), NOW));
 }
 
+/// kv-aware placing that query ([`match_prefix_observed_on_8000`]) over the 8,000
+/// instances, each running 0 to 7 requests and holding 409,600 tokens of GPU KV: the match
+/// and the policy's passes over every candidate, as a router's decision makes them.
+#[divan::bench]
+fn kv_aware_route_prefix_observed_on_8000(bencher: divan::Bencher) {
+    use warmpath_index::cost::ModelProfile;
+    use warmpath_index::load::LoadView;
+    use warmpath_index::policy::{route, PolicyConfig, PolicyState, RouteRequest, Strategy, View};
+    let (index, query) = observed_on_8000();
+    let mut rng = Rng::new(10);
+    let mut load = LoadView::new();
+    for i in 0..8_000 {
+        for _ in 0..rng.below(8) {
+            load.start(InstanceId(i), 1_024);
+        }
+    }
+    let capacity = vec![409_600u64; 8_000];
+    let profile = ModelProfile::dynamo_default();
+    let view = View {
+        index: &index,
+        load: &load,
+        kv_capacity: &capacity,
+        profile: &profile,
+        now: NOW,
+    };
+    let candidates: Vec<InstanceId> = (0..8_000).map(InstanceId).collect();
+    let config = PolicyConfig::new(Strategy::KvAware, BLOCK_TOKENS);
+    let req = RouteRequest {
+        keys: &query,
+        prompt_tokens: query.len() as u32 * BLOCK_TOKENS,
+    };
+    let mut state = PolicyState::new(11);
+    bencher.bench_local(|| {
+        route(&config, &req, &candidates, &view, &mut state, false)
+            .expect("a candidate")
+            .instance
+    });
+}
+
 /// The index and query of [`match_prefix_observed_on_8000`].
 fn observed_on_8000() -> (PrefixIndex, Vec<BlockKey>) {
     const FLEET: u32 = 8_000;
