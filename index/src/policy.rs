@@ -761,8 +761,8 @@ fn kv_aware(
             min_in_flight
         }),
     };
-    // Held: some of the prompt that a candidate may count (a candidate without it holds
-    // nothing beyond its GPU, so counts all it holds).
+    // Nothing held: no candidate may count any of the prompt. One holding nothing beyond
+    // its GPU counts all it holds; the others what `countable` leaves them.
     let mut nothing_held = !gpu_held;
     for &pos in tiered.iter() {
         let (i, f) = (candidates[pos as usize], &mut figures[pos as usize]);
