@@ -754,12 +754,9 @@ fn kv_aware(
             open: false,
         });
     }
+    // `route` never asks with no candidates, so the pass saw at least one load.
     let balance = Balance {
-        min: f64::from(if candidates.is_empty() {
-            0
-        } else {
-            min_in_flight
-        }),
+        min: f64::from(min_in_flight),
     };
     // Nothing held: no candidate may count any of the prompt. One holding nothing beyond
     // its GPU counts all it holds; the others what `countable` leaves them.
