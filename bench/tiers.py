@@ -24,7 +24,10 @@ preemptions moves p99 by several times from one seed to the next (see BENCHMARKS
 the targets are judged on the medians, and a policy change on the geometric mean over 32
 seeds (record 0130); hit rates, turns and pf are seed 42's; the hit target must hold at
 every seed.
+With --l2-write-through the L1+L2 rows store every computed block in L2 at once, as LMCache
+stores each computed chunk in all its backends; by default L2 takes only what L1 evicts.
 Usage: bench/tiers.py [--binary target/release/warmpath] [--cases ...] [--seeds N] [--by-source]
+                      [--l2-write-through]
 """
 import argparse, json, math, os, statistics, subprocess, sys
 
@@ -70,6 +73,9 @@ def main():
                     help="workload seeds per row (42, then 1, 2, ...); ratios are medians")
     ap.add_argument("--by-source", action="store_true",
                     help="after each row, TTFT by where the prompt was found (seed 42)")
+    ap.add_argument("--l2-write-through", action="store_true",
+                    help="L1+L2 rows: computed blocks stored in L2 at once, as LMCache does "
+                    "(simulate --l2-write-through); without, L2 takes what L1 evicts")
     ap.add_argument("extra", nargs="*", help="extra simulate flags")
     a = ap.parse_args()
     print(f"{'case':13} {'r':>1} {'tiers':5} {'policy':13} {'gpu/ws':>6} {'hit%':>11} "
@@ -88,7 +94,8 @@ def main():
             args += ["--gpu-kv-tokens", a.gpu_kv_tokens]
         for routers in a.routers.split():
             for tiers, targs in (("L1", ["--l1-kv-tokens", str(l1)]),
-                                 ("L1+L2", ["--l1-kv-tokens", str(l1), "--l2-kv-tokens", str(l2)])):
+                                 ("L1+L2", ["--l1-kv-tokens", str(l1), "--l2-kv-tokens", str(l2)]
+                                  + (["--l2-write-through"] if a.l2_write_through else []))):
                 outs = [run(a.binary, [*args, "--routers", routers, "--policy", *a.policies.split(),
                                        *targs, "--seed", str(seed), *a.extra]) for seed in seeds]
                 out = outs[0]

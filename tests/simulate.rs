@@ -121,6 +121,58 @@ fn a_tiered_run_says_what_the_tiers_bought_and_for_which_requests() {
 }
 
 #[test]
+fn an_l2_written_through_serves_the_blocks_other_hosts_computed() {
+    // Round-robin scatters each document's sessions over the hosts: a host finds what
+    // another computed only in L2, and only once L1 has evicted it unless L2 is written
+    // through.
+    let base = [
+        "simulate",
+        "--workload",
+        "longdoc",
+        "--requests",
+        "300",
+        "--rate",
+        "3",
+        "--gpu-kv-tokens",
+        "250000",
+        "--l1-kv-tokens",
+        "1000000",
+        "--l2-kv-tokens",
+        "8000000",
+        "--policy",
+        "round-robin",
+        "--json",
+    ];
+    let run = |extra: &[&str]| {
+        let out = warmpath(&[&base[..], extra].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_str::<serde_json::Value>(&stdout(&out)).expect("valid JSON")
+    };
+    let (victim, through) = (run(&[]), run(&["--l2-write-through"]));
+    assert_eq!(victim["cluster"].get("l2_write_through"), None);
+    assert_eq!(through["cluster"]["l2_write_through"], true);
+    let l2 = |v: &serde_json::Value| v["runs"][0]["hit_rate_l2"].as_f64().unwrap();
+    let hit = |v: &serde_json::Value| v["runs"][0]["hit_rate"].as_f64().unwrap();
+    assert!(
+        l2(&through) > l2(&victim),
+        "{} against {}",
+        l2(&through),
+        l2(&victim)
+    );
+    assert!(
+        hit(&through) > hit(&victim),
+        "{} against {}",
+        hit(&through),
+        hit(&victim)
+    );
+    // The runs without tiers are the same either way.
+    assert_eq!(
+        victim["runs_without_tiers"], through["runs_without_tiers"],
+        "the untiered runs differ"
+    );
+}
+
+#[test]
 fn malformed_trace_line_names_file_and_line() {
     let dir = scratch_dir("bad-trace");
     let path = dir.join("bad.jsonl");
@@ -180,6 +232,10 @@ fn bad_arguments_are_clear_errors() {
                 "1000",
             ],
             "exceeds the maximum",
+        ),
+        (
+            &["simulate", "--workload", "chat", "--l2-write-through"],
+            "--l2-write-through writes to L2: give --l2-kv-tokens",
         ),
     ];
     for (args, want) in cases {

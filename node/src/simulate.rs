@@ -103,6 +103,11 @@ pub struct SimulateArgs {
     /// Global L2 store capacity, tokens; 0 = no L2.
     #[arg(long, default_value_t = 0)]
     pub l2_kv_tokens: u64,
+    /// Store every block an engine computes in L2 when its prefill ends, as LMCache writes
+    /// each computed chunk to all its backends (needs --l2-kv-tokens); without, L2 takes
+    /// only what L1 evicts.
+    #[arg(long)]
+    pub l2_write_through: bool,
     /// Model profile (builtin name).
     #[arg(long, default_value = "default")]
     pub profile: String,
@@ -192,6 +197,9 @@ pub struct ClusterSummary {
     pub gpu_kv_tokens_per_instance: u64,
     pub l1_kv_tokens_per_host: u64,
     pub l2_kv_tokens: u64,
+    /// Computed blocks stored in L2 at once (`--l2-write-through`); absent when not.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub l2_write_through: bool,
     /// The fleet's GPU capacity over the working set.
     pub gpu_capacity_over_working_set: f64,
     pub profile: String,
@@ -277,6 +285,9 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             args.gpu_kv_tokens
         );
     }
+    if args.l2_write_through && args.l2_kv_tokens == 0 {
+        bail!("--l2-write-through writes to L2: give --l2-kv-tokens");
+    }
     let stats = workload.stats();
     let working_set_tokens = stats.unique_blocks * u64::from(bt);
     let sharing = match args.sharing {
@@ -290,6 +301,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
         gpu_blocks,
         l1_blocks: args.l1_kv_tokens / u64::from(bt),
         offload_to_l2: args.l2_kv_tokens > 0,
+        l2_write_through: args.l2_write_through,
         async_loads: !args.blocking_loads,
         ..EngineConfig::default()
     };
@@ -383,6 +395,7 @@ pub fn execute(args: &SimulateArgs, show_progress: bool) -> Result<SimulationOut
             gpu_kv_tokens_per_instance: u64::from(gpu_blocks) * u64::from(bt),
             l1_kv_tokens_per_host: args.l1_kv_tokens,
             l2_kv_tokens: args.l2_kv_tokens,
+            l2_write_through: args.l2_write_through,
             gpu_capacity_over_working_set: (fleet_blocks * u64::from(bt)) as f64
                 / working_set_tokens.max(1) as f64,
             profile: profile.name.clone(),
@@ -500,6 +513,15 @@ fn draw_progress(done: u64, total: u64, elapsed: Duration) {
 }
 
 /// Renders the comparison table.
+/// How L2 is filled, after its size: nothing when it takes what L1 evicts (the default).
+fn write_through(c: &ClusterSummary) -> &'static str {
+    if c.l2_write_through {
+        " (computed blocks written through)"
+    } else {
+        ""
+    }
+}
+
 pub fn render_table(out: &SimulationOutput) -> String {
     let w = &out.workload;
     let c = &out.cluster;
@@ -515,12 +537,13 @@ pub fn render_table(out: &SimulationOutput) -> String {
         if w.skipped_lines > 0 { format!(", {} bad lines skipped", w.skipped_lines) } else { String::new() }
     );
     s += &format!(
-        "cluster: {} instances × {} GPU KV tokens ({:.0}% of the working set), L1 {} tokens/host, L2 {} tokens; {} router(s), sharing {}, agent feed {}; profile {}, threshold {}, seed {}\n",
+        "cluster: {} instances × {} GPU KV tokens ({:.0}% of the working set), L1 {} tokens/host, L2 {} tokens{}; {} router(s), sharing {}, agent feed {}; profile {}, threshold {}, seed {}\n",
         c.instances,
         c.gpu_kv_tokens_per_instance,
         c.gpu_capacity_over_working_set * 100.0,
         c.l1_kv_tokens_per_host,
         c.l2_kv_tokens,
+        write_through(c),
         c.routers,
         match c.sharing {
             Sharing::Isolated => "isolated".to_string(),
@@ -818,12 +841,13 @@ pub fn write_report(dir: &std::path::Path, out: &SimulationOutput) -> Result<Pat
             "cluster".to_string(),
             format!(
                 "{} instances × {} GPU KV tokens ({:.0}% of the working set), L1 {} tokens/host, \
-                 L2 {} tokens, {} router(s)",
+                 L2 {} tokens{}, {} router(s)",
                 c.instances,
                 c.gpu_kv_tokens_per_instance,
                 c.gpu_capacity_over_working_set * 100.0,
                 c.l1_kv_tokens_per_host,
                 c.l2_kv_tokens,
+                write_through(c),
                 c.routers
             ),
         ),

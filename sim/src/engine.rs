@@ -23,7 +23,12 @@
 //! An evicted named block is offloaded: to this host's L1 when `l1_blocks > 0`
 //! (`Removed{Gpu}`, `Stored{L1}`), and blocks that L1 evicts go to the global L2 when
 //! `offload_to_l2` (`Removed{L1}`, `Stored{L2}`); without L1, GPU evictions go straight to
-//! L2. Whatever L2 evicts to make room is reported as `Removed{L2}`. `Stored` is only
+//! L2. With `l2_write_through` as well, every block the engine computes is also stored in L2
+//! when its prefill ends (`Stored{L2}`), as LMCache stores each computed chunk in every one
+//! of its backends at once (lmcache 0.5.6, `StorageManager.batched_put`): other hosts can
+//! load it while this GPU still holds it, and an L2 that still holds it takes no second
+//! copy when the GPU and L1 evict it later. L1 takes GPU evictions either way. Whatever L2
+//! evicts to make room is reported as `Removed{L2}`. `Stored` is only
 //! emitted when a block was not already resident in that tier (re-offloading a block that
 //! is still there refreshes its recency silently), so replaying `Stored`/`Removed` per tier
 //! reproduces exactly the resident sets.
@@ -165,6 +170,9 @@ pub struct EngineConfig {
     pub l1_blocks: u64,
     /// Blocks evicted from L1 (or from GPU when there is no L1) go to the global L2 store.
     pub offload_to_l2: bool,
+    /// With `offload_to_l2`, computed blocks are also stored in L2 when their prefill ends
+    /// (LMCache's write to every backend); without, L2 takes only what L1 (or the GPU) evicts.
+    pub l2_write_through: bool,
     /// Tier loads run beside the batch (vLLM's asynchronous KV-connector loads): an admitted
     /// request waits for its blocks while the other sequences go on, and the host link
     /// carries one load at a time. When false, each load is added to the step that admits
@@ -184,6 +192,7 @@ impl Default for EngineConfig {
             max_running: 256,
             l1_blocks: 0,
             offload_to_l2: false,
+            l2_write_through: false,
             async_loads: true,
         }
     }
@@ -757,7 +766,6 @@ impl Engine {
     /// pushing the tokens, first tokens, finishes and block events it produced. Does nothing
     /// (beyond reporting rejections) when no step is running.
     pub fn complete_step(&mut self, now_us: u64, l2: &mut TierSet, events: &mut Vec<EngineEvent>) {
-        let _ = l2; // Completion frees and names blocks but never evicts.
         self.flush_rejects(events);
         let Some(step) = self.step.take() else { return };
         if step.idle {
@@ -775,7 +783,7 @@ impl Engine {
                 seq.prefilled += seq.chunk;
                 self.stats.computed_prefill_tokens += seq.chunk;
                 if seq.prefilled >= seq.prefill_len {
-                    self.name_prompt_blocks(&mut seq, events);
+                    self.name_prompt_blocks(&mut seq, l2, events);
                     emitted = true;
                 }
             }
@@ -1110,11 +1118,21 @@ impl Engine {
     }
 
     /// The last prefill chunk of `seq` completed: its computed complete prompt blocks become
-    /// named.
-    fn name_prompt_blocks(&mut self, seq: &mut Seq, events: &mut Vec<EngineEvent>) {
+    /// named, and with `l2_write_through` are stored in L2 too (the blocks it hit were named
+    /// at admission: these are the ones it computed).
+    fn name_prompt_blocks(
+        &mut self,
+        seq: &mut Seq,
+        l2: &mut TierSet,
+        events: &mut Vec<EngineEvent>,
+    ) {
+        let write_through = self.config.offload_to_l2 && self.config.l2_write_through;
         for index in seq.named..seq.keys.len() {
             seq.anon -= 1;
             self.adopt(seq.keys[index], events);
+            if write_through {
+                store_l2(seq.keys[index], l2, events);
+            }
         }
         seq.named = seq.keys.len();
     }
@@ -1716,6 +1734,45 @@ mod tests {
         let run = drive(cfg, workload, TierSet::lru(1));
         assert_eq!(run.removed(Tier::L2), vec![BlockKey(1 << 32 | 3)]);
         assert_eq!(run.l2.keys_lru_first(), vec![BlockKey(1 << 32 | 2)]);
+    }
+
+    #[test]
+    fn computed_blocks_are_written_through_to_l2_once() {
+        // A GPU of 7 blocks and an L1 of 1: B's prompt pushes some of A's blocks out, through
+        // L1, towards L2.
+        for write_through in [false, true] {
+            let cfg = EngineConfig {
+                l1_blocks: 1,
+                offload_to_l2: true,
+                l2_write_through: write_through,
+                ..config(16, 7)
+            };
+            let workload = one_by_one(vec![req(0, keys(1, 4), 65, 1), req(1, keys(2, 4), 65, 1)]);
+            let run = drive(cfg, workload, TierSet::lru(100));
+            let stores = |key: BlockKey| {
+                let store = EngineEvent::Stored {
+                    key,
+                    tier: Tier::L2,
+                };
+                run.events.iter().filter(|&e| *e == store).count()
+            };
+            let computed: Vec<BlockKey> = keys(1, 4).into_iter().chain(keys(2, 4)).collect();
+            if write_through {
+                // Every computed block is in L2, B's while its GPU still holds them, stored
+                // once though some of A's were evicted from the GPU and L1 afterwards.
+                for &key in &computed {
+                    assert_eq!(stores(key), 1, "{key:?}");
+                    assert!(run.l2.contains(key), "{key:?}");
+                }
+                assert!(!run.removed(Tier::L1).is_empty());
+            } else {
+                // L2 has only what L1 evicted: none of B's blocks.
+                for key in keys(2, 4) {
+                    assert_eq!(stores(key), 0, "{key:?}");
+                    assert!(!run.l2.contains(key), "{key:?}");
+                }
+            }
+        }
     }
 
     #[test]
