@@ -74,24 +74,28 @@ fn trace_table_has_every_policy_and_the_bounds() {
     assert!(!table.contains("kv-aware"), "only the named policies run");
 }
 
+/// A short `longdoc` run whose GPUs hold part of the working set, with a 1M-token L1 per host.
+const LONGDOC_WITH_L1: &[&str] = &[
+    "simulate",
+    "--workload",
+    "longdoc",
+    "--requests",
+    "300",
+    "--rate",
+    "3",
+    "--gpu-kv-tokens",
+    "250000",
+    "--l1-kv-tokens",
+    "1000000",
+];
+
 #[test]
 fn a_tiered_run_says_what_the_tiers_bought_and_for_which_requests() {
     let base = [
-        "simulate",
-        "--workload",
-        "longdoc",
-        "--requests",
-        "300",
-        "--rate",
-        "3",
-        "--gpu-kv-tokens",
-        "250000",
-        "--l1-kv-tokens",
-        "1000000",
-        "--policy",
-        "round-robin",
-        "prefix-aware",
-    ];
+        LONGDOC_WITH_L1,
+        &["--policy", "round-robin", "prefix-aware"],
+    ]
+    .concat();
     let out = warmpath(&base);
     assert!(out.status.success(), "{}", stderr(&out));
     let table = stdout(&out);
@@ -126,23 +130,16 @@ fn an_l2_written_through_serves_the_blocks_other_hosts_computed() {
     // another computed only in L2, and only once L1 has evicted it unless L2 is written
     // through.
     let base = [
-        "simulate",
-        "--workload",
-        "longdoc",
-        "--requests",
-        "300",
-        "--rate",
-        "3",
-        "--gpu-kv-tokens",
-        "250000",
-        "--l1-kv-tokens",
-        "1000000",
-        "--l2-kv-tokens",
-        "8000000",
-        "--policy",
-        "round-robin",
-        "--json",
-    ];
+        LONGDOC_WITH_L1,
+        &[
+            "--l2-kv-tokens",
+            "8000000",
+            "--policy",
+            "round-robin",
+            "--json",
+        ],
+    ]
+    .concat();
     let run = |extra: &[&str]| {
         let out = warmpath(&[&base[..], extra].concat());
         assert!(out.status.success(), "{}", stderr(&out));

@@ -512,7 +512,6 @@ fn draw_progress(done: u64, total: u64, elapsed: Duration) {
     let _ = std::io::stderr().flush();
 }
 
-/// Renders the comparison table.
 /// How L2 is filled, after its size: nothing when it takes what L1 evicts (the default).
 fn write_through(c: &ClusterSummary) -> &'static str {
     if c.l2_write_through {
@@ -522,6 +521,7 @@ fn write_through(c: &ClusterSummary) -> &'static str {
     }
 }
 
+/// Renders the comparison table.
 pub fn render_table(out: &SimulationOutput) -> String {
     let w = &out.workload;
     let c = &out.cluster;

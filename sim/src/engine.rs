@@ -763,8 +763,9 @@ impl Engine {
     }
 
     /// Completes the running step at its end time (the value `start_step` returned),
-    /// pushing the tokens, first tokens, finishes and block events it produced. Does nothing
-    /// (beyond reporting rejections) when no step is running.
+    /// pushing the tokens, first tokens, finishes and block events it produced (with
+    /// `l2_write_through`, the computed blocks stored in `l2` and what that evicted there).
+    /// Does nothing (beyond reporting rejections) when no step is running.
     pub fn complete_step(&mut self, now_us: u64, l2: &mut TierSet, events: &mut Vec<EngineEvent>) {
         self.flush_rejects(events);
         let Some(step) = self.step.take() else { return };
