@@ -472,6 +472,103 @@ fn objects_evicted_from_the_segment_go_to_l2_and_a_lease_loads_them_back() {
     );
 }
 
+/// Polls a lease on `key` at `addr` until it is granted (an L2 write runs in the background).
+fn lease_when_there(addr: &str, key: &str) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, grant) = lease(addr, key, 5.0);
+        if status == 200 {
+            return grant;
+        }
+        assert_eq!(status, 404, "{grant}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{key} never came from L2"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn objects_written_through_reach_other_hosts_while_their_segment_holds_them() {
+    // Two hosts' agents share a directory L2; each segment holds everything put into it.
+    let dir = scratch_dir("hyperpod-l2-through");
+    let l2 = format!("dir:{}", dir.join("l2").display());
+    let obj = object(&[7u8; 5000]);
+    for write in ["on-evict", "through"] {
+        let (shm_a, shm_b) = (
+            Shm::new(&format!("{write}-a")),
+            Shm::new(&format!("{write}-b")),
+        );
+        let (_a, a) = agent(&shm_a, "1MiB", &["--l2", &l2, "--l2-write", write]);
+        let (_b, b) = agent(&shm_b, "1MiB", &["--l2", &l2, "--l2-write", write]);
+        assert_eq!(put(&a, write, &obj).0, 200);
+        if write == "through" {
+            // Stored on host A, found by host B in L2: LMCache's store to every backend.
+            let grant = lease_when_there(&b, write);
+            assert_eq!(leased_bytes(&shm_b, &grant), obj, "byte for byte");
+        } else {
+            // A still holds it and never evicted it: nothing went to L2.
+            std::thread::sleep(Duration::from_millis(300));
+            assert_eq!(lease(&b, write, 5.0).0, 404, "only A's segment has it");
+        }
+    }
+}
+
+#[test]
+fn an_object_written_through_is_not_copied_again_when_evicted() {
+    // Room for one object: b's put evicts a, whose copy is in L2 already.
+    let shm = Shm::new("through-evict");
+    let dir = scratch_dir("hyperpod-l2-through-evict");
+    let l2 = format!("dir:{}", dir.join("l2").display());
+    let (agent, addr) = agent(
+        &shm,
+        "12288",
+        &[
+            "--l2",
+            &l2,
+            "--l2-write",
+            "through",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let metrics = agent.lines[1]
+        .split("metrics on ")
+        .nth(1)
+        .and_then(|u| u.trim().strip_suffix("/metrics"))
+        .expect("the metrics line")
+        .to_string();
+    let out = r#"warmpath_agent_hyperpod_bytes_total{direction="l2_out"}"#;
+    let written = |at_least: f64| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let n = metric(&metrics, out);
+            if n >= at_least {
+                return n;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{n} bytes to L2, want {at_least}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let (a, b) = (object(&[3u8; 5000]), object(&[4u8; 5000]));
+    assert_eq!(put(&addr, "a", &a).0, 200);
+    let one = written(1.0);
+    assert_eq!(put(&addr, "b", &b).0, 200, "a leaves the segment");
+    written(2.0 * one);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        metric(&metrics, out),
+        2.0 * one,
+        "a and b written once each"
+    );
+    let grant = lease_when_there(&addr, "a");
+    assert_eq!(leased_bytes(&shm, &grant), a, "a comes back from L2");
+}
+
 #[test]
 fn hyperpod_api_off_loopback_takes_the_agents_token_before_any_body() {
     let dir = scratch_dir("hyperpod-token-on");

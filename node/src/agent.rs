@@ -372,10 +372,16 @@ pub async fn serve(
             }
             config.token.clone()
         };
-        let hp = HyperPod::start(h, config.l1_eviction, token, agent.l2(), agent.l2_seal())
-            .with_context(|| {
-                format!("cannot set up the HyperPod segment /dev/shm/{}", h.shm_name)
-            })?;
+        let write_through = config.l2_write == WritePolicy::Through;
+        let hp = HyperPod::start(
+            h,
+            config.l1_eviction,
+            token,
+            agent.l2(),
+            agent.l2_seal(),
+            write_through,
+        )
+        .with_context(|| format!("cannot set up the HyperPod segment /dev/shm/{}", h.shm_name))?;
         // Objects stored through it are reported as the agent's L1 (L2 once evicted there).
         let follower = agent.clone();
         hp.follow(std::sync::Arc::new(move |name, event| {

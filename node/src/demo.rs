@@ -79,6 +79,11 @@ pub struct DemoArgs {
     /// maxmemory).
     #[arg(long, default_value_t = 2_000_000)]
     pub l2_kv_tokens: u64,
+    /// The agents write what they store to L2 at once (`agent --l2-write through`), not
+    /// when L1 evicts it. With `--agent-protocol hyperpod` that is what LMCache does with
+    /// its remote backend: each computed chunk reaches the other hosts as it is stored.
+    #[arg(long)]
+    pub l2_write_through: bool,
     /// Block payloads are the profile's KV bytes × this (1/256 keeps a demo's memory small;
     /// load times are modeled from the real sizes either way).
     #[arg(long, default_value_t = 1.0 / 256.0)]
@@ -326,6 +331,9 @@ async fn start_host(
         }
         if let Some(l2) = l2 {
             agent_args.extend(["--l2".into(), l2.flag()]);
+            if args.l2_write_through {
+                agent_args.extend(["--l2-write".into(), "through".into()]);
+            }
             if let L2Store::Dir(_) = l2 {
                 // The agents share the directory: each bounds its share of it.
                 let share =
@@ -712,6 +720,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
     if args.l2 != "none" && args.l1_kv_tokens == 0 {
         bail!("--l2 {} needs agents: give --l1-kv-tokens", args.l2);
     }
+    if args.l2_write_through && args.l2 == "none" {
+        bail!("--l2-write-through writes to L2: give --l2 dir or --l2 redis");
+    }
     if !(args.agent_block_scale.is_finite() && args.agent_block_scale > 0.0) {
         bail!("--agent-block-scale must be positive");
     }
@@ -751,10 +762,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     if args.l1_kv_tokens > 0 {
         println!(
-            "a cache-agent per engine-sim: L1 of {} KV tokens, L2 {}{}; payloads at {}× the real KV bytes; {}",
+            "a cache-agent per engine-sim: L1 of {} KV tokens, L2 {}{}{}; payloads at {}× the real KV bytes; {}",
             args.l1_kv_tokens,
             args.l2,
             if args.l2 == "none" { String::new() } else { format!(" of {} KV tokens", args.l2_kv_tokens) },
+            if args.l2_write_through { ", written through" } else { "" },
             args.agent_block_scale,
             args.agent_protocol.describe()
         );

@@ -336,6 +336,7 @@ impl HyperPod {
             self.segment.write_at(piece, body_at + at)
         })
         .await?;
+        self.copy_through(&name, p.offset, p.len);
         guard.commit();
         self.tell(&name, ObjectEvent::Stored);
         counter!(names::AGENT_HYPERPOD_BYTES_TOTAL, "direction" => "in").increment(len);

@@ -20,7 +20,11 @@
 //!
 //! L2: with the agent's L2 configured, an object evicted from the segment is copied to it
 //! (in the background; dropped, counted, when the queue is full), and a lease on an object
-//! found only there loads it back into the segment first. An L2 object is the agent's
+//! found only there loads it back into the segment first. With `[l2] write = "through"`
+//! every stored object is copied to L2 as it is stored (read from its place before the put
+//! commits, so no other put can have overwritten it), as LMCache stores each chunk in all
+//! its backends: other hosts' agents lease it from L2 while this segment still holds it,
+//! and its eviction copies nothing again (record 0132). An L2 object is the agent's
 //! self-checking block (`block.rs`) whose payload starts with the object's name, so a hash
 //! collision or another agent's object reads as a miss, never as wrong bytes; with the
 //! cluster key (`[l2] key_file`) it is sealed, and an object not sealed under that key is a
@@ -45,6 +49,7 @@ pub mod request;
 pub mod segment;
 pub mod store;
 
+use std::collections::HashSet;
 use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -124,9 +129,16 @@ pub struct HyperPod {
     epoch: Instant,
     /// The token a request must present, when its address is not loopback.
     token: Option<String>,
-    /// The agent's L2, and the queue of objects evicted to it.
+    /// The agent's L2, and the queue of objects evicted (or written through) to it.
     l2: Option<Arc<AnyL2>>,
     l2_writes: Option<mpsc::Sender<(BlockId, Block)>>,
+    /// `[l2] write = "through"`: each stored object is copied to L2 when it is stored, as
+    /// LMCache stores a chunk in every one of its backends, not when the segment evicts it.
+    write_through: bool,
+    /// Objects whose copy to L2 was queued when they were stored (or that were loaded from
+    /// L2): their eviction copies nothing again. At most the segment's objects: an entry
+    /// leaves with its object.
+    in_l2: Mutex<HashSet<ObjectName>>,
     /// The cluster key and this agent's writer id: L2 objects are sealed under it and only
     /// sealed ones are served back (decision 0106), as the block API's are.
     seal: Option<(SealKey, u64)>,
@@ -146,12 +158,14 @@ impl HyperPod {
     /// the lease timer and, with `l2`, its writer (call inside a tokio runtime). `token`:
     /// what requests must present (`Authorization: Bearer`), None for none. `seal`: the
     /// cluster key and writer id L2 objects are sealed with (`Agent::l2_seal`).
+    /// `write_through`: copy each stored object to `l2` at once, not at its eviction.
     pub fn start(
         config: &HyperPodConfig,
         eviction: Eviction,
         token: Option<String>,
         l2: Option<Arc<AnyL2>>,
         seal: Option<(SealKey, u64)>,
+        write_through: bool,
     ) -> Result<Arc<HyperPod>, SegmentError> {
         describe_metrics();
         let segment = Segment::create(&config.shm_name, config.shm_bytes, config.shm_mode)?;
@@ -181,6 +195,8 @@ impl HyperPod {
             token,
             l2,
             l2_writes,
+            write_through,
+            in_l2: Mutex::new(HashSet::new()),
             seal,
             max_connections: config.max_connections,
             max_unproven: config.max_unproven,
@@ -438,8 +454,10 @@ impl HyperPod {
             store: &self.store,
             seq: Some(p.seq),
         };
+        let (offset, placed_len) = (p.offset, p.len);
         match self.write_body(req.into_body(), p).await {
             Ok(()) => {
+                self.copy_through(&name, offset, placed_len);
                 guard.commit();
                 self.tell(&name, ObjectEvent::Stored);
                 put_result("stored").increment(1);
@@ -464,25 +482,27 @@ impl HyperPod {
         let placed = {
             let mut s = self.lock_current();
             let mut spill = |n: &ObjectName, offset: u64, len: u64| {
-                let obj = match self.l2_writes {
-                    Some(_) => self.read_for_l2(n, offset, len),
-                    None => None,
+                let in_l2 = self.write_through && self.in_l2().remove(n);
+                let obj = match (&self.l2_writes, in_l2) {
+                    (Some(_), false) => self.read_for_l2(n, offset, len),
+                    _ => None,
                 };
-                spilled.push((n.clone(), obj));
+                spilled.push((n.clone(), obj, in_l2));
             };
             s.begin_put(name, len, &mut spill)
         };
-        for (n, obj) in spilled {
-            let kept = match (&self.l2_writes, obj) {
-                (Some(tx), Some(obj)) => {
-                    let sent = tx.try_send(obj).is_ok();
-                    if !sent {
-                        counter!(names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
+        for (n, obj, in_l2) in spilled {
+            let kept = in_l2
+                || match (&self.l2_writes, obj) {
+                    (Some(tx), Some(obj)) => {
+                        let sent = tx.try_send(obj).is_ok();
+                        if !sent {
+                            counter!(names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
+                        }
+                        sent
                     }
-                    sent
-                }
-                _ => false,
-            };
+                    _ => false,
+                };
             let event = match kept {
                 true => ObjectEvent::Spilled,
                 false => ObjectEvent::Evicted,
@@ -490,6 +510,28 @@ impl HyperPod {
             self.tell(&n, event);
         }
         placed
+    }
+
+    /// With write-through, queues the copy of `name` (`len` bytes at `offset`) to L2: called
+    /// once its bytes are written and before its put commits, while its place is still the
+    /// put's (no other put can evict it and write there meanwhile). A full queue drops the
+    /// copy, counted; the segment's eviction then copies it as without write-through.
+    fn copy_through(&self, name: &ObjectName, offset: u64, len: u64) {
+        let Some(tx) = self.l2_writes.as_ref().filter(|_| self.write_through) else {
+            return;
+        };
+        let Some(obj) = self.read_for_l2(name, offset, len) else {
+            return;
+        };
+        if tx.try_send(obj).is_ok() {
+            self.in_l2().insert(name.clone());
+        } else {
+            counter!(names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
+        }
+    }
+
+    fn in_l2(&self) -> MutexGuard<'_, HashSet<ObjectName>> {
+        self.in_l2.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// An evicted object as its L2 block: its name, then its bytes.
@@ -662,6 +704,10 @@ impl HyperPod {
         };
         if self.segment.write_at(body, p.offset).is_err() {
             return false;
+        }
+        if self.write_through {
+            // Its L2 copy is where it was just read from.
+            self.in_l2().insert(name.clone());
         }
         guard.commit();
         self.tell(name, ObjectEvent::Stored);
