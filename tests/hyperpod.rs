@@ -80,11 +80,16 @@ fn agent_with_lm(shm: &Shm, bytes: &str, extra: &[&str]) -> (Proc, String, Strin
     args.extend_from_slice(extra);
     let (p, hp) = agent(shm, bytes, &args);
     let lm = printed_addr(&p, "lm:// on ");
-    let metrics = format!(
-        "http://{}",
-        printed_addr(&p, "metrics on http://").trim_end_matches("/metrics")
-    );
+    let metrics = metrics_url(&p);
     (p, hp, lm, metrics)
+}
+
+/// The metrics URL (`http://HOST:PORT`) of an agent started with `--metrics-listen`.
+fn metrics_url(p: &Proc) -> String {
+    format!(
+        "http://{}",
+        printed_addr(p, "metrics on http://").trim_end_matches("/metrics")
+    )
 }
 
 /// One HTTP/1.1 exchange on a fresh connection: (status, body).
@@ -218,12 +223,7 @@ fn lmcaches_own_hyperpod_connector_stores_and_loads_through_the_agent() {
     };
     let shm = Shm::new("lmcache");
     let (agent, addr) = agent(&shm, "64MiB", &["--metrics-listen", "127.0.0.1:0"]);
-    let metrics = agent.lines[1]
-        .split("metrics on ")
-        .nth(1)
-        .and_then(|u| u.trim().strip_suffix("/metrics"))
-        .expect("the metrics line")
-        .to_string();
+    let metrics = metrics_url(&agent);
     crate::run_client_checks(
         &venv.join("bin/python"),
         "lmcache_hyperpod.py",
@@ -424,54 +424,6 @@ fn hyperpod_api_off_loopback_needs_a_token() {
     assert!(!Path::new("/dev/shm/wp-it-never-created").exists());
 }
 
-#[test]
-fn objects_evicted_from_the_segment_go_to_l2_and_a_lease_loads_them_back() {
-    // Room for one object: each put evicts the other to the directory L2.
-    let shm = Shm::new("l2");
-    let dir = scratch_dir("hyperpod-l2");
-    let l2 = format!("dir:{}", dir.join("l2").display());
-    let (_agent, addr) = agent(&shm, "12288", &["--l2", &l2]);
-    let a = object(&[3u8; 5000]);
-    let b = object(&[4u8; 5000]);
-    assert_eq!(put(&addr, "a", &a).0, 200);
-    assert_eq!(put(&addr, "b", &b).0, 200, "a leaves the segment for L2");
-    // The copy to L2 runs in the background: a lease finds a there once it landed.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let grant = loop {
-        let (status, grant) = lease(&addr, "a", 5.0);
-        if status == 200 {
-            break grant;
-        }
-        assert_eq!(status, 404, "{grant}");
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a never came back from L2"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(leased_bytes(&shm, &grant), a, "loaded back byte for byte");
-    release(&addr, grant["id"].as_str().unwrap());
-    // b went to L2 to make room for a, and comes back the same way.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let grant = loop {
-        let (status, grant) = lease(&addr, "b", 5.0);
-        if status == 200 {
-            break grant;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "b never came back from L2"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(leased_bytes(&shm, &grant), b);
-    assert_eq!(
-        lease(&addr, "never-put", 5.0).0,
-        404,
-        "in neither tier: a miss"
-    );
-}
-
 /// Polls a lease on `key` at `addr` until it is granted (an L2 write runs in the background).
 fn lease_when_there(addr: &str, key: &str) -> serde_json::Value {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -487,6 +439,31 @@ fn lease_when_there(addr: &str, key: &str) -> serde_json::Value {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+#[test]
+fn objects_evicted_from_the_segment_go_to_l2_and_a_lease_loads_them_back() {
+    // Room for one object: each put evicts the other to the directory L2.
+    let shm = Shm::new("l2");
+    let dir = scratch_dir("hyperpod-l2");
+    let l2 = format!("dir:{}", dir.join("l2").display());
+    let (_agent, addr) = agent(&shm, "12288", &["--l2", &l2]);
+    let a = object(&[3u8; 5000]);
+    let b = object(&[4u8; 5000]);
+    assert_eq!(put(&addr, "a", &a).0, 200);
+    assert_eq!(put(&addr, "b", &b).0, 200, "a leaves the segment for L2");
+    // The copy to L2 runs in the background: a lease finds a there once it landed.
+    let grant = lease_when_there(&addr, "a");
+    assert_eq!(leased_bytes(&shm, &grant), a, "loaded back byte for byte");
+    release(&addr, grant["id"].as_str().unwrap());
+    // b went to L2 to make room for a, and comes back the same way.
+    let grant = lease_when_there(&addr, "b");
+    assert_eq!(leased_bytes(&shm, &grant), b);
+    assert_eq!(
+        lease(&addr, "never-put", 5.0).0,
+        404,
+        "in neither tier: a miss"
+    );
 }
 
 #[test]
@@ -533,12 +510,7 @@ fn an_object_written_through_is_not_copied_again_when_evicted() {
             "127.0.0.1:0",
         ],
     );
-    let metrics = agent.lines[1]
-        .split("metrics on ")
-        .nth(1)
-        .and_then(|u| u.trim().strip_suffix("/metrics"))
-        .expect("the metrics line")
-        .to_string();
+    let metrics = metrics_url(&agent);
     let out = r#"warmpath_agent_hyperpod_bytes_total{direction="l2_out"}"#;
     let written = |at_least: f64| {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
