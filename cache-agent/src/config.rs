@@ -13,7 +13,8 @@ use warmpath_tiers::Eviction;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum WritePolicy {
-    /// Every block put into L1 is also written to L2, in the background.
+    /// Every block put into L1, and every object stored in the HyperPod segment, is also
+    /// written to L2 as it is stored, in the background.
     Through,
     /// A block goes to L2 when L1 evicts it (the default: L2 holds what L1 could not).
     #[default]

@@ -54,7 +54,8 @@ pub struct AgentArgs {
     /// Bound of a directory L2 (bytes or with a unit).
     #[arg(long)]
     pub l2_bytes: Option<String>,
-    /// When blocks go to L2: on-evict (default) or through.
+    /// When blocks (and HyperPod objects) go to L2: on-evict (default), or through, as they
+    /// are stored.
     #[arg(long)]
     pub l2_write: Option<WritePolicy>,
     /// Put blocks engines read from L2 into L1 as well (off by default: the reader holds
