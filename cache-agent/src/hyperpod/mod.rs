@@ -492,17 +492,7 @@ impl HyperPod {
             s.begin_put(name, len, &mut spill)
         };
         for (n, obj, in_l2) in spilled {
-            let kept = in_l2
-                || match (&self.l2_writes, obj) {
-                    (Some(tx), Some(obj)) => {
-                        let sent = tx.try_send(obj).is_ok();
-                        if !sent {
-                            counter!(names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
-                        }
-                        sent
-                    }
-                    _ => false,
-                };
+            let kept = in_l2 || obj.is_some_and(|obj| self.queue_l2(obj));
             let event = match kept {
                 true => ObjectEvent::Spilled,
                 false => ObjectEvent::Evicted,
@@ -517,17 +507,27 @@ impl HyperPod {
     /// put's (no other put can evict it and write there meanwhile). A full queue drops the
     /// copy, counted; the segment's eviction then copies it as without write-through.
     fn copy_through(&self, name: &ObjectName, offset: u64, len: u64) {
-        let Some(tx) = self.l2_writes.as_ref().filter(|_| self.write_through) else {
+        if !self.write_through || self.l2_writes.is_none() {
             return;
-        };
-        let Some(obj) = self.read_for_l2(name, offset, len) else {
-            return;
-        };
-        if tx.try_send(obj).is_ok() {
+        }
+        if self
+            .read_for_l2(name, offset, len)
+            .is_some_and(|obj| self.queue_l2(obj))
+        {
             self.in_l2().insert(name.clone());
-        } else {
+        }
+    }
+
+    /// Hands `obj` to the L2 writer; false (counted) when its queue is full or there is no L2.
+    fn queue_l2(&self, obj: (BlockId, Block)) -> bool {
+        let Some(tx) = &self.l2_writes else {
+            return false;
+        };
+        let sent = tx.try_send(obj).is_ok();
+        if !sent {
             counter!(names::AGENT_L2_WRITE_DROPPED_TOTAL).increment(1);
         }
+        sent
     }
 
     fn in_l2(&self) -> MutexGuard<'_, HashSet<ObjectName>> {
